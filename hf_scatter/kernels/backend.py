@@ -1,0 +1,77 @@
+"""Which implementation a kernel call runs: compiled Triton, interpreted Triton, or the torch reference.
+
+Triton decides at decoration time whether ``@triton.jit`` functions are interpreted
+(``TRITON_INTERPRET=1``), so that choice is fixed when the kernel modules are first imported.
+Everything here is read once and cached; kernel call sites ask :func:`use_triton`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import warnings
+
+import torch
+
+_ENV_FORCE = "HF_SCATTER_KERNELS"  # "triton" or "torch": override the automatic choice
+_warned: set[str] = set()
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_interpreted() -> bool:
+    """True when Triton kernels run under the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in {"1", "true", "yes", "on"}
+
+
+def enable_interpreter_if_no_gpu() -> bool:
+    """Turn on the Triton interpreter on machines without a GPU, before any kernel is defined.
+
+    Returns True if the interpreter is (now) active. Has no effect once kernel modules were imported
+    in compiled mode, which is why callers (tests, the demo) invoke it first thing.
+    """
+    if not torch.cuda.is_available() and triton_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    return triton_interpreted()
+
+
+def _forced() -> str | None:
+    value = os.environ.get(_ENV_FORCE, "").strip().lower()
+    if value in {"", "auto"}:
+        return None
+    if value not in {"triton", "torch"}:
+        raise ValueError(f"{_ENV_FORCE}={value!r} is not understood; use 'triton', 'torch' or 'auto'")
+    return value
+
+
+def kernel_path(device: torch.device | str) -> str:
+    """Name of the path kernels take on ``device``: 'triton', 'triton-interpreter' or 'torch'."""
+    device = torch.device(device)
+    forced = _forced()
+    if forced == "torch" or not triton_available():
+        return "torch"
+    if device.type == "cuda":
+        return "triton"
+    if device.type == "cpu" and triton_interpreted():
+        return "triton-interpreter"
+    return "torch"
+
+
+def use_triton(tensor: torch.Tensor, op: str) -> bool:
+    """Whether ``op`` should run its Triton kernel for ``tensor``; warns once per op when it cannot."""
+    path = kernel_path(tensor.device)
+    if path != "torch":
+        return True
+    if _forced() == "torch":
+        return False
+    if op not in _warned:
+        _warned.add(op)
+        reason = "Triton is not installed" if not triton_available() else (
+            f"Triton does not run on {tensor.device.type} tensors (set TRITON_INTERPRET=1 before importing "
+            "hf_scatter to interpret the kernels on CPU)")
+        warnings.warn(f"hf_scatter: {op} uses the pure-torch reference path: {reason}.", RuntimeWarning, stacklevel=3)
+    return False

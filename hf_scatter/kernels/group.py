@@ -1,0 +1,82 @@
+"""``group``: gather rows into expert order, optionally scaled per row (ScatterMoE backward).
+
+``out[i] = x[sorted_scattered_idxs[i] // fan_out] * coeff[i]``: rows are read straight from their
+scattered positions, so no intermediate copy of ``x`` exists.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .backend import triton_available, use_triton
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _group_kernel(
+        src_ptr, idx_ptr, coeff_ptr, out_ptr,
+        M, K,
+        stride_src_m, stride_src_k, stride_out_m, stride_out_k,
+        FAN_OUT: tl.constexpr, HAS_COEFF: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < M
+        src_rows = tl.load(idx_ptr + rows, mask=row_mask, other=0) // FAN_OUT
+        if HAS_COEFF:
+            coeff = tl.load(coeff_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            mask = row_mask[:, None] & (cols < K)[None, :]
+            tile = tl.load(src_ptr + src_rows[:, None] * stride_src_m + cols[None, :] * stride_src_k, mask=mask)
+            if HAS_COEFF:
+                tile = (tile.to(tl.float32) * coeff[:, None]).to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + rows[:, None] * stride_out_m + cols[None, :] * stride_out_k, tile, mask=mask)
+
+
+def group_reference(x: torch.Tensor, sorted_scattered_idxs: torch.Tensor, fan_out: int = 1,
+                    coeff: torch.Tensor | None = None) -> torch.Tensor:
+    """Pure-torch definition of :func:`group` (tests and devices without Triton)."""
+    out = x.index_select(0, sorted_scattered_idxs // fan_out)
+    if coeff is not None:
+        out = (out.float() * coeff.float()[:, None]).to(x.dtype)
+    return out
+
+
+def _validate(x: torch.Tensor, idx: torch.Tensor, fan_out: int, coeff: torch.Tensor | None) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"group: x must be 2-D [rows, dim], got shape {tuple(x.shape)}")
+    if idx.dim() != 1 or idx.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"group: sorted_scattered_idxs must be a 1-D int32/int64 tensor, got {idx.dtype} {tuple(idx.shape)}")
+    if fan_out < 1:
+        raise ValueError(f"group: fan_out must be >= 1, got {fan_out}")
+    if idx.device != x.device:
+        raise ValueError(f"group: x is on {x.device} but sorted_scattered_idxs is on {idx.device}; move both to one device")
+    if coeff is not None and (coeff.shape != idx.shape or coeff.device != x.device):
+        raise ValueError(f"group: coeff must have shape {tuple(idx.shape)} on {x.device}, got {tuple(coeff.shape)} on {coeff.device}")
+
+
+def group(x: torch.Tensor, sorted_scattered_idxs: torch.Tensor, fan_out: int = 1,
+          coeff: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows of ``x`` in expert order: ``out[i] = x[idx[i] // fan_out] * coeff[i]`` (fp32 scaling)."""
+    _validate(x, sorted_scattered_idxs, fan_out, coeff)
+    M, K = sorted_scattered_idxs.numel(), x.shape[1]
+    if out is None:
+        out = x.new_empty((M, K))
+    elif out.shape != (M, K) or out.dtype != x.dtype:
+        raise ValueError(f"group: out must be {(M, K)} {x.dtype}, got {tuple(out.shape)} {out.dtype}")
+    if M == 0 or K == 0:
+        return out
+    if not use_triton(x, "group"):
+        out.copy_(group_reference(x, sorted_scattered_idxs, fan_out, coeff))
+        return out
+    BLOCK_M, BLOCK_K = 32, min(128, triton.next_power_of_2(K))
+    _group_kernel[(triton.cdiv(M, BLOCK_M),)](
+        x, sorted_scattered_idxs, coeff if coeff is not None else x, out,
+        M, K, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
+        FAN_OUT=fan_out, HAS_COEFF=coeff is not None, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K,
+    )
+    return out

@@ -1,0 +1,101 @@
+"""Tiny random Mixtral, DBRX and BERT models and a byte-level tokenizer, built offline.
+
+Tests, the demo and the eval harness need real transformers models without a hub download: these
+builders make them from configs in milliseconds, seeded, with odd sizes on request.
+"""
+
+from __future__ import annotations
+
+import torch
+
+TINY_VOCAB = 384
+
+_CORPUS = (
+    "The quick brown fox jumps over the lazy dog. Mixture-of-experts models route each token to a few "
+    "experts. ScatterMoE groups tokens by expert without padding. BERT encodes sentences of varied length. "
+    "Offloaded generation pages weights from pinned host memory while the CPU computes attention. "
+    "0123456789 +-*/=()[]{}<>.,;:!?'\" hello world, tokens and layers, training and inference."
+)
+
+
+def byte_level_tokenizer(vocab_size: int = TINY_VOCAB):
+    """A byte-level BPE tokenizer trained on an embedded corpus (every byte encodes: no unknown tokens)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    special = ["<pad>", "<s>", "</s>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+def _seeded(build, seed: int, dtype: torch.dtype):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = build()
+    return model.to(dtype).eval()
+
+
+def tiny_mixtral_config(hidden: int = 64, layers: int = 2, experts: int = 4, top_k: int = 2,
+                        intermediate: int = 96, heads: int = 4, kv_heads: int = 2, vocab: int = TINY_VOCAB, **extra):
+    from transformers import MixtralConfig
+
+    return MixtralConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
+        num_local_experts=experts, num_experts_per_tok=top_k, max_position_embeddings=256,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, **extra)
+
+
+def tiny_dbrx_config(hidden: int = 64, layers: int = 2, experts: int = 4, top_k: int = 2,
+                     intermediate: int = 96, heads: int = 4, kv_heads: int = 2, vocab: int = TINY_VOCAB,
+                     normalize_expert_weights: float | None = 1.0, **extra):
+    from transformers import DbrxConfig
+
+    return DbrxConfig(
+        d_model=hidden, n_heads=heads, n_layers=layers, max_seq_len=256, vocab_size=vocab,
+        attn_config={"kv_n_heads": kv_heads, "clip_qkv": 8.0, "rope_theta": 10000.0},
+        ffn_config={"hidden_size": hidden, "ffn_hidden_size": intermediate, "moe_num_experts": experts,
+                    "moe_top_k": top_k, "moe_normalize_expert_weights": normalize_expert_weights},
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, **extra)
+
+
+def tiny_bert_config(hidden: int = 64, layers: int = 2, heads: int = 4, intermediate: int = 128,
+                     vocab: int = TINY_VOCAB, **extra):
+    from transformers import BertConfig
+
+    return BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                      intermediate_size=intermediate, max_position_embeddings=512, pad_token_id=0, **extra)
+
+
+def tiny_mixtral(seed: int = 0, dtype: torch.dtype = torch.float32, **config):
+    """A random ``MixtralForCausalLM``; keyword arguments go to :func:`tiny_mixtral_config`."""
+    from transformers import MixtralForCausalLM
+
+    return _seeded(lambda: MixtralForCausalLM(tiny_mixtral_config(**config)), seed, dtype)
+
+
+def tiny_dbrx(seed: int = 0, dtype: torch.dtype = torch.float32, **config):
+    """A random ``DbrxForCausalLM``; keyword arguments go to :func:`tiny_dbrx_config`."""
+    from transformers import DbrxForCausalLM
+
+    return _seeded(lambda: DbrxForCausalLM(tiny_dbrx_config(**config)), seed, dtype)
+
+
+def tiny_bert(seed: int = 0, dtype: torch.dtype = torch.float32, head: str = "base", **config):
+    """A random BERT: ``head`` is 'base', 'sequence-classification', 'token-classification' or 'masked-lm'."""
+    import transformers
+
+    classes = {"base": "BertModel", "sequence-classification": "BertForSequenceClassification",
+               "token-classification": "BertForTokenClassification", "masked-lm": "BertForMaskedLM"}
+    if head not in classes:
+        raise ValueError(f"tiny_bert: unknown head {head!r}; choose one of {sorted(classes)}")
+    cls = getattr(transformers, classes[head])
+    return _seeded(lambda: cls(tiny_bert_config(**config)), seed, dtype)
+
+
+TINY_BUILDERS = {"mixtral": tiny_mixtral, "dbrx": tiny_dbrx, "bert": tiny_bert}

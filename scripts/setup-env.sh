@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Creates (or refreshes) the project's virtual environment and installs hf-scatter into it.
+#  - GPU machine whose python already has a CUDA torch: reuse that torch (no download, works offline).
+#  - GPU machine without torch: default PyPI torch (a CUDA build).
+#  - CPU machine: torch==2.13.0, the CPU build, so no CUDA wheels are ever pulled.
+set -euo pipefail
+venv=${1:-.venv}
+python=${PYTHON:-python3}
+
+has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
+host_has_cuda_torch() { "$python" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; }
+
+[ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+vpy="$venv/bin/python"
+pip_flags=(--disable-pip-version-check)
+
+if has_gpu && host_has_cuda_torch; then
+    # Let the venv see the host's packages (torch, triton, transformers...) behind its own.
+    host_site=$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    venv_site=$("$vpy" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    echo "$host_site" > "$venv_site/_hf_scatter_host_site.pth"
+    pip_flags+=(--no-build-isolation)
+elif ! "$vpy" -c 'import torch' >/dev/null 2>&1; then
+    if has_gpu; then
+        "$vpy" -m pip install "${pip_flags[@]}" torch
+    else
+        "$vpy" -m pip install "${pip_flags[@]}" "torch==${HF_SCATTER_CPU_TORCH:-2.13.0}"
+    fi
+fi
+
+"$vpy" -m pip install "${pip_flags[@]}" -e ".[dev]"

@@ -1,0 +1,36 @@
+"""Test set-up: Triton runs under its CPU interpreter when no GPU is present.
+
+The interpreter must be chosen before any ``@triton.jit`` function is defined, so this happens at
+import time of the conftest, before the test modules import hf_scatter's kernels.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+HAS_GPU = torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_GPU:
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU: run on the GPU machine (docs/development.md)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def device() -> torch.device:
+    return torch.device("cuda" if HAS_GPU else "cpu")
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from hf_scatter.tiny import byte_level_tokenizer
+
+    return byte_level_tokenizer()
