@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .backend import triton_available, use_triton
+from .backend import triton_available
 
 if triton_available():
     import triton
@@ -46,34 +46,12 @@ def group_reference(x: torch.Tensor, sorted_scattered_idxs: torch.Tensor, fan_ou
     return out
 
 
-def _validate(x: torch.Tensor, idx: torch.Tensor, fan_out: int, coeff: torch.Tensor | None) -> None:
-    if x.dim() != 2:
-        raise ValueError(f"group: x must be 2-D [rows, dim], got shape {tuple(x.shape)}")
-    if idx.dim() != 1 or idx.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"group: sorted_scattered_idxs must be a 1-D int32/int64 tensor, got {idx.dtype} {tuple(idx.shape)}")
-    if fan_out < 1:
-        raise ValueError(f"group: fan_out must be >= 1, got {fan_out}")
-    if idx.device != x.device:
-        raise ValueError(f"group: x is on {x.device} but sorted_scattered_idxs is on {idx.device}; move both to one device")
-    if coeff is not None and (coeff.shape != idx.shape or coeff.device != x.device):
-        raise ValueError(f"group: coeff must have shape {tuple(idx.shape)} on {x.device}, got {tuple(coeff.shape)} on {coeff.device}")
-
-
-def group(x: torch.Tensor, sorted_scattered_idxs: torch.Tensor, fan_out: int = 1,
-          coeff: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Rows of ``x`` in expert order: ``out[i] = x[idx[i] // fan_out] * coeff[i]`` (fp32 scaling)."""
-    _validate(x, sorted_scattered_idxs, fan_out, coeff)
-    M, K = sorted_scattered_idxs.numel(), x.shape[1]
-    if out is None:
-        out = x.new_empty((M, K))
-    elif out.shape != (M, K) or out.dtype != x.dtype:
-        raise ValueError(f"group: out must be {(M, K)} {x.dtype}, got {tuple(out.shape)} {out.dtype}")
+def group_triton(x, sorted_scattered_idxs, fan_out, coeff, out):
+    """Launch the Triton kernel into ``out`` ([M, K]); inputs are assumed validated."""
+    M, K = out.shape
     if M == 0 or K == 0:
         return out
-    if not use_triton(x, "group"):
-        out.copy_(group_reference(x, sorted_scattered_idxs, fan_out, coeff))
-        return out
-    BLOCK_M, BLOCK_K = 32, min(128, triton.next_power_of_2(K))
+    BLOCK_M, BLOCK_K = 32, min(128, max(16, triton.next_power_of_2(K)))
     _group_kernel[(triton.cdiv(M, BLOCK_M),)](
         x, sorted_scattered_idxs, coeff if coeff is not None else x, out,
         M, K, x.stride(0), x.stride(1), out.stride(0), out.stride(1),

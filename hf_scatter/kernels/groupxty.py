@@ -1,0 +1,98 @@
+"""``groupXTY``: per-expert ``X_e^T dY_e`` (the expert weight gradient) and ``sum dY_e`` (the bias gradient).
+
+Both inputs are in expert-sorted (grouped) order, so expert ``e`` owns the contiguous rows
+``[offsets[e-1], offsets[e])``; each program reduces over those rows for one [BLOCK_K, BLOCK_N] tile.
+Experts without rows get exact zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .backend import triton_available, triton_interpreted
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _groupxty_kernel(
+        x_ptr, dy_ptr, dw_ptr, db_ptr, expert_end_ptr,
+        K, N,
+        stride_xm, stride_xk, stride_dym, stride_dyn,
+        stride_dwe, stride_dwk, stride_dwn, stride_dbe, stride_dbn,
+        HAS_BIAS: tl.constexpr, ALLOW_TF32: tl.constexpr, UPCAST: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        expert = tl.program_id(0)
+        pid = tl.program_id(1)
+        num_n = tl.cdiv(N, BLOCK_N)
+        pid_k = pid // num_n
+        pid_n = pid % num_n
+        end = tl.load(expert_end_ptr + expert)
+        start = tl.load(expert_end_ptr + expert - 1, mask=expert > 0, other=0)
+        ks = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        k_mask = ks < K
+        n_mask = ns < N
+        ms = tl.arange(0, BLOCK_M)
+        acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+        bias_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for m0 in range(start, end, BLOCK_M):
+            rows = m0 + ms
+            row_mask = rows < end
+            xt = tl.load(x_ptr + rows[None, :].to(tl.int64) * stride_xm + ks[:, None] * stride_xk,
+                         mask=k_mask[:, None] & row_mask[None, :], other=0.0)
+            dy = tl.load(dy_ptr + rows[:, None].to(tl.int64) * stride_dym + ns[None, :] * stride_dyn,
+                         mask=row_mask[:, None] & n_mask[None, :], other=0.0)
+            if UPCAST:
+                xt = xt.to(tl.float32)
+                dy = dy.to(tl.float32)
+            if ALLOW_TF32:
+                acc += tl.dot(xt, dy, input_precision="tf32")
+            else:
+                acc += tl.dot(xt, dy, input_precision="ieee")
+            if HAS_BIAS:
+                bias_acc += tl.sum(dy.to(tl.float32), axis=0)
+        dw_tile = dw_ptr + expert.to(tl.int64) * stride_dwe + ks[:, None] * stride_dwk + ns[None, :] * stride_dwn
+        tl.store(dw_tile, acc.to(dw_ptr.dtype.element_ty), mask=k_mask[:, None] & n_mask[None, :])
+        if HAS_BIAS:
+            if pid_k == 0:
+                tl.store(db_ptr + expert * stride_dbe + ns * stride_dbn, bias_acc.to(db_ptr.dtype.element_ty),
+                         mask=n_mask)
+
+
+def groupxty_reference(x_grouped, dy_grouped, expert_offsets, dw_out, db_out=None):
+    """Pure-torch definition of :func:`groupXTY` into ``dw_out`` [E, K, N] (and ``db_out`` [E, N])."""
+    start = 0
+    for e, end in enumerate(expert_offsets.tolist()):
+        xs, dys = x_grouped[start:end], dy_grouped[start:end]
+        dw_out[e] = (xs.float().t() @ dys.float()).to(dw_out.dtype)
+        if db_out is not None:
+            db_out[e] = dys.float().sum(0).to(db_out.dtype)
+        start = end
+    return dw_out, db_out
+
+
+def groupxty_triton(x_grouped, dy_grouped, expert_offsets, dw_out, db_out=None, allow_tf32=False):
+    """Launch the Triton kernel; inputs are assumed validated."""
+    E, K, N = dw_out.shape
+    if E == 0 or K == 0 or N == 0:
+        return dw_out, db_out
+    interpreted = triton_interpreted()
+    if interpreted:
+        cfg = dict(BLOCK_M=32, BLOCK_K=min(128, max(16, triton.next_power_of_2(K))),
+                   BLOCK_N=min(128, max(16, triton.next_power_of_2(N))))
+    else:
+        cfg = dict(BLOCK_M=64, BLOCK_K=128 if K >= 128 else max(16, triton.next_power_of_2(K)),
+                   BLOCK_N=128 if N >= 128 else max(16, triton.next_power_of_2(N)), num_warps=8, num_stages=3)
+    grid = (E, triton.cdiv(K, cfg["BLOCK_K"]) * triton.cdiv(N, cfg["BLOCK_N"]))
+    db = db_out if db_out is not None else dw_out
+    _groupxty_kernel[grid](
+        x_grouped, dy_grouped, dw_out, db, expert_offsets, K, N,
+        x_grouped.stride(0), x_grouped.stride(1), dy_grouped.stride(0), dy_grouped.stride(1),
+        dw_out.stride(0), dw_out.stride(1), dw_out.stride(2), db.stride(0), db.stride(-1),
+        HAS_BIAS=db_out is not None, ALLOW_TF32=allow_tf32, UPCAST=interpreted and x_grouped.dtype == torch.bfloat16,
+        **cfg,
+    )
+    return dw_out, db_out

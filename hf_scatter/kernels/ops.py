@@ -1,0 +1,207 @@
+"""The kernels as ``torch.library`` custom ops (so ``torch.compile`` traces them), with input checks.
+
+Each op runs its Triton kernel where Triton can (``backend.use_triton``) and its pure-torch reference
+otherwise. The Python functions here validate arguments and allocate outputs; the ops write into
+caller-provided buffers so the backward pass can reuse memory (ScatterMoE Algorithm 2).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .backend import use_triton
+from .group import group_reference, group_triton
+from .groupxty import groupxty_reference, groupxty_triton
+from .scatter2scatter import scatter2scatter_reference, scatter2scatter_triton
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+@torch.compiler.assume_constant_result
+def tf32_allowed() -> bool:
+    """fp32 kernels use TF32 only when torch matmuls may (``torch.set_float32_matmul_precision('high')``)."""
+    return torch.get_float32_matmul_precision() != "highest"
+
+
+# --------------------------------------------------------------------------------------------- ops
+@torch.library.custom_op("hf_scatter::scatter2scatter", mutates_args=("out",))
+def _scatter2scatter_op(x: torch.Tensor, weight: torch.Tensor, sorted_expert_idxs: torch.Tensor,
+                        sorted_scattered_idxs: torch.Tensor, expert_offsets: torch.Tensor, fan_out: int,
+                        x_grouped: bool, y_grouped: bool, bias: Optional[torch.Tensor], out: torch.Tensor,
+                        allow_tf32: bool) -> None:
+    if use_triton(x, "scatter2scatter") and x.dtype != torch.float64:
+        scatter2scatter_triton(x, weight, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, fan_out,
+                               x_grouped, y_grouped, bias, out, allow_tf32)
+    else:
+        scatter2scatter_reference(x, weight, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, fan_out,
+                                  x_grouped, y_grouped, bias, out)
+
+
+@_scatter2scatter_op.register_fake
+def _(x, weight, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, fan_out, x_grouped, y_grouped, bias,
+      out, allow_tf32):
+    return None
+
+
+@torch.library.custom_op("hf_scatter::group", mutates_args=("out",))
+def _group_op(x: torch.Tensor, sorted_scattered_idxs: torch.Tensor, fan_out: int, coeff: Optional[torch.Tensor],
+              out: torch.Tensor) -> None:
+    if use_triton(x, "group") and x.dtype != torch.float64:
+        group_triton(x, sorted_scattered_idxs, fan_out, coeff, out)
+    else:
+        out.copy_(group_reference(x, sorted_scattered_idxs, fan_out, coeff))
+
+
+@_group_op.register_fake
+def _(x, sorted_scattered_idxs, fan_out, coeff, out):
+    return None
+
+
+@torch.library.custom_op("hf_scatter::groupxty", mutates_args=("dw", "db"))
+def _groupxty_op(x_grouped: torch.Tensor, dy_grouped: torch.Tensor, expert_offsets: torch.Tensor, dw: torch.Tensor,
+                 db: Optional[torch.Tensor], allow_tf32: bool) -> None:
+    if use_triton(x_grouped, "groupXTY") and x_grouped.dtype != torch.float64:
+        groupxty_triton(x_grouped, dy_grouped, expert_offsets, dw, db, allow_tf32)
+    else:
+        groupxty_reference(x_grouped, dy_grouped, expert_offsets, dw, db)
+
+
+@_groupxty_op.register_fake
+def _(x_grouped, dy_grouped, expert_offsets, dw, db, allow_tf32):
+    return None
+
+
+# ------------------------------------------------------------------------------------- validation
+def _fail(op: str, message: str):
+    raise ValueError(f"{op}: {message}")
+
+
+def _check_float(op: str, name: str, t: torch.Tensor, dim: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        _fail(op, f"{name} must be a tensor, got {type(t).__name__}")
+    if t.dim() != dim:
+        _fail(op, f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
+    if t.dtype not in _FLOAT_DTYPES:
+        _fail(op, f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+
+
+def _check_index(op: str, name: str, t: torch.Tensor, numel: int | None, device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype not in _INDEX_DTYPES:
+        got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        _fail(op, f"{name} must be a 1-D int32/int64 tensor, got {got}")
+    if numel is not None and t.numel() != numel:
+        _fail(op, f"{name} must have {numel} elements, got {t.numel()}")
+    if t.device != device:
+        _fail(op, f"{name} is on {t.device} but the inputs are on {device}; put all tensors on one device")
+    if not t.is_contiguous():
+        _fail(op, f"{name} must be contiguous (call .contiguous())")
+
+
+def _check_like(op: str, name: str, t: torch.Tensor, ref: torch.Tensor) -> None:
+    if t.device != ref.device:
+        _fail(op, f"{name} is on {t.device} but the input is on {ref.device}; put all tensors on one device")
+    if t.dtype != ref.dtype:
+        _fail(op, f"{name} has dtype {t.dtype} but the input is {ref.dtype}; cast them to one dtype")
+
+
+def _check_out(op: str, out: torch.Tensor, shape: tuple, like: torch.Tensor) -> None:
+    if tuple(out.shape) != tuple(shape) or out.dtype != like.dtype or out.device != like.device:
+        _fail(op, f"out must be {tuple(shape)} {like.dtype} on {like.device}, got {tuple(out.shape)} {out.dtype} "
+                  f"on {out.device}")
+
+
+# ----------------------------------------------------------------------------------- public calls
+def scatter2scatter(x: torch.Tensor, weight: torch.Tensor, sorted_expert_idxs: torch.Tensor,
+                    sorted_scattered_idxs: torch.Tensor, expert_offsets: torch.Tensor, fan_out: int = 1,
+                    x_grouped: bool = False, y_grouped: bool = False, bias: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """``y[i or idx[i]] = x[i or idx[i] // fan_out] @ weight[e(i)] (+ bias[e(i)])`` over expert-sorted rows ``i``.
+
+    ``weight`` is [E, d_in, d_out] with any strides (a transposed view of an HF [E, d_out, d_in] tensor
+    is read in place). Returns ``out`` of shape [M, d_out], M = number of (token, expert) slots.
+    """
+    op = "scatter2scatter"
+    _check_float(op, "x", x, 2)
+    _check_float(op, "weight", weight, 3)
+    _check_like(op, "weight", weight, x)
+    E, K, N = weight.shape
+    if x.shape[1] != K:
+        _fail(op, f"x has {x.shape[1]} features but weight expects d_in={K} (weight is [E, d_in, d_out])")
+    M = sorted_scattered_idxs.numel() if isinstance(sorted_scattered_idxs, torch.Tensor) else None
+    _check_index(op, "sorted_scattered_idxs", sorted_scattered_idxs, None, x.device)
+    _check_index(op, "sorted_expert_idxs", sorted_expert_idxs, M, x.device)
+    _check_index(op, "expert_offsets", expert_offsets, E, x.device)
+    if fan_out < 1:
+        _fail(op, f"fan_out must be >= 1, got {fan_out}")
+    expected_rows = M if x_grouped else (M // fan_out if M % fan_out == 0 else None)
+    if x.shape[0] != expected_rows:
+        what = "grouped x needs one row per slot" if x_grouped else f"scattered x with fan_out={fan_out} needs M/fan_out rows"
+        _fail(op, f"x has {x.shape[0]} rows for M={M} slots: {what}")
+    if bias is not None:
+        _check_like(op, "bias", bias, x)
+        if tuple(bias.shape) != (E, N):
+            _fail(op, f"bias must be [E, d_out] = {(E, N)}, got {tuple(bias.shape)}")
+    if out is None:
+        out = x.new_empty((M, N))
+    else:
+        _check_out(op, out, (M, N), x)
+    torch.ops.hf_scatter.scatter2scatter(x, weight, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets,
+                                         fan_out, x_grouped, y_grouped, bias, out, tf32_allowed())
+    return out
+
+
+def group(x: torch.Tensor, sorted_scattered_idxs: torch.Tensor, fan_out: int = 1,
+          coeff: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows of ``x`` in expert order: ``out[i] = x[idx[i] // fan_out] * coeff[i]`` (fp32 scaling)."""
+    op = "group"
+    _check_float(op, "x", x, 2)
+    _check_index(op, "sorted_scattered_idxs", sorted_scattered_idxs, None, x.device)
+    if fan_out < 1:
+        _fail(op, f"fan_out must be >= 1, got {fan_out}")
+    M = sorted_scattered_idxs.numel()
+    if x.shape[0] * fan_out != M:
+        _fail(op, f"x has {x.shape[0]} rows; with fan_out={fan_out} that is {x.shape[0] * fan_out} slots, "
+                  f"but sorted_scattered_idxs has {M}")
+    if coeff is not None:
+        if tuple(coeff.shape) != (M,) or coeff.device != x.device:
+            _fail(op, f"coeff must have shape {(M,)} on {x.device}, got {tuple(coeff.shape)} on {coeff.device}")
+        if not coeff.is_contiguous():
+            _fail(op, "coeff must be contiguous (call .contiguous())")
+    if out is None:
+        out = x.new_empty((M, x.shape[1]))
+    else:
+        _check_out(op, out, (M, x.shape[1]), x)
+    torch.ops.hf_scatter.group(x, sorted_scattered_idxs, fan_out, coeff, out)
+    return out
+
+
+def groupXTY(x_grouped: torch.Tensor, dy_grouped: torch.Tensor, expert_offsets: torch.Tensor,
+             dw: torch.Tensor | None = None, db: torch.Tensor | bool | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-expert ``dW[e] = X_e^T dY_e`` ([E, d_in, d_out]) and, with ``db`` (a buffer or True), ``db[e] = sum dY_e``.
+
+    ``dw`` may be any [E, d_in, d_out] buffer, e.g. one strided like the weight it is the gradient of.
+    """
+    op = "groupXTY"
+    _check_float(op, "x_grouped", x_grouped, 2)
+    _check_float(op, "dy_grouped", dy_grouped, 2)
+    _check_like(op, "dy_grouped", dy_grouped, x_grouped)
+    if x_grouped.shape[0] != dy_grouped.shape[0]:
+        _fail(op, f"x_grouped has {x_grouped.shape[0]} rows but dy_grouped has {dy_grouped.shape[0]}")
+    _check_index(op, "expert_offsets", expert_offsets, None, x_grouped.device)
+    E, K, N = expert_offsets.numel(), x_grouped.shape[1], dy_grouped.shape[1]
+    if dw is None:
+        dw = x_grouped.new_empty((E, K, N))
+    else:
+        _check_out(op, dw, (E, K, N), x_grouped)
+    if db is True:
+        db = x_grouped.new_empty((E, N))
+    elif db is False:
+        db = None
+    elif db is not None:
+        _check_out(op, db, (E, N), x_grouped)
+    torch.ops.hf_scatter.groupxty(x_grouped, dy_grouped, expert_offsets, dw, db, tf32_allowed())
+    return dw, db

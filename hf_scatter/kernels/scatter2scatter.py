@@ -1,0 +1,150 @@
+"""``scatter2scatter``: one expert-parallel GEMM for every grouped/scattered input/output combination.
+
+Row ``i`` of the expert-sorted order multiplies input row ``x[i]`` (grouped) or ``x[idx[i] // fan_out]``
+(scattered) by ``W[expert(i)]`` and writes ``y[i]`` (grouped) or ``y[idx[i]]`` (scattered). Rows are
+gathered straight into tiles: no padded or grouped copy of ``x`` is made.
+
+Unlike the original ScatterMoE, a tile never straddles two experts: tiles are laid out per expert
+(``expert_tiles``), so each program runs its K loop exactly once with one weight matrix.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .backend import triton_available, triton_interpreted
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _scatter2scatter_kernel(
+        x_ptr, w_ptr, b_ptr, y_ptr,
+        tile_expert_ptr, tile_row_ptr, expert_end_ptr, scattered_ptr,
+        K, N, E,
+        stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_be, stride_bn, stride_ym, stride_yn,
+        FAN_OUT: tl.constexpr, X_GROUPED: tl.constexpr, Y_GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr,
+        ALLOW_TF32: tl.constexpr, UPCAST: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        expert = tl.load(tile_expert_ptr + pid_m)
+        if expert < E:
+            row0 = tl.load(tile_row_ptr + pid_m)
+            row_end = tl.load(expert_end_ptr + expert)
+            rows = row0 + tl.arange(0, BLOCK_M)
+            row_mask = rows < row_end
+            if X_GROUPED:
+                x_rows = rows
+            else:
+                x_rows = tl.load(scattered_ptr + rows, mask=row_mask, other=0) // FAN_OUT
+            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            col_mask = cols < N
+            ks = tl.arange(0, BLOCK_K)
+            x_tile_ptr = x_ptr + x_rows[:, None].to(tl.int64) * stride_xm + ks[None, :] * stride_xk
+            w_tile_ptr = w_ptr + expert.to(tl.int64) * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, tl.cdiv(K, BLOCK_K)):
+                k_mask = ks < K - k0 * BLOCK_K
+                x = tl.load(x_tile_ptr, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                w = tl.load(w_tile_ptr, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+                if UPCAST:
+                    x = x.to(tl.float32)
+                    w = w.to(tl.float32)
+                if ALLOW_TF32:
+                    acc += tl.dot(x, w, input_precision="tf32")
+                else:
+                    acc += tl.dot(x, w, input_precision="ieee")
+                x_tile_ptr += BLOCK_K * stride_xk
+                w_tile_ptr += BLOCK_K * stride_wk
+            if HAS_BIAS:
+                bias = tl.load(b_ptr + expert * stride_be + cols * stride_bn, mask=col_mask, other=0.0)
+                acc += bias.to(tl.float32)[None, :]
+            if Y_GROUPED:
+                y_rows = rows
+            else:
+                y_rows = tl.load(scattered_ptr + rows, mask=row_mask, other=0)
+            y_tile_ptr = y_ptr + y_rows[:, None].to(tl.int64) * stride_ym + cols[None, :] * stride_yn
+            tl.store(y_tile_ptr, acc.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+def expert_tiles(expert_offsets: torch.Tensor, block_m: int, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-program (expert, first sorted row) for expert-aligned tiles of ``block_m`` rows.
+
+    Computed on the device without a host sync: the table has a host-known upper bound of
+    ``min(ceil(M / block_m) + E, M)`` entries; programs past the real tile count get expert ``E`` and exit.
+    """
+    num_experts = expert_offsets.numel()
+    ends = expert_offsets.to(torch.int64)
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    tiles = (ends - starts + block_m - 1) // block_m
+    tile_end = tiles.cumsum(0)
+    upper = max(1, min(-(-num_rows // block_m) + num_experts, num_rows))
+    pid = torch.arange(upper, device=expert_offsets.device)
+    tile_expert = torch.searchsorted(tile_end, pid, right=True)
+    e = tile_expert.clamp(max=num_experts - 1)
+    tile_row = starts[e] + (pid - (tile_end - tiles)[e]) * block_m
+    return tile_expert.to(torch.int32), tile_row.to(torch.int32)
+
+
+def _block_m(num_rows: int, num_experts: int) -> int:
+    rows_per_expert = num_rows / max(1, num_experts)
+    for block in (16, 32, 64):
+        if rows_per_expert <= block:
+            return block
+    return 128
+
+
+def _launch_config(K: int, N: int, interpreted: bool) -> dict:
+    if interpreted:  # few, large programs: the interpreter's cost grows with programs x loop trips
+        return dict(BLOCK_N=min(128, max(16, triton.next_power_of_2(N))),
+                    BLOCK_K=min(128, max(16, triton.next_power_of_2(K))))
+    return dict(BLOCK_N=128 if N >= 128 else max(16, triton.next_power_of_2(N)),
+                BLOCK_K=64 if K >= 64 else max(16, triton.next_power_of_2(K)), num_warps=4, num_stages=3)
+
+
+def scatter2scatter_reference(x, weight, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, fan_out,
+                              x_grouped, y_grouped, bias=None, out=None):
+    """Pure-torch definition of :func:`scatter2scatter` (tests, and devices without Triton)."""
+    M = sorted_scattered_idxs.numel()
+    rows = x if x_grouped else x.index_select(0, sorted_scattered_idxs // fan_out)
+    y_sorted = rows.new_empty((M, weight.shape[2]))
+    start = 0
+    for e, end in enumerate(expert_offsets.tolist()):
+        if end > start:
+            y_e = rows[start:end] @ weight[e]
+            y_sorted[start:end] = y_e if bias is None else y_e + bias[e]
+        start = end
+    if out is None:
+        out = rows.new_empty((M, weight.shape[2]))
+    if y_grouped:
+        out.copy_(y_sorted)
+    else:
+        out.index_copy_(0, sorted_scattered_idxs, y_sorted)
+    return out
+
+
+def scatter2scatter_triton(x, weight, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, fan_out,
+                           x_grouped, y_grouped, bias, out, allow_tf32=False):
+    """Launch the Triton kernel into ``out`` ([M, N]); inputs are assumed validated."""
+    M, K, N, E = sorted_scattered_idxs.numel(), weight.shape[1], weight.shape[2], weight.shape[0]
+    if M == 0 or N == 0:
+        return out
+    interpreted = triton_interpreted()
+    block_m = _block_m(M, E)
+    tile_expert, tile_row = expert_tiles(expert_offsets, block_m, M)
+    cfg = _launch_config(K, N, interpreted)
+    grid = (tile_expert.numel(), triton.cdiv(N, cfg["BLOCK_N"]))
+    upcast = interpreted and x.dtype == torch.bfloat16
+    b = bias if bias is not None else out
+    _scatter2scatter_kernel[grid](
+        x, weight, b, out, tile_expert, tile_row, expert_offsets, sorted_scattered_idxs,
+        K, N, E,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), weight.stride(2),
+        b.stride(0), b.stride(-1), out.stride(0), out.stride(1),
+        FAN_OUT=fan_out, X_GROUPED=x_grouped, Y_GROUPED=y_grouped, HAS_BIAS=bias is not None,
+        ALLOW_TF32=allow_tf32, UPCAST=upcast, BLOCK_M=block_m, **cfg,
+    )
+    return out

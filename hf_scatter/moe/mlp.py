@@ -1,0 +1,81 @@
+"""SMoE GLU MLP (SwiGLU experts) on ParallelLinear, with weights in the Hugging Face layout.
+
+First projection scattered -> grouped (the intermediate activations stay in expert order), activation,
+second projection grouped -> scattered with the routing gates: in backward each does one ``group``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .parallel_linear import parallel_linear
+from .routing import flatten_sort_count
+
+
+def glu_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, expert_idxs: torch.Tensor,
+                gates: torch.Tensor, act_fn: Callable[[torch.Tensor], torch.Tensor] = F.silu,
+                gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+                validate: bool = True) -> torch.Tensor:
+    """``sum_j gates[t,j] * down_e(act(gate_e(x_t)) * up_e(x_t))`` for the k experts ``e = expert_idxs[t, j]``.
+
+    ``gate_up_proj`` [E, 2I, H] holds [gate; up] (HF Mixtral order), ``down_proj`` [E, H, I]; both are read
+    through transposed views, never copied. ``x`` is [T, H], ``expert_idxs`` and ``gates`` are [T, k].
+    """
+    if x.dim() != 2:
+        raise ValueError(f"glu_experts: x must be [tokens, hidden], got {tuple(x.shape)}")
+    if tuple(expert_idxs.shape) != tuple(gates.shape) or expert_idxs.dim() != 2 or expert_idxs.shape[0] != x.shape[0]:
+        raise ValueError(f"glu_experts: expert_idxs {tuple(expert_idxs.shape)} and gates {tuple(gates.shape)} must "
+                         f"both be [T, k] with T = {x.shape[0]}")
+    E, two_i, H = gate_up_proj.shape
+    if two_i % 2 or tuple(down_proj.shape) != (E, H, two_i // 2) or x.shape[1] != H:
+        raise ValueError(f"glu_experts: expected gate_up_proj [E, 2I, H], down_proj [E, H, I] and x [T, H]; got "
+                         f"{tuple(gate_up_proj.shape)}, {tuple(down_proj.shape)}, {tuple(x.shape)}")
+    k = expert_idxs.shape[1]
+    sorted_expert_idxs, sorted_scattered_idxs, expert_offsets = flatten_sort_count(expert_idxs, E, validate)
+    h = parallel_linear(x, gate_up_proj.transpose(1, 2), k, sorted_expert_idxs, sorted_scattered_idxs,
+                        expert_offsets, bias=gate_up_bias, grouped_out=True)
+    gate, up = h.chunk(2, dim=-1)
+    h = act_fn(gate) * up
+    return parallel_linear(h, down_proj.transpose(1, 2), k, sorted_expert_idxs, sorted_scattered_idxs,
+                           expert_offsets, bias=down_bias, gates=gates, grouped_in=True)
+
+
+class GLUMLP(nn.Module):
+    """E SwiGLU experts in HF layout (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]).
+
+    ``forward(x, expert_idxs, gates)``: ``x`` [..., H], routing ``expert_idxs``/``gates`` [T, k] for the
+    T = x.numel() // H tokens; returns the gate-weighted sum of the k experts' outputs, shaped like ``x``.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str = "silu",
+                 bias: bool = False, device=None, dtype=None):
+        super().__init__()
+        factory = {"device": device, "dtype": dtype}
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, **factory))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, **factory))
+        self.gate_up_bias = nn.Parameter(torch.zeros(num_experts, 2 * intermediate_size, **factory)) if bias else None
+        self.down_bias = nn.Parameter(torch.zeros(num_experts, hidden_size, **factory)) if bias else None
+        from transformers.activations import ACT2FN
+
+        self.act_fn = ACT2FN[activation]
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.gate_up_proj, std=1 / math.sqrt(self.hidden_size))
+        nn.init.normal_(self.down_proj, std=1 / math.sqrt(self.intermediate_size))
+
+    def forward(self, x: torch.Tensor, expert_idxs: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.hidden_size)
+        out = glu_experts(flat, self.gate_up_proj, self.down_proj, expert_idxs, gates, self.act_fn,
+                          self.gate_up_bias, self.down_bias)
+        return out.view(x.shape)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+                f"intermediate_size={self.intermediate_size}, impl=scattermoe")

@@ -1,0 +1,32 @@
+"""Routing bookkeeping: turn per-token expert choices into the expert-sorted order the kernels read."""
+
+from __future__ import annotations
+
+import torch
+
+
+def flatten_sort_count(expert_idxs: torch.Tensor, num_experts: int, validate: bool = True
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sort the T*k (token, choice) slots by expert.
+
+    Returns ``(sorted_expert_idxs, sorted_scattered_idxs, expert_offsets)``: the expert of each sorted slot,
+    the flat slot index ``t*k + j`` it came from (stable within an expert), and the end offset of each
+    expert's rows. ``validate`` checks expert ids are in range (one host sync; routers that produce ids
+    with ``topk`` over ``num_experts`` logits may pass False).
+    """
+    if not isinstance(expert_idxs, torch.Tensor) or expert_idxs.dtype not in (torch.int32, torch.int64):
+        got = expert_idxs.dtype if isinstance(expert_idxs, torch.Tensor) else type(expert_idxs).__name__
+        raise ValueError(f"flatten_sort_count: expert_idxs must be an integer tensor [T, k], got {got}")
+    if num_experts < 1:
+        raise ValueError(f"flatten_sort_count: num_experts must be >= 1, got {num_experts}")
+    flat = expert_idxs.reshape(-1)
+    if validate and flat.numel() and not torch.compiler.is_compiling():
+        lo, hi = flat.aminmax()
+        lo, hi = int(lo), int(hi)
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(f"flatten_sort_count: expert ids must lie in [0, {num_experts}), got values in "
+                             f"[{lo}, {hi}]; check num_experts against the router's output size")
+    sorted_expert_idxs, sorted_scattered_idxs = torch.sort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)[:num_experts]
+    expert_offsets = counts.cumsum(0)
+    return sorted_expert_idxs, sorted_scattered_idxs, expert_offsets

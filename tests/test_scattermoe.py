@@ -1,0 +1,211 @@
+"""ScatterMoE core: routing, scatter2scatter / groupXTY kernels and ParallelLinear forward + backward.
+
+Every check draws fresh random inputs, compares with a float64 per-slot reference by relative norm error
+(fp32 1e-5, fp16/bf16 1e-2), and runs with uninitialised memory filled with NaN so unwritten rows fail.
+"""
+
+import contextlib
+
+import pytest
+import torch
+
+from hf_scatter.kernels.ops import group, groupXTY, scatter2scatter
+from hf_scatter.moe import flatten_sort_count, parallel_linear
+from moe_reference import reference_parallel_linear
+
+TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+
+
+@contextlib.contextmanager
+def poisoned_empty():
+    """torch.empty & co. return NaN-filled memory inside this block (deterministic mode's fill)."""
+    was, fill = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
+def rel_err(out, ref):
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    assert torch.isfinite(out).all(), "non-finite values (unwritten rows?)"
+    denom = ref.double().norm().clamp_min(1e-12)
+    return ((out.double() - ref.double()).norm() / denom).item()
+
+
+def routing_case(T, k, E, device, pattern="random"):
+    if pattern == "random":
+        idx = torch.stack([torch.randperm(E, device=device)[:k] for _ in range(T)]) if k <= E else None
+    elif pattern == "one-expert":  # every token's first choice is expert E-1 (others random, distinct)
+        idx = torch.stack([torch.cat([torch.tensor([E - 1], device=device),
+                                      torch.randperm(E - 1, device=device)[:k - 1]]) for _ in range(T)])
+    elif pattern == "empty-expert":  # expert 0 never chosen
+        idx = torch.stack([1 + torch.randperm(E - 1, device=device)[:k] for _ in range(T)])
+    return idx
+
+
+# ------------------------------------------------------------------------------------------ routing
+def test_flatten_sort_count_contract(device):
+    idx = torch.tensor([[2, 0], [0, 2], [1, 0]], device=device)
+    se, ss, off = flatten_sort_count(idx, 4)
+    assert se.tolist() == [0, 0, 0, 1, 2, 2]
+    assert ss.tolist() == [1, 2, 5, 4, 0, 3]  # stable: slots of expert 0 in increasing order
+    assert off.tolist() == [3, 4, 6, 6]
+
+
+def test_flatten_sort_count_rejects_out_of_range(device):
+    with pytest.raises(ValueError, match=r"expert ids must lie in \[0, 4\)"):
+        flatten_sort_count(torch.tensor([[0, 4]], device=device), 4)
+    with pytest.raises(ValueError, match="integer tensor"):
+        flatten_sort_count(torch.zeros(2, 2, device=device), 4)
+
+
+# ------------------------------------------------------------------------------------------ kernels
+@pytest.mark.parametrize("x_grouped", [False, True])
+@pytest.mark.parametrize("y_grouped", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_scatter2scatter_all_modes_poisoned_out(device, x_grouped, y_grouped, with_bias):
+    T, k, E, K, N = 29, 3, 5, 100, 70
+    idx = routing_case(T, k, E, device)
+    se, ss, off = flatten_sort_count(idx, E)
+    w = torch.randn(E, N, K, device=device).transpose(1, 2)  # transposed HF layout, read in place
+    b = torch.randn(E, N, device=device) if with_bias else None
+    x_tok = torch.randn(T, K, device=device)
+    x = x_tok[ss // k] if x_grouped else x_tok
+    out = torch.full((T * k, N), float("nan"), device=device)
+    scatter2scatter(x, w, se, ss, off, fan_out=1 if x_grouped else k, x_grouped=x_grouped, y_grouped=y_grouped,
+                    bias=b, out=out)
+    ref = reference_parallel_linear(x.double(), w.double(), 1 if x_grouped else k, idx, None if b is None else
+                                    b.double(), grouped_in=x_grouped, grouped_out=y_grouped)
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_groupxty_poisoned_and_empty_expert(device):
+    E, K, N = 4, 33, 600
+    idx = routing_case(40, 1, E, device, "empty-expert")
+    se, ss, off = flatten_sort_count(idx, E)
+    x, dy = torch.randn(40, K, device=device), torch.randn(40, N, device=device)
+    dw = torch.full((E, K, N), float("nan"), device=device)
+    db = torch.full((E, N), float("nan"), device=device)
+    groupXTY(x, dy, off, dw, db)
+    start = 0
+    for e, end in enumerate(off.tolist()):
+        ref_w = x[start:end].double().t() @ dy[start:end].double()
+        assert torch.allclose(dw[e].double(), ref_w, atol=1e-4, rtol=1e-5), e
+        assert torch.allclose(db[e].double(), dy[start:end].double().sum(0), atol=1e-4), e
+        start = end
+    assert torch.count_nonzero(dw[0]) == 0 and torch.count_nonzero(db[0]) == 0  # expert 0 had no rows
+
+
+# ------------------------------------------------------------------------------------ ParallelLinear
+CASES = [  # T, k, E, d_in, d_out, routing pattern
+    (13, 2, 4, 100, 600, "random"),
+    (1, 2, 4, 40, 24, "random"),
+    (17, 3, 5, 72, 100, "empty-expert"),
+    (21, 2, 6, 48, 40, "one-expert"),
+    (9, 1, 3, 64, 33, "random"),
+    (7, 4, 4, 32, 48, "random"),  # k = E
+]
+
+
+def _run_case(device, dtype, T, k, E, d_in, d_out, pattern, grouped_in, grouped_out, with_bias, with_gates):
+    idx = routing_case(T, k, E, device, pattern)
+    se, ss, off = flatten_sort_count(idx, E)
+    w_hf = (torch.randn(E, d_out, d_in, device=device, dtype=dtype) / d_in ** 0.5).requires_grad_(True)
+    weight = w_hf.transpose(1, 2)  # a view of the HF-layout parameter
+    bias = torch.randn(E, d_out, device=device, dtype=dtype, requires_grad=True) if with_bias else None
+    gates = torch.rand(T, k, device=device, dtype=torch.float32, requires_grad=True) if with_gates else None
+    x_tok = torch.randn(T, d_in, device=device, dtype=dtype)
+    x = (x_tok[ss // k] if grouped_in else x_tok).detach().requires_grad_(True)
+    with poisoned_empty():
+        y = parallel_linear(x, weight, k, se, ss, off, bias=bias, gates=gates, grouped_in=grouped_in,
+                            grouped_out=grouped_out)
+        dy = torch.randn_like(y)
+        y.backward(dy)
+
+    leaves = [t for t in (x, w_hf, bias, gates) if t is not None]
+    ref_leaves = [t.detach().double().requires_grad_(True) for t in leaves]
+    rx, rw = ref_leaves[0], ref_leaves[1]
+    rb = ref_leaves[2] if with_bias else None
+    rg = ref_leaves[-1] if with_gates else None
+    ref = reference_parallel_linear(rx, rw.transpose(1, 2), k, idx, rb, rg, grouped_in, grouped_out)
+    ref.backward(dy.double())
+    tol = TOL[dtype]
+    assert rel_err(y, ref) < tol, "forward"
+    names = ["dX", "dW"] + (["db"] if with_bias else []) + (["d_gates"] if with_gates else [])
+    for name, got, want in zip(names, leaves, ref_leaves):
+        assert got.grad is not None, name
+        assert got.grad.shape == got.shape, name
+        assert rel_err(got.grad, want.grad) < tol, name
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}k{c[1]}E{c[2]}-{c[3]}x{c[4]}-{c[5]}")
+@pytest.mark.parametrize("mode", ["scatter->scatter", "scatter->group", "group->scatter", "group->group"])
+def test_parallel_linear_modes_fp32(device, case, mode):
+    grouped_in, grouped_out = mode.startswith("group"), mode.endswith("group")
+    _run_case(device, torch.float32, *case, grouped_in, grouped_out, with_bias=True, with_gates=False)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}k{c[1]}E{c[2]}-{c[3]}x{c[4]}-{c[5]}")
+@pytest.mark.parametrize("grouped_in", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_parallel_linear_gates_fp32(device, case, grouped_in, with_bias):
+    _run_case(device, torch.float32, *case, grouped_in, False, with_bias=with_bias, with_gates=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["scatter->group", "group->scatter+gates", "scatter->scatter+gates"])
+def test_parallel_linear_half_precision(device, dtype, mode):
+    grouped_in = mode.startswith("group")
+    _run_case(device, dtype, 19, 2, 4, 100, 72, "random", grouped_in, mode.endswith("group"), with_bias=True,
+              with_gates=mode.endswith("gates"))
+
+
+def test_parallel_linear_noncontiguous_input(device):
+    T, k, E = 11, 2, 3
+    idx = routing_case(T, k, E, device)
+    se, ss, off = flatten_sort_count(idx, E)
+    x = torch.randn(T, 80, device=device)[:, ::2]  # strided columns
+    w = torch.randn(E, 40, 50, device=device)[:, :, 5:45].transpose(1, 2)  # sliced then transposed
+    y = parallel_linear(x, w, k, se, ss, off)
+    assert rel_err(y, reference_parallel_linear(x.double(), w.double(), k, idx)) < 1e-5
+
+
+def test_weight_grad_keeps_hf_layout(device):
+    E, T, k = 4, 10, 2
+    idx = routing_case(T, k, E, device)
+    w_hf = torch.randn(E, 24, 16, device=device, requires_grad=True)
+    y = parallel_linear(torch.randn(T, 16, device=device), w_hf.transpose(1, 2), k, *flatten_sort_count(idx, E))
+    y.sum().backward()
+    assert w_hf.grad.is_contiguous(), "dW should arrive in the parameter's own layout (no copy in AccumulateGrad)"
+
+
+# ------------------------------------------------------------------------------------ validation
+def _routing(device):
+    return flatten_sort_count(torch.tensor([[0, 1], [1, 2], [2, 0]], device=device), 3)
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda r, d: parallel_linear(torch.randn(3, 8, device=d), torch.randn(3, 9, 4, device=d), 2, *r), "d_in=9"),
+    (lambda r, d: parallel_linear(torch.randn(4, 8, device=d), torch.randn(3, 8, 4, device=d), 2, *r), "rows"),
+    (lambda r, d: parallel_linear(torch.randn(3, 8, device=d), torch.randn(3, 8, 4, device=d).half(), 2, *r),
+     "dtype"),
+    (lambda r, d: parallel_linear(torch.randn(3, 8, device=d), torch.randn(3, 8, 4, device=d), 4, *r),
+     "multiple of k"),
+    (lambda r, d: parallel_linear(torch.randn(3, 8, device=d), torch.randn(3, 8, 4, device=d), 2, *r,
+                                  gates=torch.rand(3, 3, device=d)), r"gates must be \[T, k\]"),
+    (lambda r, d: parallel_linear(torch.randn(3, 8, device=d), torch.randn(3, 8, 4, device=d), 2, *r,
+                                  gates=torch.rand(3, 2, device=d), grouped_out=True), "grouped_out=False"),
+    (lambda r, d: parallel_linear(torch.randn(3, 8, device=d), torch.randn(4, 8, 4, device=d), 2, *r),
+     "expert_offsets must have 4"),
+    (lambda r, d: parallel_linear(torch.randn(3, 8, device=d), torch.randn(3, 8, 4, device=d), 2, *r,
+                                  bias=torch.randn(3, 5, device=d)), "bias must be"),
+    (lambda r, d: parallel_linear(torch.randn(3, 8, device=d).long(), torch.randn(3, 8, 4, device=d), 2, *r),
+     "float32, float16 or bfloat16"),
+])
+def test_bad_input_is_a_clear_error(device, call, match):
+    with pytest.raises(ValueError, match=match):
+        call(_routing(device), device)
