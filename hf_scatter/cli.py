@@ -21,6 +21,28 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(quick=args.quick)
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    import json
+    import os
+
+    if args.suite == "moe":
+        from .bench import moe as suite
+    if args.replot:
+        with open(args.replot) as f:
+            report = json.load(f)
+    else:
+        report = suite.run(args.configs)
+    if args.out:
+        tmp = args.out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(report, f, indent=1)
+        os.replace(tmp, args.out)
+    if args.plot:
+        suite.plot(report, args.plot)
+    print(suite.to_markdown(report))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-scatter", description=__doc__)
     parser.add_argument("--version", action="version", version=f"hf-scatter {__version__}")
@@ -32,6 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="patch tiny Mixtral/DBRX/BERT models and check them against vanilla (offline)")
     p.add_argument("--quick", action="store_true", help="smaller shapes, for a fast smoke run")
     p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("bench", help="GPU benchmarks against every peer in one process (JSON + Markdown)")
+    p.add_argument("suite", choices=["moe"], help="moe: one SMoE SwiGLU layer vs HF eager/grouped_mm/batched_mm/dense")
+    p.add_argument("--configs", nargs="*", help="subset of configs (default: all)")
+    p.add_argument("--out", help="write the full results as JSON here")
+    p.add_argument("--plot", help="draw time and memory bars into this PNG")
+    p.add_argument("--replot", metavar="JSON", help="re-render table/plot from a saved JSON instead of measuring")
+    p.set_defaults(func=_cmd_bench)
     return parser
 
 

@@ -40,7 +40,8 @@ def _device() -> torch.device:
 
 def check_group_kernel(quick: bool) -> CheckResult:
     from .kernels.backend import kernel_path
-    from .kernels.group import group, group_reference
+    from .kernels.group import group_reference
+    from .kernels.ops import group
 
     device = _device()
     tokens, dim, fan_out = (37, 100, 2) if quick else (301, 600, 4)
@@ -54,7 +55,31 @@ def check_group_kernel(quick: bool) -> CheckResult:
     return CheckResult(f"kernel group [{tokens}x{dim}, k={fan_out}]", kernel_path(device), diff, 1e-5, seconds)
 
 
-CHECKS: list[Callable[[bool], CheckResult]] = [check_group_kernel]
+def check_smoe_mlp(quick: bool) -> CheckResult:
+    """ScatterMoE SwiGLU experts against transformers' own Mixtral experts (eager loop), forward + backward."""
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    from .kernels.backend import kernel_path
+    from .moe import glu_experts
+    from .tiny import tiny_mixtral_config
+
+    device = _device()
+    tokens, hidden, experts, top_k, inter = (24, 64, 4, 2, 96) if quick else (200, 72, 6, 3, 100)
+    torch.manual_seed(0)
+    hf = MixtralExperts(tiny_mixtral_config(hidden=hidden, experts=experts, top_k=top_k, intermediate=inter))
+    torch.nn.init.normal_(hf.gate_up_proj, std=0.1)
+    torch.nn.init.normal_(hf.down_proj, std=0.1)
+    hf = hf.to(device)
+    x = torch.randn(tokens, hidden, device=device)
+    gates, idx = torch.softmax(torch.randn(tokens, experts, device=device), -1).topk(top_k, -1)
+    want = hf(x, idx, gates)
+    out, seconds = _timed(lambda: glu_experts(x, hf.gate_up_proj, hf.down_proj, idx, gates))
+    diff = (out - want).abs().max().item()
+    return CheckResult(f"SMoE SwiGLU vs HF MixtralExperts [T={tokens}, E={experts}, k={top_k}]",
+                       f"scattermoe ({kernel_path(device)})", diff, 1e-4, seconds)
+
+
+CHECKS: list[Callable[[bool], CheckResult]] = [check_group_kernel, check_smoe_mlp]
 
 
 def format_table(results: list[CheckResult]) -> str:

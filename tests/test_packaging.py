@@ -1,5 +1,6 @@
 """The wheel: hf_scatter with conversion/ and eval/ inside its namespace, and a working console script."""
 
+import importlib.metadata
 import os
 import shutil
 import subprocess
@@ -43,13 +44,15 @@ def test_installed_wheel_runs_version_and_demo(wheel, tmp_path):
     vpy = venv / "bin" / "python"
     site = subprocess.run([vpy, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           check=True, capture_output=True, text=True).stdout.strip()
-    Path(site, "_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     subprocess.run([sys.executable, "-m", "pip", "--python", str(vpy), "install", "--no-deps", "-q", str(wheel)],
                    check=True, timeout=300)
+    # Only now expose the dependencies: pip must not see (and replace) this environment's own hf-scatter.
+    Path(site, "_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     env = {k: v for k, v in os.environ.items() if k not in {"TRITON_INTERPRET", "PYTHONPATH"}}
     cli = venv / "bin" / "hf-scatter"
     version = subprocess.run([cli, "--version"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     assert version.returncode == 0 and version.stdout.startswith("hf-scatter "), version.stderr
+    assert importlib.metadata.distribution("hf-scatter") is not None, "the developer install must survive the test"
     where = subprocess.run([vpy, "-c", "import hf_scatter.conversion as c; print(c.__file__)"], capture_output=True,
                            text=True, env=env, cwd=tmp_path, timeout=120)
     assert str(venv) in where.stdout, "hf_scatter.conversion must come from the installed wheel"

@@ -209,3 +209,11 @@ def _routing(device):
 def test_bad_input_is_a_clear_error(device, call, match):
     with pytest.raises(ValueError, match=match):
         call(_routing(device), device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_autotuned_gpu_path(monkeypatch, device, dtype):
+    monkeypatch.setenv("HF_SCATTER_AUTOTUNE", "1")
+    _run_case(device, dtype, 300, 2, 8, 256, 384, "random", False, False, with_bias=True, with_gates=True)
+    _run_case(device, dtype, 300, 2, 8, 256, 384, "random", True, True, with_bias=False, with_gates=False)

@@ -39,6 +39,11 @@ def enable_interpreter_if_no_gpu() -> bool:
     return triton_interpreted()
 
 
+def autotune_enabled() -> bool:
+    """GPU kernels measure candidate block sizes per shape unless ``HF_SCATTER_AUTOTUNE=0`` (then: first config)."""
+    return os.environ.get("HF_SCATTER_AUTOTUNE", "1").strip().lower() not in {"0", "false", "no", "off"}
+
+
 def _forced() -> str | None:
     value = os.environ.get(_ENV_FORCE, "").strip().lower()
     if value in {"", "auto"}:

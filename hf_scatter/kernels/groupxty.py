@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .backend import triton_available, triton_interpreted
+from .backend import autotune_enabled, triton_available, triton_interpreted
 
 if triton_available():
     import triton
@@ -21,6 +21,7 @@ if triton_available():
         K, N,
         stride_xm, stride_xk, stride_dym, stride_dyn,
         stride_dwe, stride_dwk, stride_dwn, stride_dbe, stride_dbn,
+        ROWS_BUCKET,  # autotuning key only (rows per expert, power of two)
         HAS_BIAS: tl.constexpr, ALLOW_TF32: tl.constexpr, UPCAST: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
@@ -62,6 +63,23 @@ if triton_available():
                          mask=n_mask)
 
 
+if triton_available():
+    def _gxty_configs():
+        return [triton.Config({"BLOCK_M": bm, "BLOCK_K": bk, "BLOCK_N": bn}, num_warps=w, num_stages=st)
+                for bm, bk, bn, w, st in [(64, 128, 128, 8, 3), (32, 128, 128, 4, 4), (64, 64, 128, 4, 4),
+                                          (128, 128, 128, 8, 3), (32, 64, 64, 4, 4)]]
+
+    def _prune_gxty(configs, named_args, **kwargs):
+        k, n = named_args["K"], named_args["N"]
+        kept = [c for c in configs if c.kwargs["BLOCK_K"] <= max(32, triton.next_power_of_2(k))
+                and c.kwargs["BLOCK_N"] <= max(32, triton.next_power_of_2(n))]
+        return kept or configs[-1:]
+
+    _GXTY_CONFIGS = _gxty_configs()
+    _groupxty_tuned = triton.autotune(configs=_GXTY_CONFIGS, key=["K", "N", "ROWS_BUCKET", "HAS_BIAS"],
+                                      prune_configs_by={"early_config_prune": _prune_gxty})(_groupxty_kernel)
+
+
 def groupxty_reference(x_grouped, dy_grouped, expert_offsets, dw_out, db_out=None):
     """Pure-torch definition of :func:`groupXTY` into ``dw_out`` [E, K, N] (and ``db_out`` [E, N])."""
     start = 0
@@ -80,19 +98,27 @@ def groupxty_triton(x_grouped, dy_grouped, expert_offsets, dw_out, db_out=None, 
     if E == 0 or K == 0 or N == 0:
         return dw_out, db_out
     interpreted = triton_interpreted()
+    db = db_out if db_out is not None else dw_out
+    args = (x_grouped, dy_grouped, dw_out, db, expert_offsets, K, N,
+            x_grouped.stride(0), x_grouped.stride(1), dy_grouped.stride(0), dy_grouped.stride(1),
+            dw_out.stride(0), dw_out.stride(1), dw_out.stride(2), db.stride(0), db.stride(-1),
+            _rows_bucket(x_grouped.shape[0], E))
+    meta = dict(HAS_BIAS=db_out is not None, ALLOW_TF32=allow_tf32,
+                UPCAST=interpreted and x_grouped.dtype == torch.bfloat16)
+    grid = lambda cfg: (E, triton.cdiv(K, cfg["BLOCK_K"]) * triton.cdiv(N, cfg["BLOCK_N"]))  # noqa: E731
     if interpreted:
         cfg = dict(BLOCK_M=32, BLOCK_K=min(128, max(16, triton.next_power_of_2(K))),
                    BLOCK_N=min(128, max(16, triton.next_power_of_2(N))))
+        _groupxty_kernel[grid(cfg)](*args, **meta, **cfg)
+    elif autotune_enabled():
+        _groupxty_tuned[grid](*args, **meta)
     else:
-        cfg = dict(BLOCK_M=64, BLOCK_K=128 if K >= 128 else max(16, triton.next_power_of_2(K)),
-                   BLOCK_N=128 if N >= 128 else max(16, triton.next_power_of_2(N)), num_warps=8, num_stages=3)
-    grid = (E, triton.cdiv(K, cfg["BLOCK_K"]) * triton.cdiv(N, cfg["BLOCK_N"]))
-    db = db_out if db_out is not None else dw_out
-    _groupxty_kernel[grid](
-        x_grouped, dy_grouped, dw_out, db, expert_offsets, K, N,
-        x_grouped.stride(0), x_grouped.stride(1), dy_grouped.stride(0), dy_grouped.stride(1),
-        dw_out.stride(0), dw_out.stride(1), dw_out.stride(2), db.stride(0), db.stride(-1),
-        HAS_BIAS=db_out is not None, ALLOW_TF32=allow_tf32, UPCAST=interpreted and x_grouped.dtype == torch.bfloat16,
-        **cfg,
-    )
+        cfg = _prune_gxty(_GXTY_CONFIGS, {"K": K, "N": N})[0]
+        _groupxty_kernel[grid(cfg.kwargs)](*args, **meta, **cfg.kwargs, num_warps=cfg.num_warps,
+                                           num_stages=cfg.num_stages)
     return dw_out, db_out
+
+
+def _rows_bucket(rows: int, experts: int) -> int:
+    """Autotuning key for the reduction length: rows per expert, rounded to a power of two."""
+    return 1 << max(0, (rows // max(1, experts)).bit_length() - 1)

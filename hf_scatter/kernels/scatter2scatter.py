@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .backend import triton_available, triton_interpreted
+from .backend import autotune_enabled, triton_available, triton_interpreted
 
 if triton_available():
     import triton
@@ -22,14 +22,21 @@ if triton_available():
     def _scatter2scatter_kernel(
         x_ptr, w_ptr, b_ptr, y_ptr,
         tile_expert_ptr, tile_row_ptr, expert_end_ptr, scattered_ptr,
-        K, N, E,
+        NUM_TILES, K, N, E,
         stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_be, stride_bn, stride_ym, stride_yn,
         FAN_OUT: tl.constexpr, X_GROUPED: tl.constexpr, Y_GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr,
         ALLOW_TF32: tl.constexpr, UPCAST: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ):
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
+        # Grouped program order: GROUP_M row tiles sweep all column tiles together, so their input rows
+        # stay in L2 while the column tiles of one expert's weight are reused across them.
+        pid = tl.program_id(0)
+        num_n = tl.cdiv(N, BLOCK_N)
+        group_size = GROUP_M * num_n
+        first_m = (pid // group_size) * GROUP_M
+        rows_in_group = tl.minimum(NUM_TILES - first_m, GROUP_M)
+        pid_m = first_m + (pid % group_size) % rows_in_group
+        pid_n = (pid % group_size) // rows_in_group
         expert = tl.load(tile_expert_ptr + pid_m)
         if expert < E:
             row0 = tl.load(tile_row_ptr + pid_m)
@@ -70,6 +77,28 @@ if triton_available():
             tl.store(y_tile_ptr, acc.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
+    def _s2s_configs():
+        configs = []
+        for bn, bk, warps, stages in [(128, 64, 4, 4), (128, 64, 8, 3), (256, 64, 8, 3), (64, 64, 4, 4),
+                                      (64, 128, 4, 4), (128, 128, 8, 3)]:
+            configs.append(triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=warps,
+                                         num_stages=stages))
+        return configs
+
+    def _prune_s2s(configs, named_args, **kwargs):
+        n, k = named_args["N"], named_args["K"]
+        kept = [c for c in configs if c.kwargs["BLOCK_N"] <= max(32, triton.next_power_of_2(n))
+                and c.kwargs["BLOCK_K"] <= max(32, triton.next_power_of_2(k))]
+        return kept or configs[:1]
+
+    # GPU path: block sizes chosen per shape by measurement (BLOCK_M is set by the caller, it shapes the tiles).
+    _S2S_CONFIGS = _s2s_configs()
+    _scatter2scatter_tuned = triton.autotune(
+        configs=_S2S_CONFIGS, key=["K", "N", "BLOCK_M", "X_GROUPED", "Y_GROUPED", "FAN_OUT"],
+        prune_configs_by={"early_config_prune": _prune_s2s},
+    )(_scatter2scatter_kernel)
+
+
 def expert_tiles(expert_offsets: torch.Tensor, block_m: int, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-program (expert, first sorted row) for expert-aligned tiles of ``block_m`` rows.
 
@@ -95,14 +124,6 @@ def _block_m(num_rows: int, num_experts: int) -> int:
         if rows_per_expert <= block:
             return block
     return 128
-
-
-def _launch_config(K: int, N: int, interpreted: bool) -> dict:
-    if interpreted:  # few, large programs: the interpreter's cost grows with programs x loop trips
-        return dict(BLOCK_N=min(128, max(16, triton.next_power_of_2(N))),
-                    BLOCK_K=min(128, max(16, triton.next_power_of_2(K))))
-    return dict(BLOCK_N=128 if N >= 128 else max(16, triton.next_power_of_2(N)),
-                BLOCK_K=64 if K >= 64 else max(16, triton.next_power_of_2(K)), num_warps=4, num_stages=3)
 
 
 def scatter2scatter_reference(x, weight, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, fan_out,
@@ -135,16 +156,22 @@ def scatter2scatter_triton(x, weight, sorted_expert_idxs, sorted_scattered_idxs,
     interpreted = triton_interpreted()
     block_m = _block_m(M, E)
     tile_expert, tile_row = expert_tiles(expert_offsets, block_m, M)
-    cfg = _launch_config(K, N, interpreted)
-    grid = (tile_expert.numel(), triton.cdiv(N, cfg["BLOCK_N"]))
-    upcast = interpreted and x.dtype == torch.bfloat16
+    num_tiles = tile_expert.numel()
     b = bias if bias is not None else out
-    _scatter2scatter_kernel[grid](
-        x, weight, b, out, tile_expert, tile_row, expert_offsets, sorted_scattered_idxs,
-        K, N, E,
-        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), weight.stride(2),
-        b.stride(0), b.stride(-1), out.stride(0), out.stride(1),
-        FAN_OUT=fan_out, X_GROUPED=x_grouped, Y_GROUPED=y_grouped, HAS_BIAS=bias is not None,
-        ALLOW_TF32=allow_tf32, UPCAST=upcast, BLOCK_M=block_m, **cfg,
-    )
+    args = (x, weight, b, out, tile_expert, tile_row, expert_offsets, sorted_scattered_idxs, num_tiles, K, N, E,
+            x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), weight.stride(2),
+            b.stride(0), b.stride(-1), out.stride(0), out.stride(1))
+    meta = dict(FAN_OUT=fan_out, X_GROUPED=x_grouped, Y_GROUPED=y_grouped, HAS_BIAS=bias is not None,
+                ALLOW_TF32=allow_tf32, UPCAST=interpreted and x.dtype == torch.bfloat16, BLOCK_M=block_m)
+    grid = lambda cfg: (num_tiles * triton.cdiv(N, cfg["BLOCK_N"]),)  # noqa: E731
+    if interpreted:  # few, large programs: the interpreter's cost grows with programs x loop trips
+        cfg = dict(BLOCK_N=min(128, max(16, triton.next_power_of_2(N))),
+                   BLOCK_K=min(128, max(16, triton.next_power_of_2(K))), GROUP_M=4)
+        _scatter2scatter_kernel[grid(cfg)](*args, **meta, **cfg)
+    elif autotune_enabled():
+        _scatter2scatter_tuned[grid](*args, **meta)
+    else:
+        cfg = _prune_s2s(_S2S_CONFIGS, {"N": N, "K": K})[0]
+        _scatter2scatter_kernel[grid(cfg.kwargs)](*args, **meta, **cfg.kwargs, num_warps=cfg.num_warps,
+                                                  num_stages=cfg.num_stages)
     return out

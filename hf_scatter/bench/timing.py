@@ -1,0 +1,36 @@
+"""Shared measurement helpers: CUDA-event medians after warm-up, and peak extra memory of a call."""
+
+from __future__ import annotations
+
+import gc
+from typing import Callable
+
+import torch
+
+
+def median_ms(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 200, grad_to_none=None) -> float:
+    """Median time of ``fn`` in ms (CUDA events via ``triton.testing.do_bench``)."""
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=grad_to_none, return_mode="median"))
+
+
+def peak_extra_gib(fn: Callable[[], object]) -> float:
+    """Memory allocated at the peak of one ``fn()`` call beyond what was live before it, in GiB."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def is_oom(error: BaseException) -> bool:
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+
+
+def markdown_table(header: list[str], rows: list[list[object]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
