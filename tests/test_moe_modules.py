@@ -137,3 +137,24 @@ def test_torch_fallback_is_selected_visibly(monkeypatch):
     monkeypatch.setenv("HF_SCATTER_KERNELS", "auto")
     monkeypatch.setattr(backend, "triton_interpreted", lambda: True)
     assert _rel(y_torch, mlp(x, idx, gates)) < 1e-5
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_fused_swiglu_forward_backward(device, dtype, tol):
+    from hf_scatter.kernels.ops import swiglu
+
+    h = torch.randn(37, 2 * 150, device=device, dtype=dtype) * 3
+    ref_h = h.detach().double().requires_grad_(True)
+    gate, up = ref_h.chunk(2, -1)
+    ref = F.silu(gate) * up
+    out = swiglu(h.clone().requires_grad_(True))
+    assert _rel(out, ref) < tol
+    leaf = h.clone().requires_grad_(True)
+    dout = torch.randn(37, 150, device=device, dtype=dtype)
+    swiglu(leaf).backward(dout)
+    ref.backward(dout.double())
+    assert _rel(leaf.grad, ref_h.grad) < tol
+    assert torch.equal(leaf.detach(), h), "without reuse_input_buffer the input must be untouched"
+    inner = h.clone().requires_grad_(True)
+    swiglu(inner * 1, reuse_input_buffer=True).backward(dout)
+    assert _rel(inner.grad, ref_h.grad) < tol

@@ -15,6 +15,7 @@ from .backend import use_triton
 from .group import group_reference, group_triton
 from .groupxty import groupxty_reference, groupxty_triton
 from .scatter2scatter import scatter2scatter_reference, scatter2scatter_triton
+from .swiglu import swiglu_backward_reference, swiglu_bwd_triton, swiglu_fwd_triton, swiglu_reference
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -72,6 +73,62 @@ def _groupxty_op(x_grouped: torch.Tensor, dy_grouped: torch.Tensor, expert_offse
 @_groupxty_op.register_fake
 def _(x_grouped, dy_grouped, expert_offsets, dw, db, allow_tf32):
     return None
+
+
+@torch.library.custom_op("hf_scatter::swiglu_fwd", mutates_args=("out",))
+def _swiglu_fwd_op(h: torch.Tensor, out: torch.Tensor) -> None:
+    if use_triton(h, "swiglu") and h.dtype != torch.float64:
+        swiglu_fwd_triton(h, out)
+    else:
+        out.copy_(swiglu_reference(h))
+
+
+@_swiglu_fwd_op.register_fake
+def _(h, out):
+    return None
+
+
+@torch.library.custom_op("hf_scatter::swiglu_bwd", mutates_args=("dh",))
+def _swiglu_bwd_op(h: torch.Tensor, dout: torch.Tensor, dh: torch.Tensor) -> None:
+    if use_triton(h, "swiglu") and h.dtype != torch.float64:
+        swiglu_bwd_triton(h, dout, dh)
+    else:
+        dh.copy_(swiglu_backward_reference(h, dout))
+
+
+@_swiglu_bwd_op.register_fake
+def _(h, dout, dh):
+    return None
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, reuse_input_buffer):
+        out = h.new_empty((h.shape[0], h.shape[1] // 2))
+        torch.ops.hf_scatter.swiglu_fwd(h, out)
+        ctx.reuse_input_buffer = reuse_input_buffer
+        ctx.save_for_backward(h)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        (h,) = ctx.saved_tensors
+        # With reuse, h's buffer receives d[gate; up] (a second backward through it then fails loudly).
+        dh = h if ctx.reuse_input_buffer else torch.empty_like(h)
+        torch.ops.hf_scatter.swiglu_bwd(h, dout.contiguous(), dh)
+        return dh, None
+
+
+def swiglu(h: torch.Tensor, reuse_input_buffer: bool = False) -> torch.Tensor:
+    """``silu(gate) * up`` for ``h = [gate; up]`` ([M, 2I], rows contiguous), fused, differentiable.
+
+    ``reuse_input_buffer``: the backward writes the gradient into ``h``'s memory. Only for an ``h`` that
+    nothing else reads afterwards (the SMoE MLP's own intermediate).
+    """
+    _check_float("swiglu", "h", h, 2)
+    if h.shape[1] % 2 or h.stride(1) != 1:
+        _fail("swiglu", f"h must be [M, 2I] with contiguous rows, got shape {tuple(h.shape)} strides {h.stride()}")
+    return _SwiGLU.apply(h, reuse_input_buffer)
 
 
 # ------------------------------------------------------------------------------------- validation

@@ -79,8 +79,8 @@ if triton_available():
 
     def _s2s_configs():
         configs = []
-        for bn, bk, warps, stages in [(128, 64, 4, 4), (128, 64, 8, 3), (256, 64, 8, 3), (64, 64, 4, 4),
-                                      (64, 128, 4, 4), (128, 128, 8, 3)]:
+        for bn, bk, warps, stages in [(128, 64, 4, 4), (128, 64, 8, 4), (256, 64, 8, 3), (256, 64, 8, 4),
+                                      (64, 64, 4, 4), (64, 128, 4, 4), (128, 128, 8, 3)]:
             configs.append(triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=warps,
                                          num_stages=stages))
         return configs
@@ -119,9 +119,11 @@ def expert_tiles(expert_offsets: torch.Tensor, block_m: int, num_rows: int) -> t
 
 
 def _block_m(num_rows: int, num_experts: int) -> int:
+    """Rows per tile. Few rows per expert (decode) is memory bound: a tile should hold all of an expert's
+    rows, even with routing imbalance, so its weights stream from memory once."""
     rows_per_expert = num_rows / max(1, num_experts)
-    for block in (16, 32, 64):
-        if rows_per_expert <= block:
+    for block, limit in ((16, 6), (32, 16), (64, 40)):
+        if rows_per_expert <= limit:
             return block
     return 128
 

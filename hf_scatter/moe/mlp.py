@@ -13,8 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.ops import swiglu
 from .parallel_linear import parallel_linear
 from .routing import flatten_sort_count
+
+
+def _is_silu(act_fn) -> bool:
+    return act_fn is F.silu or isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ == "SiLUActivation"
 
 
 def glu_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, expert_idxs: torch.Tensor,
@@ -39,8 +44,11 @@ def glu_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Te
     sorted_expert_idxs, sorted_scattered_idxs, expert_offsets = flatten_sort_count(expert_idxs, E, validate)
     h = parallel_linear(x, gate_up_proj.transpose(1, 2), k, sorted_expert_idxs, sorted_scattered_idxs,
                         expert_offsets, bias=gate_up_bias, grouped_out=True)
-    gate, up = h.chunk(2, dim=-1)
-    h = act_fn(gate) * up
+    if _is_silu(act_fn):
+        h = swiglu(h, reuse_input_buffer=True)  # h is this function's own intermediate
+    else:
+        gate, up = h.chunk(2, dim=-1)
+        h = act_fn(gate) * up
     return parallel_linear(h, down_proj.transpose(1, 2), k, sorted_expert_idxs, sorted_scattered_idxs,
                            expert_offsets, bias=down_bias, gates=gates, grouped_in=True)
 
