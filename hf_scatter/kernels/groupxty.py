@@ -23,13 +23,19 @@ if triton_available():
         stride_dwe, stride_dwk, stride_dwn, stride_dbe, stride_dbn,
         ROWS_BUCKET,  # autotuning key only (rows per expert, power of two)
         HAS_BIAS: tl.constexpr, ALLOW_TF32: tl.constexpr, UPCAST: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_K: tl.constexpr,
     ):
-        expert = tl.program_id(0)
-        pid = tl.program_id(1)
+        # The expert is the slow grid axis: concurrently running programs share one expert's rows in L2.
+        # Within an expert, GROUP_K row-tiles of dW sweep the column tiles together (grouped order).
+        pid = tl.program_id(0)
+        expert = tl.program_id(1)
+        num_k = tl.cdiv(K, BLOCK_K)
         num_n = tl.cdiv(N, BLOCK_N)
-        pid_k = pid // num_n
-        pid_n = pid % num_n
+        group_size = GROUP_K * num_n
+        first_k = (pid // group_size) * GROUP_K
+        ks_in_group = tl.minimum(num_k - first_k, GROUP_K)
+        pid_k = first_k + (pid % group_size) % ks_in_group
+        pid_n = (pid % group_size) // ks_in_group
         end = tl.load(expert_end_ptr + expert)
         start = tl.load(expert_end_ptr + expert - 1, mask=expert > 0, other=0)
         ks = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -65,7 +71,8 @@ if triton_available():
 
 if triton_available():
     def _gxty_configs():
-        return [triton.Config({"BLOCK_M": bm, "BLOCK_K": bk, "BLOCK_N": bn}, num_warps=w, num_stages=st)
+        return [triton.Config({"BLOCK_M": bm, "BLOCK_K": bk, "BLOCK_N": bn, "GROUP_K": 8}, num_warps=w,
+                              num_stages=st)
                 for bm, bk, bn, w, st in [(64, 128, 128, 8, 3), (32, 128, 128, 4, 4), (64, 64, 128, 4, 4),
                                           (128, 128, 128, 8, 3), (32, 64, 64, 4, 4)]]
 
@@ -105,10 +112,10 @@ def groupxty_triton(x_grouped, dy_grouped, expert_offsets, dw_out, db_out=None, 
             _rows_bucket(x_grouped.shape[0], E))
     meta = dict(HAS_BIAS=db_out is not None, ALLOW_TF32=allow_tf32,
                 UPCAST=interpreted and x_grouped.dtype == torch.bfloat16)
-    grid = lambda cfg: (E, triton.cdiv(K, cfg["BLOCK_K"]) * triton.cdiv(N, cfg["BLOCK_N"]))  # noqa: E731
+    grid = lambda cfg: (triton.cdiv(K, cfg["BLOCK_K"]) * triton.cdiv(N, cfg["BLOCK_N"]), E)  # noqa: E731
     if interpreted:
         cfg = dict(BLOCK_M=32, BLOCK_K=min(128, max(16, triton.next_power_of_2(K))),
-                   BLOCK_N=min(128, max(16, triton.next_power_of_2(N))))
+                   BLOCK_N=min(128, max(16, triton.next_power_of_2(N))), GROUP_K=4)
         _groupxty_kernel[grid(cfg)](*args, **meta, **cfg)
     elif autotune_enabled():
         _groupxty_tuned[grid](*args, **meta)

@@ -119,11 +119,10 @@ def expert_tiles(expert_offsets: torch.Tensor, block_m: int, num_rows: int) -> t
 
 
 def _block_m(num_rows: int, num_experts: int) -> int:
-    """Rows per tile. Few rows per expert (decode) is memory bound: a tile should hold all of an expert's
-    rows, even with routing imbalance, so its weights stream from memory once."""
+    """Rows per tile, from the mean rows per expert (16 for decode-sized batches, 128 for prefill/training)."""
     rows_per_expert = num_rows / max(1, num_experts)
-    for block, limit in ((16, 6), (32, 16), (64, 40)):
-        if rows_per_expert <= limit:
+    for block in (16, 32, 64):
+        if rows_per_expert <= block:
             return block
     return 128
 
