@@ -117,25 +117,29 @@ def test_torch_compile_fullgraph_smoe_mlp(device):
     assert _rel(g_compiled, mlp.gate_up_proj.grad) < 1e-6
 
 
-def test_torch_fallback_is_selected_visibly(monkeypatch):
+def test_torch_fallback_is_selected_visibly(monkeypatch, device):
     from hf_scatter.kernels import backend
 
-    monkeypatch.setattr(backend, "triton_interpreted", lambda: False)
-    monkeypatch.setattr(backend, "_warned", set())
-    x = torch.randn(5, 8)
-    assert backend.kernel_path(x.device) == "torch"
-    with pytest.warns(RuntimeWarning, match="pure-torch reference path"):
-        assert backend.use_triton(x, "scatter2scatter") is False
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # only once per op
-        assert backend.use_triton(x, "scatter2scatter") is False
-    # ...and the fallback computes the same function
-    mlp = GLUMLP(3, 8, 12)
-    idx, gates = _routing(5, 2, 3, x.device)
+    # A CPU machine without the interpreter: the reference path runs and says so, once per op.
+    with monkeypatch.context() as m:
+        m.setattr(backend, "triton_interpreted", lambda: False)
+        m.setattr(backend, "_warned", set())
+        x = torch.randn(5, 8)
+        assert backend.kernel_path(x.device) == "torch"
+        with pytest.warns(RuntimeWarning, match="pure-torch reference path"):
+            assert backend.use_triton(x, "scatter2scatter") is False
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # only once per op
+            assert backend.use_triton(x, "scatter2scatter") is False
+    # The forced reference path computes the same function as the kernels on this machine.
+    mlp = GLUMLP(3, 8, 12).to(device)
+    x = torch.randn(5, 8, device=device)
+    idx, gates = _routing(5, 2, 3, device)
     monkeypatch.setenv("HF_SCATTER_KERNELS", "torch")
+    assert backend.kernel_path(device) == "torch"
     y_torch = mlp(x, idx, gates)
     monkeypatch.setenv("HF_SCATTER_KERNELS", "auto")
-    monkeypatch.setattr(backend, "triton_interpreted", lambda: True)
+    assert backend.kernel_path(device) != "torch"
     assert _rel(y_torch, mlp(x, idx, gates)) < 1e-5
 
 

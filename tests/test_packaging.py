@@ -14,6 +14,14 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _installed() -> bool:
+    try:
+        importlib.metadata.distribution("hf-scatter")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     # Build from a copy so the source tree gets no build/ or egg-info litter.
@@ -39,6 +47,7 @@ def test_wheel_layout(wheel):
 
 def test_installed_wheel_runs_version_and_demo(wheel, tmp_path):
     # A clean venv holding only the wheel; its dependencies come from this environment through a .pth file.
+    installed_before = _installed()
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     vpy = venv / "bin" / "python"
@@ -52,7 +61,8 @@ def test_installed_wheel_runs_version_and_demo(wheel, tmp_path):
     cli = venv / "bin" / "hf-scatter"
     version = subprocess.run([cli, "--version"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     assert version.returncode == 0 and version.stdout.startswith("hf-scatter "), version.stderr
-    assert importlib.metadata.distribution("hf-scatter") is not None, "the developer install must survive the test"
+    if installed_before:
+        assert _installed(), "pip must not have replaced this environment's own hf-scatter"
     where = subprocess.run([vpy, "-c", "import hf_scatter.conversion as c; print(c.__file__)"], capture_output=True,
                            text=True, env=env, cwd=tmp_path, timeout=120)
     assert str(venv) in where.stdout, "hf_scatter.conversion must come from the installed wheel"
