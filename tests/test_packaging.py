@@ -5,7 +5,6 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -56,7 +55,9 @@ def test_installed_wheel_runs_version_and_demo(wheel, tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "--python", str(vpy), "install", "--no-deps", "-q", str(wheel)],
                    check=True, timeout=300)
     # Only now expose the dependencies: pip must not see (and replace) this environment's own hf-scatter.
-    Path(site, "_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # Every site directory this interpreter sees (on GPU machines that includes the host's, holding torch).
+    sites = [p for p in sys.path if p.endswith(("site-packages", "dist-packages")) and Path(p).is_dir()]
+    Path(site, "_deps.pth").write_text("\n".join(sites) + "\n")
     env = {k: v for k, v in os.environ.items() if k not in {"TRITON_INTERPRET", "PYTHONPATH"}}
     cli = venv / "bin" / "hf-scatter"
     version = subprocess.run([cli, "--version"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
