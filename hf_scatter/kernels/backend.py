@@ -80,3 +80,25 @@ def use_triton(tensor: torch.Tensor, op: str) -> bool:
             "hf_scatter to interpret the kernels on CPU)")
         warnings.warn(f"hf_scatter: {op} uses the pure-torch reference path: {reason}.", RuntimeWarning, stacklevel=3)
     return False
+
+
+def fitting_configs(configs: list, block_limits: dict[str, int]) -> list:
+    """Autotune candidates whose blocks do not overshoot the problem (``{"BLOCK_N": N, ...}``); never empty."""
+    def fits(cfg) -> bool:
+        return all(cfg.kwargs[block] <= max(32, 1 << max(0, dim - 1).bit_length()) for block, dim in block_limits.items())
+
+    kept = [c for c in configs if fits(c)]
+    return kept or [min(configs, key=lambda c: sum(c.kwargs[b] for b in block_limits))]
+
+
+def launch(kernel, tuned, configs: list, block_limits: dict[str, int], grid, args: tuple, meta: dict,
+           interpreter_blocks: dict) -> None:
+    """Run a kernel the way the current path wants it: fixed large blocks under the interpreter (its cost grows
+    with programs x loop trips), autotuned on a GPU, or the first fitting config with ``HF_SCATTER_AUTOTUNE=0``."""
+    if triton_interpreted():
+        kernel[grid(interpreter_blocks)](*args, **meta, **interpreter_blocks)
+    elif autotune_enabled():
+        tuned[grid](*args, **meta)
+    else:
+        cfg = fitting_configs(configs, block_limits)[0]
+        kernel[grid(cfg.kwargs)](*args, **meta, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .backend import autotune_enabled, triton_available, triton_interpreted
+from .backend import fitting_configs, launch, triton_available, triton_interpreted
 
 if triton_available():
     import triton
@@ -77,10 +77,7 @@ if triton_available():
                                           (128, 128, 128, 8, 3), (32, 64, 64, 4, 4)]]
 
     def _prune_gxty(configs, named_args, **kwargs):
-        k, n = named_args["K"], named_args["N"]
-        kept = [c for c in configs if c.kwargs["BLOCK_K"] <= max(32, triton.next_power_of_2(k))
-                and c.kwargs["BLOCK_N"] <= max(32, triton.next_power_of_2(n))]
-        return kept or configs[-1:]
+        return fitting_configs(configs, {"BLOCK_K": named_args["K"], "BLOCK_N": named_args["N"]})
 
     _GXTY_CONFIGS = _gxty_configs()
     _groupxty_tuned = triton.autotune(configs=_GXTY_CONFIGS, key=["K", "N", "ROWS_BUCKET", "HAS_BIAS"],
@@ -113,16 +110,10 @@ def groupxty_triton(x_grouped, dy_grouped, expert_offsets, dw_out, db_out=None, 
     meta = dict(HAS_BIAS=db_out is not None, ALLOW_TF32=allow_tf32,
                 UPCAST=interpreted and x_grouped.dtype == torch.bfloat16)
     grid = lambda cfg: (triton.cdiv(K, cfg["BLOCK_K"]) * triton.cdiv(N, cfg["BLOCK_N"]), E)  # noqa: E731
-    if interpreted:
-        cfg = dict(BLOCK_M=32, BLOCK_K=min(128, max(16, triton.next_power_of_2(K))),
-                   BLOCK_N=min(128, max(16, triton.next_power_of_2(N))), GROUP_K=4)
-        _groupxty_kernel[grid(cfg)](*args, **meta, **cfg)
-    elif autotune_enabled():
-        _groupxty_tuned[grid](*args, **meta)
-    else:
-        cfg = _prune_gxty(_GXTY_CONFIGS, {"K": K, "N": N})[0]
-        _groupxty_kernel[grid(cfg.kwargs)](*args, **meta, **cfg.kwargs, num_warps=cfg.num_warps,
-                                           num_stages=cfg.num_stages)
+    interpreter_blocks = dict(BLOCK_M=32, BLOCK_K=min(128, max(16, triton.next_power_of_2(K))),
+                              BLOCK_N=min(128, max(16, triton.next_power_of_2(N))), GROUP_K=4)
+    launch(_groupxty_kernel, _groupxty_tuned, _GXTY_CONFIGS, {"BLOCK_K": K, "BLOCK_N": N}, grid, args, meta,
+           interpreter_blocks)
     return dw_out, db_out
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .backend import autotune_enabled, triton_available, triton_interpreted
+from .backend import fitting_configs, launch, triton_available, triton_interpreted
 
 if triton_available():
     import triton
@@ -86,10 +86,7 @@ if triton_available():
         return configs
 
     def _prune_s2s(configs, named_args, **kwargs):
-        n, k = named_args["N"], named_args["K"]
-        kept = [c for c in configs if c.kwargs["BLOCK_N"] <= max(32, triton.next_power_of_2(n))
-                and c.kwargs["BLOCK_K"] <= max(32, triton.next_power_of_2(k))]
-        return kept or configs[:1]
+        return fitting_configs(configs, {"BLOCK_N": named_args["N"], "BLOCK_K": named_args["K"]})
 
     # GPU path: block sizes chosen per shape by measurement (BLOCK_M is set by the caller, it shapes the tiles).
     _S2S_CONFIGS = _s2s_configs()
@@ -165,14 +162,8 @@ def scatter2scatter_triton(x, weight, sorted_expert_idxs, sorted_scattered_idxs,
     meta = dict(FAN_OUT=fan_out, X_GROUPED=x_grouped, Y_GROUPED=y_grouped, HAS_BIAS=bias is not None,
                 ALLOW_TF32=allow_tf32, UPCAST=interpreted and x.dtype == torch.bfloat16, BLOCK_M=block_m)
     grid = lambda cfg: (num_tiles * triton.cdiv(N, cfg["BLOCK_N"]),)  # noqa: E731
-    if interpreted:  # few, large programs: the interpreter's cost grows with programs x loop trips
-        cfg = dict(BLOCK_N=min(128, max(16, triton.next_power_of_2(N))),
-                   BLOCK_K=min(128, max(16, triton.next_power_of_2(K))), GROUP_M=4)
-        _scatter2scatter_kernel[grid(cfg)](*args, **meta, **cfg)
-    elif autotune_enabled():
-        _scatter2scatter_tuned[grid](*args, **meta)
-    else:
-        cfg = _prune_s2s(_S2S_CONFIGS, {"N": N, "K": K})[0]
-        _scatter2scatter_kernel[grid(cfg.kwargs)](*args, **meta, **cfg.kwargs, num_warps=cfg.num_warps,
-                                                  num_stages=cfg.num_stages)
+    interpreter_blocks = dict(BLOCK_N=min(128, max(16, triton.next_power_of_2(N))),
+                              BLOCK_K=min(128, max(16, triton.next_power_of_2(K))), GROUP_M=4)
+    launch(_scatter2scatter_kernel, _scatter2scatter_tuned, _S2S_CONFIGS, {"BLOCK_N": N, "BLOCK_K": K}, grid,
+           args, meta, interpreter_blocks)
     return out
