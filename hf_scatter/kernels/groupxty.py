@@ -15,6 +15,8 @@ if triton_available():
     import triton
     import triton.language as tl
 
+    from .tiling import dot_accumulate, grouped_tile
+
     @triton.jit
     def _groupxty_kernel(
         x_ptr, dy_ptr, dw_ptr, db_ptr, expert_end_ptr,
@@ -29,13 +31,7 @@ if triton_available():
         # Within an expert, GROUP_K row-tiles of dW sweep the column tiles together (grouped order).
         pid = tl.program_id(0)
         expert = tl.program_id(1)
-        num_k = tl.cdiv(K, BLOCK_K)
-        num_n = tl.cdiv(N, BLOCK_N)
-        group_size = GROUP_K * num_n
-        first_k = (pid // group_size) * GROUP_K
-        ks_in_group = tl.minimum(num_k - first_k, GROUP_K)
-        pid_k = first_k + (pid % group_size) % ks_in_group
-        pid_n = (pid % group_size) // ks_in_group
+        pid_k, pid_n = grouped_tile(pid, tl.cdiv(K, BLOCK_K), tl.cdiv(N, BLOCK_N), GROUP_K)
         end = tl.load(expert_end_ptr + expert)
         start = tl.load(expert_end_ptr + expert - 1, mask=expert > 0, other=0)
         ks = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -52,13 +48,7 @@ if triton_available():
                          mask=k_mask[:, None] & row_mask[None, :], other=0.0)
             dy = tl.load(dy_ptr + rows[:, None].to(tl.int64) * stride_dym + ns[None, :] * stride_dyn,
                          mask=row_mask[:, None] & n_mask[None, :], other=0.0)
-            if UPCAST:
-                xt = xt.to(tl.float32)
-                dy = dy.to(tl.float32)
-            if ALLOW_TF32:
-                acc += tl.dot(xt, dy, input_precision="tf32")
-            else:
-                acc += tl.dot(xt, dy, input_precision="ieee")
+            acc = dot_accumulate(acc, xt, dy, UPCAST, ALLOW_TF32)
             if HAS_BIAS:
                 bias_acc += tl.sum(dy.to(tl.float32), axis=0)
         dw_tile = dw_ptr + expert.to(tl.int64) * stride_dwe + ks[:, None] * stride_dwk + ns[None, :] * stride_dwn

@@ -18,6 +18,8 @@ if triton_available():
     import triton
     import triton.language as tl
 
+    from .tiling import dot_accumulate, grouped_tile
+
     @triton.jit
     def _scatter2scatter_kernel(
         x_ptr, w_ptr, b_ptr, y_ptr,
@@ -30,13 +32,7 @@ if triton_available():
     ):
         # Grouped program order: GROUP_M row tiles sweep all column tiles together, so their input rows
         # stay in L2 while the column tiles of one expert's weight are reused across them.
-        pid = tl.program_id(0)
-        num_n = tl.cdiv(N, BLOCK_N)
-        group_size = GROUP_M * num_n
-        first_m = (pid // group_size) * GROUP_M
-        rows_in_group = tl.minimum(NUM_TILES - first_m, GROUP_M)
-        pid_m = first_m + (pid % group_size) % rows_in_group
-        pid_n = (pid % group_size) // rows_in_group
+        pid_m, pid_n = grouped_tile(tl.program_id(0), NUM_TILES, tl.cdiv(N, BLOCK_N), GROUP_M)
         expert = tl.load(tile_expert_ptr + pid_m)
         if expert < E:
             row0 = tl.load(tile_row_ptr + pid_m)
@@ -57,13 +53,7 @@ if triton_available():
                 k_mask = ks < K - k0 * BLOCK_K
                 x = tl.load(x_tile_ptr, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
                 w = tl.load(w_tile_ptr, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-                if UPCAST:
-                    x = x.to(tl.float32)
-                    w = w.to(tl.float32)
-                if ALLOW_TF32:
-                    acc += tl.dot(x, w, input_precision="tf32")
-                else:
-                    acc += tl.dot(x, w, input_precision="ieee")
+                acc = dot_accumulate(acc, x, w, UPCAST, ALLOW_TF32)
                 x_tile_ptr += BLOCK_K * stride_xk
                 w_tile_ptr += BLOCK_K * stride_wk
             if HAS_BIAS:
