@@ -1,1 +1,47 @@
+"""hf-scatter: Mixture-of-Experts and BERT models on fused Triton kernels, behind one call.
+
+Importing registers ``"scattermoe"`` with transformers' experts interface, so
+``from_pretrained(path, experts_implementation="scattermoe")`` works without any other call. The kernels
+themselves load on first use.
+"""
+
+from __future__ import annotations
+
 __version__ = "0.1.0"
+
+SCATTERMOE = "scattermoe"  # the experts_implementation name
+
+_PUBLIC = {"patch_model", "patch_report", "patch_transformers", "supported_model_types", "unpatch_model",
+           "unpatch_transformers"}
+
+
+def _scattermoe_experts(self, hidden_states, top_k_index, top_k_weights):
+    from .models.experts import scattermoe_experts_forward
+
+    return scattermoe_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+
+
+def _register_experts_backend() -> None:
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    ALL_EXPERTS_FUNCTIONS.register(SCATTERMOE, _scattermoe_experts)
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        from . import patching
+
+        return getattr(patching, name)
+    raise AttributeError(f"module 'hf_scatter' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | _PUBLIC)
+
+
+from .kernels.backend import enable_interpreter_if_no_gpu as _enable_interpreter_if_no_gpu  # noqa: E402
+
+_enable_interpreter_if_no_gpu()  # before transformers imports Triton (see kernels/backend.py)
+_register_experts_backend()
+
+__all__ = ["SCATTERMOE", "__version__", *sorted(_PUBLIC)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from . import __version__
@@ -23,15 +24,21 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     import json
-    import os
 
     if args.suite == "moe":
         from .bench import moe as suite
+
+        measure = lambda: suite.run(args.configs)  # noqa: E731
+    else:
+        from .bench import train as suite
+
+        impls = args.configs or list(suite.IMPLS)
+        measure = lambda: suite.run(impls, steps=args.steps, breakdown=not args.no_breakdown)  # noqa: E731
     if args.replot:
         with open(args.replot) as f:
             report = json.load(f)
     else:
-        report = suite.run(args.configs)
+        report = measure()
     if args.out:
         tmp = args.out + ".tmp"
         with open(tmp, "w") as f:
@@ -56,8 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser("bench", help="GPU benchmarks against every peer in one process (JSON + Markdown)")
-    p.add_argument("suite", choices=["moe"], help="moe: one SMoE SwiGLU layer vs HF eager/grouped_mm/batched_mm/dense")
-    p.add_argument("--configs", nargs="*", help="subset of configs (default: all)")
+    p.add_argument("suite", choices=["moe", "train"],
+                   help="moe: one SMoE SwiGLU layer vs HF eager/grouped_mm/batched_mm/dense; "
+                        "train: training steps of the paper's 1.5B Mixtral (and a same-shape DBRX), vanilla vs patched")
+    p.add_argument("--configs", nargs="*", help="subset of configs (moe) or implementations (train); default: all")
+    p.add_argument("--steps", type=int, default=10, help="train: timed steps after 3 warm-up steps")
+    p.add_argument("--no-breakdown", action="store_true", help="train: skip the per-category time breakdown")
     p.add_argument("--out", help="write the full results as JSON here")
     p.add_argument("--plot", help="draw time and memory bars into this PNG")
     p.add_argument("--replot", metavar="JSON", help="re-render table/plot from a saved JSON instead of measuring")
@@ -72,10 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     if args.command == "demo":
-        # Kernels must be defined after this for the interpreter to take them (CPU machines only).
-        from .kernels.backend import enable_interpreter_if_no_gpu
-
-        enable_interpreter_if_no_gpu()
+        # The demo checks the kernels themselves: on a machine without a GPU, run them interpreted.
+        os.environ.setdefault("HF_SCATTER_KERNELS", "triton")
     return args.func(args)
 
 

@@ -66,7 +66,9 @@ def check_smoe_mlp(quick: bool) -> CheckResult:
     device = _device()
     tokens, hidden, experts, top_k, inter = (24, 64, 4, 2, 96) if quick else (200, 72, 6, 3, 100)
     torch.manual_seed(0)
-    hf = MixtralExperts(tiny_mixtral_config(hidden=hidden, experts=experts, top_k=top_k, intermediate=inter))
+    config = tiny_mixtral_config(hidden=hidden, experts=experts, top_k=top_k, intermediate=inter)
+    config._experts_implementation = "eager"  # a standalone experts module: its reference loop
+    hf = MixtralExperts(config)
     torch.nn.init.normal_(hf.gate_up_proj, std=0.1)
     torch.nn.init.normal_(hf.down_proj, std=0.1)
     hf = hf.to(device)
@@ -79,7 +81,40 @@ def check_smoe_mlp(quick: bool) -> CheckResult:
                        f"scattermoe ({kernel_path(device)})", diff, 1e-4, seconds)
 
 
-CHECKS: list[Callable[[bool], CheckResult]] = [check_group_kernel, check_smoe_mlp]
+def _check_patched_model(family: str, quick: bool) -> CheckResult:
+    """A tiny model after ``patch_model`` against a vanilla copy: logits, then greedy tokens (a token
+    mismatch counts as an infinite difference)."""
+    import copy
+
+    from . import patch_model, patch_report
+    from .kernels.backend import kernel_path
+    from .tiny import TINY_BUILDERS
+
+    device = _device()
+    size = {} if quick else {"hidden": 72, "experts": 6, "top_k": 3, "intermediate": 40}
+    vanilla = TINY_BUILDERS[family](**size).to(device)
+    patched = patch_model(copy.deepcopy(vanilla))
+    ids = torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(0)).to(device)
+    with torch.no_grad():
+        logits, seconds = _timed(lambda: patched(ids).logits)
+        diff = (logits - vanilla(ids).logits).abs().max().item()
+    generate = dict(max_new_tokens=4 if quick else 12, do_sample=False, pad_token_id=0)
+    if not torch.equal(patched.generate(ids, **generate), vanilla.generate(ids, **generate)):
+        diff = float("inf")
+    layers = len(patch_report(patched))
+    return CheckResult(f"tiny {family}: patch_model logits + greedy generate ({layers} MoE layers patched)",
+                       f"scattermoe ({kernel_path(device)})", diff, 1e-4, seconds)
+
+
+def check_mixtral(quick: bool) -> CheckResult:
+    return _check_patched_model("mixtral", quick)
+
+
+def check_dbrx(quick: bool) -> CheckResult:
+    return _check_patched_model("dbrx", quick)
+
+
+CHECKS: list[Callable[[bool], CheckResult]] = [check_group_kernel, check_smoe_mlp, check_mixtral, check_dbrx]
 
 
 def format_table(results: list[CheckResult]) -> str:

@@ -7,7 +7,7 @@ import platform
 
 import torch
 
-from .kernels.backend import kernel_path, triton_available, triton_interpreted
+from .kernels.backend import kernel_path, kernels_enabled, triton_available, triton_interpreted
 
 _PACKAGES = ("hf-scatter", "torch", "triton", "transformers", "accelerate", "peft", "safetensors", "tokenizers")
 
@@ -31,9 +31,14 @@ def environment_report() -> dict[str, str]:
         report["device"] = f"cpu: {torch.get_num_threads()} threads, no CUDA GPU"
     if not triton_available():
         report["triton mode"] = "unavailable"
+    elif not kernels_enabled():
+        report["triton mode"] = "off (no CUDA GPU; set TRITON_INTERPRET=1 to interpret the kernels on CPU)"
     else:
         report["triton mode"] = "interpreted (TRITON_INTERPRET=1)" if triton_interpreted() else "native (compiled)"
-    report["kernel path"] = kernel_path(device)
+    path = kernel_path(device)
+    if path == "torch" and device.type == "cpu" and triton_interpreted():
+        path += " (the CPU reference; HF_SCATTER_KERNELS=triton runs the interpreted Triton kernels)"
+    report["kernel path"] = path
     return report
 
 

@@ -53,14 +53,15 @@ def tiny_mixtral_config(hidden: int = 64, layers: int = 2, experts: int = 4, top
 
 def tiny_dbrx_config(hidden: int = 64, layers: int = 2, experts: int = 4, top_k: int = 2,
                      intermediate: int = 96, heads: int = 4, kv_heads: int = 2, vocab: int = TINY_VOCAB,
-                     normalize_expert_weights: float | None = 1.0, **extra):
+                     normalize_expert_weights: float | None = 1.0, jitter_eps: float | None = None, **extra):
     from transformers import DbrxConfig
 
     return DbrxConfig(
         d_model=hidden, n_heads=heads, n_layers=layers, max_seq_len=256, vocab_size=vocab,
         attn_config={"kv_n_heads": kv_heads, "clip_qkv": 8.0, "rope_theta": 10000.0},
         ffn_config={"hidden_size": hidden, "ffn_hidden_size": intermediate, "moe_num_experts": experts,
-                    "moe_top_k": top_k, "moe_normalize_expert_weights": normalize_expert_weights},
+                    "moe_top_k": top_k, "moe_normalize_expert_weights": normalize_expert_weights,
+                    "moe_jitter_eps": jitter_eps},
         pad_token_id=0, bos_token_id=1, eos_token_id=2, **extra)
 
 

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import platform
-import time
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from .timing import is_oom, markdown_table, median_ms, peak_extra_gib
+from .timing import is_oom, markdown_table, median_ms, peak_extra_gib, run_header
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,18 +137,13 @@ def run_config(name: str, cfg: MoEConfig, impls=IMPLS, dtype=torch.bfloat16, see
 
 
 def run(configs=None, impls=IMPLS) -> dict:
-    import transformers
-    import triton
-
     if not torch.cuda.is_available():
         raise SystemExit("hf-scatter bench moe needs a CUDA GPU (the figures are GPU timings)")
     names = configs or list(CONFIGS)
     unknown = sorted(set(names) - set(CONFIGS))
     if unknown:
         raise SystemExit(f"unknown config(s) {unknown}; choose from {sorted(CONFIGS)}")
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "transformers": transformers.__version__, "host": platform.node(),
-              "date": time.strftime("%Y-%m-%d %H:%M:%S"), "dtype": "bfloat16", "results": {}}
+    report = {**run_header(), "results": {}}
     for name in names:
         report["results"][name] = run_config(name, CONFIGS[name], impls)
     return report

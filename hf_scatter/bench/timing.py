@@ -8,6 +8,19 @@ from typing import Callable
 import torch
 
 
+def run_header() -> dict:
+    """Where and with what a benchmark ran: stored at the top of every result JSON."""
+    import platform
+    import time
+
+    import transformers
+    import triton
+
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "transformers": transformers.__version__, "host": platform.node(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "dtype": "bfloat16"}
+
+
 def median_ms(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 200, grad_to_none=None) -> float:
     """Median time of ``fn`` in ms (CUDA events via ``triton.testing.do_bench``)."""
     from triton.testing import do_bench

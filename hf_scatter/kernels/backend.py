@@ -1,8 +1,11 @@
 """Which implementation a kernel call runs: compiled Triton, interpreted Triton, or the torch reference.
 
-Triton decides at decoration time whether ``@triton.jit`` functions are interpreted
-(``TRITON_INTERPRET=1``), so that choice is fixed when the kernel modules are first imported.
-Everything here is read once and cached; kernel call sites ask :func:`use_triton`.
+Triton decides whether ``@triton.jit`` functions (its own standard library included) are interpreted
+when they are defined, so ``TRITON_INTERPRET`` must be set before Triton is first imported:
+``import hf_scatter`` does that on machines without a GPU. CPU tensors then take the torch reference
+(fast) unless the interpreter was asked for (``TRITON_INTERPRET=1`` set by the user, or
+``HF_SCATTER_KERNELS=triton``), which is how tests and the demo run the kernels on CPU.
+Kernel call sites ask :func:`use_triton`.
 """
 
 from __future__ import annotations
@@ -16,11 +19,20 @@ import torch
 
 _ENV_FORCE = "HF_SCATTER_KERNELS"  # "triton" or "torch": override the automatic choice
 _warned: set[str] = set()
+_interpreter_auto = False  # True when hf_scatter itself switched the interpreter on (nobody asked for it)
 
 
 @functools.lru_cache(maxsize=None)
 def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
+
+
+@functools.lru_cache(maxsize=None)
+def kernels_enabled() -> bool:
+    """Whether this process defines the Triton kernels: Triton is installed and can run here (a CUDA GPU,
+    or the interpreter). Decided once, when the first kernel module is imported; otherwise every op takes
+    its torch reference (importing hf_scatter never fails on a machine without a GPU)."""
+    return triton_available() and (torch.cuda.is_available() or triton_interpreted())
 
 
 def triton_interpreted() -> bool:
@@ -29,13 +41,16 @@ def triton_interpreted() -> bool:
 
 
 def enable_interpreter_if_no_gpu() -> bool:
-    """Turn on the Triton interpreter on machines without a GPU, before any kernel is defined.
+    """Turn on the Triton interpreter on machines without a GPU, before Triton is imported.
 
-    Returns True if the interpreter is (now) active. Has no effect once kernel modules were imported
-    in compiled mode, which is why callers (tests, the demo) invoke it first thing.
+    Returns True if the interpreter is (now) active. Only effective before the first ``import triton``
+    (``import hf_scatter`` calls it first thing). An interpreter switched on here is not used for CPU
+    tensors unless ``HF_SCATTER_KERNELS=triton`` asks for it.
     """
-    if not torch.cuda.is_available() and triton_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    global _interpreter_auto
+    if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available() and triton_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+        _interpreter_auto = True
     return triton_interpreted()
 
 
@@ -57,11 +72,11 @@ def kernel_path(device: torch.device | str) -> str:
     """Name of the path kernels take on ``device``: 'triton', 'triton-interpreter' or 'torch'."""
     device = torch.device(device)
     forced = _forced()
-    if forced == "torch" or not triton_available():
+    if forced == "torch" or not kernels_enabled():
         return "torch"
     if device.type == "cuda":
         return "triton"
-    if device.type == "cpu" and triton_interpreted():
+    if device.type == "cpu" and triton_interpreted() and (forced == "triton" or not _interpreter_auto):
         return "triton-interpreter"
     return "torch"
 
@@ -71,13 +86,18 @@ def use_triton(tensor: torch.Tensor, op: str) -> bool:
     path = kernel_path(tensor.device)
     if path != "torch":
         return True
-    if _forced() == "torch":
-        return False
+    if _forced() == "torch" or (tensor.device.type == "cpu" and _interpreter_auto):
+        return False  # asked for, or the designed CPU path: no warning
     if op not in _warned:
         _warned.add(op)
-        reason = "Triton is not installed" if not triton_available() else (
-            f"Triton does not run on {tensor.device.type} tensors (set TRITON_INTERPRET=1 before importing "
-            "hf_scatter to interpret the kernels on CPU)")
+        if not triton_available():
+            reason = "Triton is not installed"
+        elif not kernels_enabled():
+            reason = ("there is no CUDA GPU and the Triton interpreter was off when the kernels were imported "
+                      "(set TRITON_INTERPRET=1 before importing hf_scatter to interpret them on CPU)")
+        else:
+            reason = (f"Triton does not run on {tensor.device.type} tensors (set TRITON_INTERPRET=1 before "
+                      "importing hf_scatter to interpret the kernels on CPU)")
         warnings.warn(f"hf_scatter: {op} uses the pure-torch reference path: {reason}.", RuntimeWarning, stacklevel=3)
     return False
 

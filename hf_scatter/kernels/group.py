@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from .backend import triton_available
+from .backend import kernels_enabled
 
-if triton_available():
+if kernels_enabled():
     import triton
     import triton.language as tl
 

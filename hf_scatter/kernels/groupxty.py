@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from .backend import fitting_configs, launch, triton_available, triton_interpreted
+from .backend import fitting_configs, launch, kernels_enabled, triton_interpreted
 
-if triton_available():
+if kernels_enabled():
     import triton
     import triton.language as tl
 
@@ -59,7 +59,7 @@ if triton_available():
                          mask=n_mask)
 
 
-if triton_available():
+if kernels_enabled():
     def _gxty_configs():
         return [triton.Config({"BLOCK_M": bm, "BLOCK_K": bk, "BLOCK_N": bn, "GROUP_K": 8}, num_warps=w,
                               num_stages=st)

@@ -76,36 +76,46 @@ def _(x_grouped, dy_grouped, expert_offsets, dw, db, allow_tf32):
 
 
 @torch.library.custom_op("hf_scatter::swiglu_fwd", mutates_args=("out",))
-def _swiglu_fwd_op(h: torch.Tensor, out: torch.Tensor) -> None:
-    if use_triton(h, "swiglu") and h.dtype != torch.float64:
-        swiglu_fwd_triton(h, out)
+def _swiglu_fwd_op(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> None:
+    if use_triton(gate, "swiglu") and gate.dtype != torch.float64:
+        swiglu_fwd_triton(gate, up, out)
     else:
-        out.copy_(swiglu_reference(h))
+        out.copy_(swiglu_reference(gate, up))
 
 
 @_swiglu_fwd_op.register_fake
-def _(h, out):
+def _(gate, up, out):
     return None
 
 
-@torch.library.custom_op("hf_scatter::swiglu_bwd", mutates_args=("dh",))
-def _swiglu_bwd_op(h: torch.Tensor, dout: torch.Tensor, dh: torch.Tensor) -> None:
-    if use_triton(h, "swiglu") and h.dtype != torch.float64:
-        swiglu_bwd_triton(h, dout, dh)
+@torch.library.custom_op("hf_scatter::swiglu_bwd", mutates_args=("dgate", "dup"))
+def _swiglu_bwd_op(gate: torch.Tensor, up: torch.Tensor, dout: torch.Tensor, dgate: torch.Tensor,
+                   dup: torch.Tensor) -> None:
+    if use_triton(gate, "swiglu") and gate.dtype != torch.float64:
+        swiglu_bwd_triton(gate, up, dout, dgate, dup)
     else:
-        dh.copy_(swiglu_backward_reference(h, dout))
+        dg, du = swiglu_backward_reference(gate, up, dout)
+        dgate.copy_(dg)
+        dup.copy_(du)
 
 
 @_swiglu_bwd_op.register_fake
-def _(h, dout, dh):
+def _(gate, up, dout, dgate, dup):
     return None
 
 
+def _halves(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    half = h.shape[1] // 2
+    return h[:, :half], h[:, half:]
+
+
 class _SwiGLU(torch.autograd.Function):
+    """``h = [gate; up]`` in one buffer; the gradient is one buffer too (no autograd cat of two halves)."""
+
     @staticmethod
     def forward(ctx, h, reuse_input_buffer):
         out = h.new_empty((h.shape[0], h.shape[1] // 2))
-        torch.ops.hf_scatter.swiglu_fwd(h, out)
+        torch.ops.hf_scatter.swiglu_fwd(*_halves(h), out)
         ctx.reuse_input_buffer = reuse_input_buffer
         ctx.save_for_backward(h)
         return out
@@ -115,8 +125,28 @@ class _SwiGLU(torch.autograd.Function):
         (h,) = ctx.saved_tensors
         # With reuse, h's buffer receives d[gate; up] (a second backward through it then fails loudly).
         dh = h if ctx.reuse_input_buffer else torch.empty_like(h)
-        torch.ops.hf_scatter.swiglu_bwd(h, dout.contiguous(), dh)
+        torch.ops.hf_scatter.swiglu_bwd(*_halves(h), dout.contiguous(), *_halves(dh))
         return dh, None
+
+
+class _SwiGLUPair(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up, reuse_input_buffers):
+        out = gate.new_empty(gate.shape)
+        torch.ops.hf_scatter.swiglu_fwd(gate, up, out)
+        ctx.reuse_input_buffers = reuse_input_buffers
+        ctx.save_for_backward(gate, up)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        gate, up = ctx.saved_tensors
+        if ctx.reuse_input_buffers:
+            dgate, dup = gate, up
+        else:
+            dgate, dup = torch.empty_like(gate), torch.empty_like(up)
+        torch.ops.hf_scatter.swiglu_bwd(gate, up, dout.contiguous(), dgate, dup)
+        return dgate, dup, None
 
 
 def swiglu(h: torch.Tensor, reuse_input_buffer: bool = False) -> torch.Tensor:
@@ -129,6 +159,20 @@ def swiglu(h: torch.Tensor, reuse_input_buffer: bool = False) -> torch.Tensor:
     if h.shape[1] % 2 or h.stride(1) != 1:
         _fail("swiglu", f"h must be [M, 2I] with contiguous rows, got shape {tuple(h.shape)} strides {h.stride()}")
     return _SwiGLU.apply(h, reuse_input_buffer)
+
+
+def swiglu_pair(gate: torch.Tensor, up: torch.Tensor, reuse_input_buffers: bool = False) -> torch.Tensor:
+    """``silu(gate) * up`` for separate [M, I] operands (DBRX's w1 and v1 outputs), fused, differentiable.
+
+    ``reuse_input_buffers``: the backward writes d(gate) and d(up) into ``gate`` and ``up``; only for
+    intermediates nothing else reads afterwards.
+    """
+    _check_float("swiglu_pair", "gate", gate, 2)
+    _check_like("swiglu_pair", "up", up, gate)
+    if gate.shape != up.shape or gate.stride(1) != 1 or up.stride(1) != 1:
+        _fail("swiglu_pair", f"gate and up must both be [M, I] with contiguous rows, got {tuple(gate.shape)} "
+                             f"strides {gate.stride()} and {tuple(up.shape)} strides {up.stride()}")
+    return _SwiGLUPair.apply(gate, up, reuse_input_buffers)
 
 
 # ------------------------------------------------------------------------------------- validation

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from .backend import fitting_configs, launch, triton_available, triton_interpreted
+from .backend import fitting_configs, launch, kernels_enabled, triton_interpreted
 
-if triton_available():
+if kernels_enabled():
     import triton
     import triton.language as tl
 

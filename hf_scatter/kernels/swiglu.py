@@ -1,6 +1,8 @@
-"""Fused SwiGLU over the expert-grouped [gate; up] activations: ``silu(gate) * up`` and its backward.
+"""Fused SwiGLU over expert-grouped activations: ``silu(gate) * up`` and its backward.
 
-The backward writes d[gate; up] into the buffer of the forward input (dead by then), so the largest
+Gate and up are separate operands (row strides of their own), so one kernel pair serves both layouts:
+Mixtral's concatenated [gate; up] rows (two views of one buffer) and DBRX's separate w1 / v1 outputs.
+The backward can write d(gate), d(up) into the forward inputs' memory (dead by then), so the largest
 activation of the SMoE MLP is never allocated twice.
 """
 
@@ -9,53 +11,50 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .backend import triton_available, triton_interpreted
+from .backend import kernels_enabled, triton_interpreted
 
-if triton_available():
+if kernels_enabled():
     import triton
     import triton.language as tl
 
     @triton.jit
-    def _swiglu_fwd_kernel(h_ptr, out_ptr, M, I, stride_hm, stride_om,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = (rows < M)[:, None] & (cols < I)[None, :]
-        base = h_ptr + rows[:, None].to(tl.int64) * stride_hm + cols[None, :]
-        g = tl.load(base, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(base + I, mask=mask, other=0.0).to(tl.float32)
-        out = g * tl.sigmoid(g) * u
-        tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=mask)
-
-    @triton.jit
-    def _swiglu_bwd_kernel(h_ptr, dout_ptr, dh_ptr, M, I, stride_hm, stride_dom, stride_dhm,
+    def _swiglu_fwd_kernel(g_ptr, u_ptr, out_ptr, M, I, stride_gm, stride_um, stride_om,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = (rows < M)[:, None] & (cols < I)[None, :]
         r64 = rows[:, None].to(tl.int64)
-        g = tl.load(h_ptr + r64 * stride_hm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(h_ptr + r64 * stride_hm + I + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + r64 * stride_gm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + r64 * stride_um + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        out = g * tl.sigmoid(g) * u
+        tl.store(out_ptr + r64 * stride_om + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _swiglu_bwd_kernel(g_ptr, u_ptr, dout_ptr, dg_ptr, du_ptr, M, I, stride_gm, stride_um, stride_dom,
+                           stride_dgm, stride_dum, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (rows < M)[:, None] & (cols < I)[None, :]
+        r64 = rows[:, None].to(tl.int64)
+        g = tl.load(g_ptr + r64 * stride_gm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + r64 * stride_um + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         d = tl.load(dout_ptr + r64 * stride_dom + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         s = tl.sigmoid(g)
         dg = d * u * s * (1.0 + g * (1.0 - s))
         du = d * g * s
-        dst = dh_ptr + r64 * stride_dhm + cols[None, :]
-        tl.store(dst, dg.to(dh_ptr.dtype.element_ty), mask=mask)
-        tl.store(dst + I, du.to(dh_ptr.dtype.element_ty), mask=mask)
+        tl.store(dg_ptr + r64 * stride_dgm + cols[None, :], dg.to(dg_ptr.dtype.element_ty), mask=mask)
+        tl.store(du_ptr + r64 * stride_dum + cols[None, :], du.to(du_ptr.dtype.element_ty), mask=mask)
 
 
-def swiglu_reference(h: torch.Tensor) -> torch.Tensor:
-    gate, up = h.chunk(2, dim=-1)
+def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def swiglu_backward_reference(h: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
-    gate, up = h.float().chunk(2, dim=-1)
-    s = torch.sigmoid(gate)
-    d = dout.float()
-    return torch.cat([d * up * s * (1 + gate * (1 - s)), d * gate * s], dim=-1).to(h.dtype)
+def swiglu_backward_reference(gate: torch.Tensor, up: torch.Tensor,
+                              dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    g, u, d = gate.float(), up.float(), dout.float()
+    s = torch.sigmoid(g)
+    return (d * u * s * (1 + g * (1 - s))).to(gate.dtype), (d * g * s).to(up.dtype)
 
 
 def _blocks(I: int) -> tuple[int, int]:
@@ -64,19 +63,20 @@ def _blocks(I: int) -> tuple[int, int]:
     return 8, min(1024, max(16, triton.next_power_of_2(I)))
 
 
-def swiglu_fwd_triton(h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def swiglu_fwd_triton(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     M, I = out.shape
     if M and I:
         bm, bn = _blocks(I)
-        _swiglu_fwd_kernel[(triton.cdiv(M, bm), triton.cdiv(I, bn))](h, out, M, I, h.stride(0), out.stride(0),
-                                                                    BLOCK_M=bm, BLOCK_N=bn, num_warps=4)
+        _swiglu_fwd_kernel[(triton.cdiv(M, bm), triton.cdiv(I, bn))](
+            gate, up, out, M, I, gate.stride(0), up.stride(0), out.stride(0), BLOCK_M=bm, BLOCK_N=bn, num_warps=4)
     return out
 
 
-def swiglu_bwd_triton(h: torch.Tensor, dout: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
+def swiglu_bwd_triton(gate: torch.Tensor, up: torch.Tensor, dout: torch.Tensor, dgate: torch.Tensor,
+                      dup: torch.Tensor) -> None:
     M, I = dout.shape
     if M and I:
         bm, bn = _blocks(I)
-        _swiglu_bwd_kernel[(triton.cdiv(M, bm), triton.cdiv(I, bn))](h, dout, dh, M, I, h.stride(0), dout.stride(0),
-                                                                    dh.stride(0), BLOCK_M=bm, BLOCK_N=bn, num_warps=4)
-    return dh
+        _swiglu_bwd_kernel[(triton.cdiv(M, bm), triton.cdiv(I, bn))](
+            gate, up, dout, dgate, dup, M, I, gate.stride(0), up.stride(0), dout.stride(0), dgate.stride(0),
+            dup.stride(0), BLOCK_M=bm, BLOCK_N=bn, num_warps=4)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from .backend import triton_available
+from .backend import kernels_enabled
 
-if triton_available():
+if kernels_enabled():
     import triton
     import triton.language as tl
 

@@ -7,7 +7,7 @@ second projection grouped -> scattered with the routing gates: in backward each 
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -18,8 +18,33 @@ from .parallel_linear import parallel_linear
 from .routing import flatten_sort_count
 
 
-def _is_silu(act_fn) -> bool:
+def is_silu(act_fn) -> bool:
     return act_fn is F.silu or isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ == "SiLUActivation"
+
+
+def expert_mlp(x: torch.Tensor, w_in: Sequence[torch.Tensor], w_out: torch.Tensor, expert_idxs: torch.Tensor,
+               gates: torch.Tensor, activation: Callable[..., torch.Tensor],
+               b_in: Sequence[torch.Tensor | None] | None = None, b_out: torch.Tensor | None = None,
+               post_norm: Callable[[torch.Tensor], torch.Tensor] | None = None,
+               validate: bool = True) -> torch.Tensor:
+    """Two-layer experts on ParallelLinear: ``sum_j gates[t,j] * out_e(activation(*in_e(x_t)))``.
+
+    Weights are in kernel layout ([E, d_in, d_out], transposed views welcome). ``w_in`` holds one input
+    projection (a fused [gate; up] or a plain up) or several (DBRX's separate gate and up); each runs
+    scattered -> grouped and ``activation`` receives their grouped outputs. The output projection runs
+    grouped -> scattered and mixes the k outputs with ``gates``, unless ``post_norm`` must see each
+    expert's output first (then the mix is an fp32 weighted sum).
+    """
+    T, k = expert_idxs.shape
+    E = w_out.shape[0]
+    routing = flatten_sort_count(expert_idxs, E, validate)
+    b_in = b_in if b_in is not None else (None,) * len(w_in)
+    hs = [parallel_linear(x, w, k, *routing, bias=b, grouped_out=True) for w, b in zip(w_in, b_in)]
+    h = activation(*hs)
+    if post_norm is None:
+        return parallel_linear(h, w_out, k, *routing, bias=b_out, gates=gates, grouped_in=True)
+    y = post_norm(parallel_linear(h, w_out, k, *routing, bias=b_out, grouped_in=True))
+    return (y.view(T, k, -1).float() * gates.float().unsqueeze(-1)).sum(1).to(x.dtype)
 
 
 def glu_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, expert_idxs: torch.Tensor,
@@ -40,17 +65,21 @@ def glu_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Te
     if two_i % 2 or tuple(down_proj.shape) != (E, H, two_i // 2) or x.shape[1] != H:
         raise ValueError(f"glu_experts: expected gate_up_proj [E, 2I, H], down_proj [E, H, I] and x [T, H]; got "
                          f"{tuple(gate_up_proj.shape)}, {tuple(down_proj.shape)}, {tuple(x.shape)}")
-    k = expert_idxs.shape[1]
-    sorted_expert_idxs, sorted_scattered_idxs, expert_offsets = flatten_sort_count(expert_idxs, E, validate)
-    h = parallel_linear(x, gate_up_proj.transpose(1, 2), k, sorted_expert_idxs, sorted_scattered_idxs,
-                        expert_offsets, bias=gate_up_bias, grouped_out=True)
-    if _is_silu(act_fn):
-        h = swiglu(h, reuse_input_buffer=True)  # h is this function's own intermediate
-    else:
+    return expert_mlp(x, (gate_up_proj.transpose(1, 2),), down_proj.transpose(1, 2), expert_idxs, gates,
+                      glu_activation(act_fn), b_in=(gate_up_bias,), b_out=down_bias, validate=validate)
+
+
+def glu_activation(act_fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``act(gate) * up`` over grouped [gate; up] rows: the fused kernel for SiLU, torch ops otherwise."""
+    if is_silu(act_fn):
+        # The grouped [gate; up] rows are expert_mlp's own intermediate: the backward may overwrite them.
+        return lambda h: swiglu(h, reuse_input_buffer=True)
+
+    def act_times_up(h: torch.Tensor) -> torch.Tensor:
         gate, up = h.chunk(2, dim=-1)
-        h = act_fn(gate) * up
-    return parallel_linear(h, down_proj.transpose(1, 2), k, sorted_expert_idxs, sorted_scattered_idxs,
-                           expert_offsets, bias=down_bias, gates=gates, grouped_in=True)
+        return act_fn(gate) * up
+
+    return act_times_up
 
 
 class GLUMLP(nn.Module):

@@ -69,6 +69,16 @@ class _ParallelLinear(torch.autograd.Function):
         return d_x, (d_weight if need_w else None), d_bias, d_gates, None, None, None, None, None, None
 
 
+def _autocast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """Inside ``torch.autocast`` the layer computes in the autocast dtype, as ``F.linear`` would (custom ops
+    are not autocast by torch itself); gradients flow back to the full-precision tensors."""
+    device_type = x.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return x, weight, bias
+    dtype = torch.get_autocast_dtype(device_type)
+    return x.to(dtype), weight.to(dtype), (bias.to(dtype) if bias is not None else None)
+
+
 def parallel_linear(x: torch.Tensor, weight: torch.Tensor, k: int, sorted_expert_idxs: torch.Tensor,
                     sorted_scattered_idxs: torch.Tensor, expert_offsets: torch.Tensor,
                     bias: torch.Tensor | None = None, gates: torch.Tensor | None = None,
@@ -95,5 +105,6 @@ def parallel_linear(x: torch.Tensor, weight: torch.Tensor, k: int, sorted_expert
             raise ValueError(f"parallel_linear: gates must be [T, k] = {(M // k, k)}, got {got}")
         if gates.device != x.device:
             raise ValueError(f"parallel_linear: gates are on {gates.device} but x is on {x.device}")
+    x, weight, bias = _autocast(x, weight, bias)
     return _ParallelLinear.apply(x, weight, bias, gates, k, sorted_expert_idxs, sorted_scattered_idxs,
                                  expert_offsets, grouped_in, grouped_out)

@@ -27,6 +27,7 @@ def flatten_sort_count(expert_idxs: torch.Tensor, num_experts: int, validate: bo
             raise ValueError(f"flatten_sort_count: expert ids must lie in [0, {num_experts}), got values in "
                              f"[{lo}, {hi}]; check num_experts against the router's output size")
     sorted_expert_idxs, sorted_scattered_idxs = torch.sort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)[:num_experts]
-    expert_offsets = counts.cumsum(0)
+    # End offset of expert e = number of slots with id <= e; a static [E] shape keeps torch.compile graphs whole.
+    experts = torch.arange(num_experts, device=flat.device, dtype=sorted_expert_idxs.dtype)
+    expert_offsets = torch.searchsorted(sorted_expert_idxs, experts, right=True)
     return sorted_expert_idxs, sorted_scattered_idxs, expert_offsets

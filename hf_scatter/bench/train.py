@@ -1,0 +1,234 @@
+"""`hf-scatter bench train`: whole training steps of the ScatterMoE paper's 1.5B Mixtral configuration.
+
+Vanilla (transformers' grouped_mm / eager experts) against patched, and a DBRX of the same shape (always
+eager in transformers), in one process, from one seed and on the same random tokens. Reports tokens/s
+(median step), peak memory (weights, gradients and optimizer states included) and the first-step loss
+(patched must equal vanilla within bf16 noise), plus a per-category GPU time breakdown of one step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import Callable
+
+import torch
+
+from .timing import markdown_table, run_header
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    hidden: int = 1024
+    intermediate: int = 3584
+    experts: int = 8
+    top_k: int = 2
+    layers: int = 16
+    heads: int = 16
+    kv_heads: int = 8
+    vocab: int = 32000
+    batch: int = 4
+    seq: int = 2048
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+
+PAPER_1P5B = TrainConfig()
+SMOKE = TrainConfig(hidden=64, intermediate=96, experts=4, layers=2, heads=4, kv_heads=2, vocab=384, batch=2, seq=16)
+IMPLS = ("mixtral-grouped_mm", "mixtral-eager", "mixtral-hf-scatter", "dbrx-eager", "dbrx-hf-scatter")
+
+
+def build_model(impl: str, cfg: TrainConfig, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    """The model an implementation name stands for, initialised from ``seed`` (same weights per family)."""
+    from transformers import AutoModelForCausalLM, DbrxConfig, MixtralConfig
+
+    from .. import patch_model
+
+    family, choice = impl.split("-", 1)
+    if family == "mixtral":
+        config = MixtralConfig(
+            vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
+            num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
+            num_local_experts=cfg.experts, num_experts_per_tok=cfg.top_k, max_position_embeddings=cfg.seq)
+    elif family == "dbrx":
+        config = DbrxConfig(
+            d_model=cfg.hidden, n_heads=cfg.heads, n_layers=cfg.layers, max_seq_len=cfg.seq, vocab_size=cfg.vocab,
+            attn_config={"kv_n_heads": cfg.kv_heads, "rope_theta": 10000.0},
+            ffn_config={"hidden_size": cfg.hidden, "ffn_hidden_size": cfg.intermediate,
+                        "moe_num_experts": cfg.experts, "moe_top_k": cfg.top_k})
+    else:
+        raise ValueError(f"unknown implementation {impl!r}; choose from {', '.join(IMPLS)}")
+    kwargs = {"experts_implementation": choice} if family == "mixtral" and choice != "hf-scatter" else {}
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
+    if choice == "hf-scatter":
+        patch_model(model)
+    return model.train()
+
+
+def _step_fn(model, ids: torch.Tensor) -> tuple[Callable[[], torch.Tensor], torch.optim.Optimizer]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=ids.is_cuda)
+
+    def step() -> torch.Tensor:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step, opt
+
+
+def _categories(model) -> dict[str, list[torch.nn.Module]]:
+    groups: dict[str, list[torch.nn.Module]] = {"attention": [], "experts": [], "router": [], "norms": [],
+                                                "lm_head": []}
+    for name, module in model.named_modules():
+        cls = type(module).__name__
+        if cls.endswith("Attention"):
+            groups["attention"].append(module)
+        elif "Experts" in cls and not name.endswith(".mlp"):
+            groups["experts"].append(module)
+        elif cls.endswith("Router"):
+            groups["router"].append(module)
+        elif "Norm" in cls and "Attention" not in cls:
+            groups["norms"].append(module)
+        elif name == "lm_head":
+            groups["lm_head"].append(module)
+    return groups
+
+
+def time_breakdown(model, step: Callable[[], torch.Tensor]) -> dict[str, float]:
+    """GPU ms per category for one step, from CUDA events recorded around each module's forward and
+    backward (hooks are Python, so this step runs slower than the timed ones: compare shares, not sums)."""
+    events: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {}
+    open_events: dict[tuple[int, str], torch.cuda.Event] = {}
+    handles = []
+
+    def mark(category: str, phase: str, module, start: bool):
+        key = (id(module), phase)
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        if start:
+            open_events[key] = event
+        elif key in open_events:
+            events.setdefault(f"{category} {phase}", []).append((open_events.pop(key), event))
+
+    for category, modules in _categories(model).items():
+        for m in modules:
+            handles += [
+                m.register_forward_pre_hook(lambda mod, a, c=category: mark(c, "fwd", mod, True)),
+                m.register_forward_hook(lambda mod, a, o, c=category: mark(c, "fwd", mod, False)),
+                m.register_full_backward_pre_hook(lambda mod, g, c=category: mark(c, "bwd", mod, True)),
+                m.register_full_backward_hook(lambda mod, gi, go, c=category: mark(c, "bwd", mod, False)),
+            ]
+    try:
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+    finally:
+        for h in handles:
+            h.remove()
+    out = {k: sum(a.elapsed_time(b) for a, b in v) for k, v in sorted(events.items())}
+    out["step (hooked)"] = begin.elapsed_time(end)
+    out["rest: embeddings, residuals, loss, optimizer, launch gaps"] = out["step (hooked)"] - sum(
+        v for k, v in out.items() if k != "step (hooked)")
+    return out
+
+
+def measure(impl: str, cfg: TrainConfig, ids: torch.Tensor, warmup: int, steps: int, breakdown: bool,
+            dtype=torch.bfloat16) -> dict:
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    model = build_model(impl, cfg, ids.device, dtype)
+    step, opt = _step_fn(model, ids)
+    first_loss = step().item()
+    for _ in range(warmup - 1):
+        step()
+    times = []
+    for _ in range(steps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        step()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    result = {"first_step_loss": first_loss, "step_ms_median": statistics.median(times),
+              "step_ms_all": times, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+    result["tokens_per_s"] = cfg.tokens / (result["step_ms_median"] / 1e3)
+    if breakdown:
+        try:
+            result["breakdown_ms"] = time_breakdown(model, step)
+        except RuntimeError as error:  # a family whose modules refuse full backward hooks: report, go on
+            result["breakdown_error"] = str(error)
+    del model, opt, step
+    return result
+
+
+def run(impls=IMPLS, cfg: TrainConfig = PAPER_1P5B, warmup: int = 3, steps: int = 10,
+        breakdown: bool = True) -> dict:
+    if not torch.cuda.is_available():
+        raise SystemExit("hf-scatter bench train needs a CUDA GPU (the figures are GPU timings)")
+    unknown = sorted(set(impls) - set(IMPLS))
+    if unknown:
+        raise SystemExit(f"unknown implementation(s) {unknown}; choose from {', '.join(IMPLS)}")
+    report = {**run_header(), "config": dataclasses.asdict(cfg), "warmup": warmup, "steps": steps, "results": {}}
+    ids = torch.randint(cfg.vocab, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(0)).cuda()
+    for impl in impls:
+        report["results"][impl] = r = measure(impl, cfg, ids, warmup, steps, breakdown)
+        print(f"  {impl:20s} {r['tokens_per_s'] / 1e3:8.1f}k tok/s  peak {r['peak_gib']:.1f} GiB  "
+              f"first loss {r['first_step_loss']:.4f}", flush=True)
+    return report
+
+
+BASELINES = {"mixtral": "mixtral-grouped_mm", "dbrx": "dbrx-eager"}
+
+
+def to_markdown(report: dict) -> str:
+    res = report["results"]
+    rows = []
+    for impl, r in res.items():
+        base = res.get(BASELINES[impl.split("-")[0]])
+        speedup = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else ""
+        mem = f"{r['peak_gib'] / base['peak_gib']:.2f}x" if base else ""
+        rows.append([impl, f"{r['tokens_per_s'] / 1e3:.1f}k", f"{r['step_ms_median']:.1f}", f"{r['peak_gib']:.1f}",
+                     speedup, mem, f"{r['first_step_loss']:.4f}"])
+    table = markdown_table(["implementation", "tokens/s", "step ms", "peak GiB", "vs family baseline",
+                            "peak vs baseline", "first-step loss"], rows)
+    parts = [table]
+    for impl, r in res.items():
+        if "breakdown_ms" in r:
+            b = r["breakdown_ms"]
+            total = b["step (hooked)"]
+            parts.append(f"\n{impl}: one hooked step, GPU ms (share)\n\n" + markdown_table(
+                ["category", "ms", "share"], [[k, f"{v:.1f}", f"{v / total:.0%}"] for k, v in b.items()]))
+    return "\n".join(parts)
+
+
+def plot(report: dict, path: str) -> None:
+    """Tokens/s and peak memory per implementation, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = report["results"]
+    names = list(res)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    colors = ["tab:orange" if "hf-scatter" in n else "tab:gray" for n in names]
+    axes[0].barh(names, [res[n]["tokens_per_s"] / 1e3 for n in names], color=colors)
+    axes[0].set_xlabel("k tokens/s (higher is better)")
+    axes[1].barh(names, [res[n]["peak_gib"] for n in names], color=colors)
+    axes[1].set_xlabel("peak GiB (lower is better)")
+    for ax in axes:
+        ax.invert_yaxis()
+    c = report["config"]
+    fig.suptitle(f"Training step, {c['layers']}-layer MoE (d {c['hidden']}, d_expert {c['intermediate']}, "
+                 f"E {c['experts']}, k {c['top_k']}), batch {c['batch']}x{c['seq']}, bf16 AdamW, {report['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+

@@ -1,0 +1,125 @@
+"""The user-facing switches: patch a live model, or every model transformers builds from now on.
+
+Patching changes compute only: parameter names, shapes, dtypes and ``state_dict`` stay as transformers
+made them, so checkpoints move freely between patched and vanilla models.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+from .models import FAMILIES, SCATTERMOE, PatchOptions, is_interface_experts, patch_interface_experts
+from .models.registry import Family
+
+_GENERIC = "any other model whose experts use transformers' ExpertsInterface (experts_implementation switch)"
+
+
+def _pretrained_root(model: nn.Module) -> nn.Module:
+    """The transformers model inside ``model`` (itself, or the base model of a PEFT or other wrapper)."""
+    from transformers import PreTrainedModel
+
+    if isinstance(model, PreTrainedModel):
+        return model
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel):
+            return module
+    raise TypeError(f"hf_scatter: expected a transformers PreTrainedModel (or a wrapper of one, e.g. PEFT), "
+                    f"got {type(model).__name__}")
+
+
+def supported_model_types() -> list[str]:
+    return sorted(FAMILIES)
+
+
+def _family_patch(root: nn.Module):
+    model_type = getattr(root.config, "model_type", None)
+    family = FAMILIES.get(model_type)
+    if family is not None:
+        return family.patch
+    if any(is_interface_experts(m) for m in root.modules()):
+        return patch_interface_experts
+    raise ValueError(f"hf_scatter: model_type {model_type!r} ({type(root).__name__}) is not supported. Supported: "
+                     f"{', '.join(supported_model_types())}, and {_GENERIC}.")
+
+
+def patch_model(model: nn.Module, **options) -> nn.Module:
+    """Run ``model`` on hf-scatter's kernels, in place; returns ``model``.
+
+    Works on models already on GPU, loaded with ``device_map``, or wrapped by PEFT. Options turn pieces off
+    (``moe=False`` keeps the family's own experts); calling again with other options re-applies exactly
+    those, and patching twice is harmless. Raises ``ValueError`` for architectures it does not support.
+    """
+    opts = PatchOptions.from_kwargs("patch_model", **options)
+    root = _pretrained_root(model)
+    _family_patch(root)(root, opts, False)
+    return model
+
+
+def unpatch_model(model: nn.Module) -> nn.Module:
+    """Undo :func:`patch_model`: every piece back to the family's own implementation."""
+    off = PatchOptions(**{name: False for name in PatchOptions.__dataclass_fields__})
+    root = _pretrained_root(model)
+    _family_patch(root)(root, off, False)
+    return model
+
+
+def patch_report(model: nn.Module) -> dict[str, str]:
+    """Module path -> hf-scatter implementation, for every module hf-scatter currently computes."""
+    report = {}
+    for name, module in model.named_modules():
+        impl = getattr(type(module), "hf_scatter_impl", None)
+        if impl is None and is_interface_experts(module) and module.config._experts_implementation == SCATTERMOE:
+            impl = f"{SCATTERMOE} (ExpertsInterface)"
+        if impl is not None:
+            report[name] = impl
+    return report
+
+
+# ----------------------------------------------------------------------------------------- class level
+_CLASS_PATCHES: list[tuple[type, str, object]] = []  # (class, attribute, saved value or _ABSENT)
+_ABSENT = object()
+
+
+def _family_base(family: Family) -> type:
+    module_name, class_name = family.pretrained_class.split(":")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def _patching_post_init(options: PatchOptions, family: Family, original_post_init):
+    def post_init(self, *args, **kwargs):
+        original_post_init(self, *args, **kwargs)
+        family.patch(self, options, True)
+
+    post_init.__hf_scatter__ = True
+    return post_init
+
+
+def patch_transformers(**options) -> None:
+    """Class level: every Mixtral or DBRX that transformers builds from now on (``from_pretrained``,
+    ``from_config``, a constructor) comes out patched with ``options``. An explicit
+    ``experts_implementation=...`` at load time still wins. Undo with :func:`unpatch_transformers`."""
+    opts = PatchOptions.from_kwargs("patch_transformers", **options)
+    unpatch_transformers()
+    for family in FAMILIES.values():
+        cls = _family_base(family)
+        attrs = {"post_init": _patching_post_init(opts, family, cls.post_init), **family.class_hooks(opts)}
+        for attr, value in attrs.items():
+            _CLASS_PATCHES.append((cls, attr, cls.__dict__.get(attr, _ABSENT)))
+            setattr(cls, attr, value)
+
+
+def unpatch_transformers() -> None:
+    """Restore every class :func:`patch_transformers` touched; models built while it was on stay patched
+    (use :func:`unpatch_model` on those)."""
+    while _CLASS_PATCHES:
+        cls, attr, saved = _CLASS_PATCHES.pop()
+        if saved is _ABSENT:
+            delattr(cls, attr)
+        else:
+            setattr(cls, attr, saved)
+
+
+def transformers_patched() -> bool:
+    return bool(_CLASS_PATCHES)

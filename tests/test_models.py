@@ -1,0 +1,247 @@
+"""Patched Mixtral and DBRX behave exactly like vanilla transformers: logits, gradients, routing, generate,
+checkpoints, class-level patching, compile, autocast, gradient checkpointing and accelerate hooks."""
+
+import copy
+import json
+
+import pytest
+import torch
+
+import hf_scatter
+from hf_scatter.tiny import tiny_bert, tiny_dbrx, tiny_dbrx_config, tiny_mixtral, tiny_mixtral_config
+
+BUILDERS = {"mixtral": tiny_mixtral, "dbrx": tiny_dbrx}
+CONFIGS = {"mixtral": tiny_mixtral_config, "dbrx": tiny_dbrx_config}
+ODD = dict(hidden=72, experts=6, top_k=3, intermediate=40)  # odd sizes, k=3 of 6 experts
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def vanilla_and_patched(family, device, **config):
+    vanilla = BUILDERS[family](**{**ODD, **config}).to(device)
+    if family == "mixtral":
+        vanilla.set_experts_implementation("eager")  # the family's own per-expert loop as the reference
+    return vanilla, hf_scatter.patch_model(copy.deepcopy(vanilla))
+
+
+def _ids(device, batch=3, length=13, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 300, (batch, length), generator=g).to(device)
+
+
+def _grads(model):
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_same_grads(vanilla, patched, tol=1e-5):
+    want, got = _grads(vanilla), _grads(patched)
+    assert want.keys() == got.keys() and want
+    worst = max(want, key=lambda n: _rel(got[n], want[n]))
+    assert _rel(got[worst], want[worst]) < tol, worst
+
+
+@pytest.mark.parametrize("family", ["mixtral", "dbrx"])
+def test_logits_and_every_gradient_match_vanilla_with_padding(family, device):
+    vanilla, patched = vanilla_and_patched(family, device)
+    report = hf_scatter.patch_report(patched)
+    assert len(report) == 2 and all(v.startswith("scattermoe") for v in report.values())
+    assert "experts_implementation=scattermoe" in repr(patched)
+    ids = _ids(device)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # left padding in one row
+    labels = ids.masked_fill(mask == 0, -100)
+    want = vanilla(ids, attention_mask=mask, labels=labels)
+    got = patched(ids, attention_mask=mask, labels=labels)
+    assert _rel(got.logits, want.logits) < 1e-5
+    want.loss.backward()
+    got.loss.backward()
+    _assert_same_grads(vanilla, patched)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "dbrx"])
+def test_routing_router_logits_aux_loss_and_jitter_are_the_familys(family, device):
+    jitter = {"mixtral": {"router_jitter_noise": 0.1}, "dbrx": {"jitter_eps": 0.1}}[family]
+    vanilla, patched = vanilla_and_patched(family, device, output_router_logits=True, **jitter)
+    vanilla.train()
+    patched.train()
+    ids = _ids(device)
+    outs = []
+    for model in (vanilla, patched):
+        torch.manual_seed(7)  # same jitter noise for both: the patch must not change what the router consumes
+        outs.append(model(ids, labels=ids))
+    want, got = outs
+    assert want.aux_loss is not None and len(got.router_logits) == len(want.router_logits) == 2
+    assert torch.equal(got.router_logits[0], want.router_logits[0])  # same input, same router: bitwise
+    assert _rel(got.router_logits[1], want.router_logits[1]) < 1e-5  # input differs by float rounding only
+    assert torch.allclose(got.aux_loss, want.aux_loss, rtol=1e-6, atol=0)
+    assert _rel(got.loss, want.loss) < 1e-5
+
+
+@pytest.mark.parametrize("family", ["mixtral", "dbrx"])
+def test_generate_greedy_tokens_identical_with_kv_cache(family, device):
+    vanilla, patched = vanilla_and_patched(family, device)
+    ids = _ids(device, batch=2, length=7)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    want = vanilla.generate(ids, **kwargs)
+    got = patched.generate(ids, **kwargs)
+    assert want.shape == (2, 17)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "dbrx"])
+def test_save_pretrained_round_trips_both_ways_bitwise(family, device, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    vanilla, patched = vanilla_and_patched(family, device)
+    assert [(n, p.shape, p.dtype) for n, p in patched.named_parameters()] == \
+           [(n, p.shape, p.dtype) for n, p in vanilla.named_parameters()]
+    patched.save_pretrained(tmp_path / "patched")
+    assert "scattermoe" not in (tmp_path / "patched" / "config.json").read_text(), \
+        "a vanilla transformers install must be able to load what a patched model saves"
+    hf_scatter.unpatch_transformers()
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "patched")
+    assert hf_scatter.patch_report(plain) == {}
+    sd_plain, sd_patched = plain.state_dict(), patched.state_dict()
+    assert list(sd_plain) == list(sd_patched)
+    assert all(torch.equal(sd_plain[k], sd_patched[k].cpu()) for k in sd_plain)
+
+    vanilla.save_pretrained(tmp_path / "vanilla")
+    hf_scatter.patch_transformers()
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "vanilla")
+    finally:
+        hf_scatter.unpatch_transformers()
+    assert len(hf_scatter.patch_report(loaded)) == 2
+    sd_loaded, sd_vanilla = loaded.state_dict(), vanilla.state_dict()
+    assert list(sd_loaded) == list(sd_vanilla)
+    assert all(torch.equal(sd_loaded[k], sd_vanilla[k].cpu()) for k in sd_loaded)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "dbrx"])
+def test_patch_is_idempotent_switchable_and_reversible(family, device):
+    vanilla, patched = vanilla_and_patched(family, device)
+    ids = _ids(device)
+    first = patched(ids).logits
+    report = hf_scatter.patch_report(patched)
+    assert hf_scatter.patch_model(patched) is patched
+    assert hf_scatter.patch_report(patched) == report
+    assert torch.equal(patched(ids).logits, first)
+
+    hf_scatter.patch_model(patched, moe=False)
+    assert hf_scatter.patch_report(patched) == {}
+    hf_scatter.patch_model(patched)
+    hf_scatter.unpatch_model(patched)
+    assert hf_scatter.patch_report(patched) == {}
+    assert "scattermoe" not in repr(patched) and repr(patched) == repr(vanilla)
+    assert patched.config._experts_implementation == vanilla.config._experts_implementation
+    assert torch.equal(patched(ids).logits, vanilla(ids).logits)
+
+
+def test_patch_transformers_is_class_level_and_unpatch_restores_classes_exactly():
+    from transformers import AutoModelForCausalLM
+    from transformers.models.dbrx.modeling_dbrx import DbrxPreTrainedModel
+    from transformers.models.mixtral.modeling_mixtral import MixtralPreTrainedModel
+
+    before = {cls: dict(vars(cls)) for cls in (MixtralPreTrainedModel, DbrxPreTrainedModel)}
+    hf_scatter.patch_transformers()
+    hf_scatter.patch_transformers()  # twice is harmless
+    try:
+        for family in ("mixtral", "dbrx"):
+            model = AutoModelForCausalLM.from_config(CONFIGS[family]())
+            assert len(hf_scatter.patch_report(model)) == 2, family
+        explicit = AutoModelForCausalLM.from_config(tiny_mixtral_config(), experts_implementation="eager")
+        assert explicit.config._experts_implementation == "eager", "an explicit load-time choice wins"
+        hf_scatter.patch_transformers(moe=False)
+        assert hf_scatter.patch_report(AutoModelForCausalLM.from_config(tiny_dbrx_config())) == {}
+    finally:
+        hf_scatter.unpatch_transformers()
+    assert {cls: dict(vars(cls)) for cls in before} == before
+    for family in ("mixtral", "dbrx"):
+        assert hf_scatter.patch_report(AutoModelForCausalLM.from_config(CONFIGS[family]())) == {}
+
+
+def test_experts_implementation_switch_works_without_patching(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    tiny_mixtral().save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation="scattermoe")
+    assert set(hf_scatter.patch_report(model).values()) == {"scattermoe (ExpertsInterface)"}
+    model.set_experts_implementation("eager")
+    assert hf_scatter.patch_report(model) == {}
+
+
+def test_bad_input_gets_clear_errors():
+    with pytest.raises(ValueError, match=r"model_type 'bert'.*Supported: dbrx, mixtral"):
+        hf_scatter.patch_model(tiny_bert())
+    with pytest.raises(TypeError, match="PreTrainedModel"):
+        hf_scatter.patch_model(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="unknown option.*experts_kernel.*the options are moe"):
+        hf_scatter.patch_model(tiny_mixtral(), experts_kernel=True)
+    with pytest.raises(TypeError, match="moe must be True or False"):
+        hf_scatter.patch_transformers(moe="yes")
+    assert not hf_scatter.patching.transformers_patched()
+
+
+@pytest.mark.parametrize("family", ["mixtral", "dbrx"])
+def test_gradient_checkpointing_gives_the_same_gradients(family, device):
+    vanilla, patched = vanilla_and_patched(family, device)
+    for model in (vanilla, patched):
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable()
+        model.train()
+        ids = _ids(device)
+        model(ids, labels=ids).loss.backward()
+    _assert_same_grads(vanilla, patched)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "dbrx"])
+def test_torch_compile_fullgraph_forward_and_backward(family, device):
+    _, patched = vanilla_and_patched(family, device)
+    reference = copy.deepcopy(patched)
+    ids = _ids(device)
+    backend = "aot_eager" if device.type == "cpu" else "inductor"
+    compiled = torch.compile(patched, fullgraph=True, backend=backend)
+    got = compiled(ids, labels=ids)
+    want = reference(ids, labels=ids)
+    assert _rel(got.logits, want.logits) < 1e-5
+    got.loss.backward()
+    want.loss.backward()
+    _assert_same_grads(reference, patched, tol=1e-4)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("family", ["mixtral", "dbrx"])
+def test_bf16_autocast_runs_in_bf16_and_stays_close(family, device):
+    """Vanilla DBRX cannot run under autocast (its index_add_ mixes dtypes); the patched one can."""
+    vanilla, patched = vanilla_and_patched(family, device)
+    ids = _ids(device)
+    want = vanilla(ids).logits
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        out = patched(ids, labels=ids)
+    assert _rel(out.logits.float(), want) < 2e-2
+    out.loss.backward()
+    grads = _grads(patched)
+    assert grads and all(g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads.values())
+
+
+@pytest.mark.parametrize("family", ["mixtral", "dbrx"])
+def test_patching_a_model_under_accelerate_hooks(family, device):
+    """``device_map`` / offloaded models run through accelerate hooks; patching afterwards must keep them.
+    (Vanilla DBRX cannot run offloaded: its experts read ``mlp.w1`` outside the hooked ``mlp`` call.)"""
+    from accelerate import cpu_offload
+
+    vanilla, _ = vanilla_and_patched(family, device)
+    ids = _ids(device)
+    want = vanilla(ids).logits
+    hooked = cpu_offload(copy.deepcopy(vanilla), execution_device=device)
+    hf_scatter.patch_model(hooked)
+    assert len(hf_scatter.patch_report(hooked)) == 2
+    assert _rel(hooked(ids).logits, want) < 1e-5
+    hf_scatter.unpatch_model(hooked)
+    assert hf_scatter.patch_report(hooked) == {}
+    if family == "mixtral":
+        assert _rel(hooked(ids).logits, want) < 1e-5
