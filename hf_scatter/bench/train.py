@@ -55,7 +55,7 @@ def build_model(impl: str, cfg: TrainConfig, device: torch.device, dtype: torch.
     elif family == "dbrx":
         config = DbrxConfig(
             d_model=cfg.hidden, n_heads=cfg.heads, n_layers=cfg.layers, max_seq_len=cfg.seq, vocab_size=cfg.vocab,
-            attn_config={"kv_n_heads": cfg.kv_heads, "rope_theta": 10000.0},
+            attn_config={"kv_n_heads": cfg.kv_heads, "rope_theta": 10000.0, "clip_qkv": 8.0},
             ffn_config={"hidden_size": cfg.hidden, "ffn_hidden_size": cfg.intermediate,
                         "moe_num_experts": cfg.experts, "moe_top_k": cfg.top_k})
     else:
