@@ -60,6 +60,14 @@ def test_logits_and_every_gradient_match_vanilla_with_padding(family, device):
     _assert_same_grads(vanilla, patched)
 
 
+def _seeded_forward(model, ids, **kwargs):
+    torch.manual_seed(7)  # same jitter noise for both: the patch must not change what the router consumes
+    try:
+        return model(ids, **kwargs)
+    except Exception as error:  # noqa: BLE001 - a vanilla failure must be reproduced, not hidden
+        return error
+
+
 @pytest.mark.parametrize("family", ["mixtral", "dbrx"])
 def test_routing_router_logits_aux_loss_and_jitter_are_the_familys(family, device):
     jitter = {"mixtral": {"router_jitter_noise": 0.1}, "dbrx": {"jitter_eps": 0.1}}[family]
@@ -67,16 +75,19 @@ def test_routing_router_logits_aux_loss_and_jitter_are_the_familys(family, devic
     vanilla.train()
     patched.train()
     ids = _ids(device)
-    outs = []
-    for model in (vanilla, patched):
-        torch.manual_seed(7)  # same jitter noise for both: the patch must not change what the router consumes
-        outs.append(model(ids, labels=ids))
-    want, got = outs
-    assert want.aux_loss is not None and len(got.router_logits) == len(want.router_logits) == 2
-    assert torch.equal(got.router_logits[0], want.router_logits[0])  # same input, same router: bitwise
-    assert _rel(got.router_logits[1], want.router_logits[1]) < 1e-5  # input differs by float rounding only
-    assert torch.allclose(got.aux_loss, want.aux_loss, rtol=1e-6, atol=0)
-    assert _rel(got.loss, want.loss) < 1e-5
+    want, got = _seeded_forward(vanilla, ids), _seeded_forward(patched, ids)
+    assert (got.router_logits is None) == (want.router_logits is None)
+    if want.router_logits is not None:  # (transformers 5.17 does not record DBRX's: nothing to compare then)
+        assert len(got.router_logits) == len(want.router_logits) == 2
+        assert torch.equal(got.router_logits[0], want.router_logits[0])  # same input, same router: bitwise
+        assert _rel(got.router_logits[1], want.router_logits[1]) < 1e-5  # input differs by float rounding only
+    assert type(got.aux_loss) is type(want.aux_loss)
+    assert torch.allclose(torch.as_tensor(got.aux_loss), torch.as_tensor(want.aux_loss), rtol=1e-6, atol=0)
+    want, got = _seeded_forward(vanilla, ids, labels=ids), _seeded_forward(patched, ids, labels=ids)
+    if isinstance(want, Exception):  # transformers 5.17's DBRX cannot add an unrecorded aux loss: same error
+        assert type(got) is type(want) and str(got) == str(want)
+    else:
+        assert _rel(got.loss, want.loss) < 1e-5
 
 
 @pytest.mark.parametrize("family", ["mixtral", "dbrx"])

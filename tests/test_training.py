@@ -45,7 +45,8 @@ def _train(model, tmp_path, steps, tokens):
 
 @pytest.mark.parametrize("family", ["mixtral", "dbrx"])
 def test_trainer_side_by_side_losses_and_final_weights_match(family, device, tmp_path):
-    vanilla, patched = vanilla_and_patched(family, device, output_router_logits=True)
+    # Mixtral trains with its load-balancing loss on (transformers 5.17 cannot for DBRX: it drops the router logits)
+    vanilla, patched = vanilla_and_patched(family, device, output_router_logits=family == "mixtral")
     tokens = _ids(torch.device("cpu"), batch=16, length=12, seed=3)
     steps = 24
     want = _train(vanilla, tmp_path / "vanilla", steps, tokens)

@@ -105,6 +105,18 @@ def expert_tiles(expert_offsets: torch.Tensor, block_m: int, num_rows: int) -> t
     return tile_expert.to(torch.int32), tile_row.to(torch.int32)
 
 
+def _tiles_of(expert_offsets: torch.Tensor, block_m: int, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`expert_tiles`, computed once per routing: every projection of an MoE layer, forward and backward,
+    shares one ``expert_offsets`` tensor, and the dozen small ops cost more host time than some kernels."""
+    if torch.compiler.is_compiling():
+        return expert_tiles(expert_offsets, block_m, num_rows)
+    key = (block_m, num_rows, expert_offsets._version)
+    cache = expert_offsets.__dict__.setdefault("_hf_scatter_tiles", {})
+    if key not in cache:
+        cache[key] = expert_tiles(expert_offsets, block_m, num_rows)
+    return cache[key]
+
+
 def _block_m(num_rows: int, num_experts: int) -> int:
     """Rows per tile, from the mean rows per expert (16 for decode-sized batches, 128 for prefill/training)."""
     rows_per_expert = num_rows / max(1, num_experts)
@@ -143,7 +155,7 @@ def scatter2scatter_triton(x, weight, sorted_expert_idxs, sorted_scattered_idxs,
         return out
     interpreted = triton_interpreted()
     block_m = _block_m(M, E)
-    tile_expert, tile_row = expert_tiles(expert_offsets, block_m, M)
+    tile_expert, tile_row = _tiles_of(expert_offsets, block_m, M)
     num_tiles = tile_expert.numel()
     b = bias if bias is not None else out
     args = (x, weight, b, out, tile_expert, tile_row, expert_offsets, sorted_scattered_idxs, num_tiles, K, N, E,
