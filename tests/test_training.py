@@ -10,24 +10,19 @@ import hf_scatter
 from test_models import _assert_same_grads, _ids, _rel, vanilla_and_patched
 
 
-class _RecordingTrainer:
+def _recording_trainer(**kwargs):
     """A transformers.Trainer that keeps every step's loss (the logged ones are averaged and rounded)."""
+    from transformers import Trainer
 
-    @staticmethod
-    def make(**kwargs):
-        from transformers import Trainer
+    class Recording(Trainer):
+        def training_step(self, *args, **kw):
+            loss = super().training_step(*args, **kw)
+            self.losses.append(loss.item())
+            return loss
 
-        class Recording(Trainer):
-            losses: list
-
-            def training_step(self, *args, **kw):
-                loss = super().training_step(*args, **kw)
-                self.losses.append(loss.item())
-                return loss
-
-        trainer = Recording(**kwargs)
-        trainer.losses = []
-        return trainer
+    trainer = Recording(**kwargs)
+    trainer.losses = []
+    return trainer
 
 
 def _train(model, tmp_path, steps, tokens):
@@ -38,7 +33,7 @@ def _train(model, tmp_path, steps, tokens):
                              save_strategy="no", report_to=[], seed=11, data_seed=11, dataloader_num_workers=0,
                              disable_tqdm=True, use_cpu=not torch.cuda.is_available())
     data = [{"input_ids": row, "labels": row} for row in tokens]
-    trainer = _RecordingTrainer.make(model=model, args=args, train_dataset=data)
+    trainer = _recording_trainer(model=model, args=args, train_dataset=data)
     trainer.train()
     return trainer.losses
 
