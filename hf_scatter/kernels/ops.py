@@ -39,9 +39,9 @@ def _run(op, impl, *args) -> None:
 
 
 def _scatter2scatter_impl(x: torch.Tensor, weight: torch.Tensor, sorted_expert_idxs: torch.Tensor,
-                        sorted_scattered_idxs: torch.Tensor, expert_offsets: torch.Tensor, fan_out: int,
-                        x_grouped: bool, y_grouped: bool, bias: Optional[torch.Tensor], out: torch.Tensor,
-                        allow_tf32: bool) -> None:
+                          sorted_scattered_idxs: torch.Tensor, expert_offsets: torch.Tensor, fan_out: int,
+                          x_grouped: bool, y_grouped: bool, bias: Optional[torch.Tensor], out: torch.Tensor,
+                          allow_tf32: bool) -> None:
     if use_triton(x, "scatter2scatter") and x.dtype != torch.float64:
         scatter2scatter_triton(x, weight, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, fan_out,
                                x_grouped, y_grouped, bias, out, allow_tf32)
@@ -61,15 +61,14 @@ def _(x, weight, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, fan_
 
 
 def _group_impl(x: torch.Tensor, sorted_scattered_idxs: torch.Tensor, fan_out: int, coeff: Optional[torch.Tensor],
-              out: torch.Tensor) -> None:
+                out: torch.Tensor) -> None:
     if use_triton(x, "group") and x.dtype != torch.float64:
         group_triton(x, sorted_scattered_idxs, fan_out, coeff, out)
     else:
         out.copy_(group_reference(x, sorted_scattered_idxs, fan_out, coeff))
 
 
-_group_op = torch.library.custom_op("hf_scatter::group",
-                                     mutates_args=("out",))(_group_impl)
+_group_op = torch.library.custom_op("hf_scatter::group", mutates_args=("out",))(_group_impl)
 
 
 @_group_op.register_fake
@@ -77,16 +76,15 @@ def _(x, sorted_scattered_idxs, fan_out, coeff, out):
     return None
 
 
-def _groupxty_impl(x_grouped: torch.Tensor, dy_grouped: torch.Tensor, expert_offsets: torch.Tensor, dw: torch.Tensor,
-                 db: Optional[torch.Tensor], allow_tf32: bool) -> None:
+def _groupxty_impl(x_grouped: torch.Tensor, dy_grouped: torch.Tensor, expert_offsets: torch.Tensor,
+                   dw: torch.Tensor, db: Optional[torch.Tensor], allow_tf32: bool) -> None:
     if use_triton(x_grouped, "groupXTY") and x_grouped.dtype != torch.float64:
         groupxty_triton(x_grouped, dy_grouped, expert_offsets, dw, db, allow_tf32)
     else:
         groupxty_reference(x_grouped, dy_grouped, expert_offsets, dw, db)
 
 
-_groupxty_op = torch.library.custom_op("hf_scatter::groupxty",
-                                        mutates_args=("dw", "db"))(_groupxty_impl)
+_groupxty_op = torch.library.custom_op("hf_scatter::groupxty", mutates_args=("dw", "db"))(_groupxty_impl)
 
 
 @_groupxty_op.register_fake
@@ -101,8 +99,7 @@ def _swiglu_fwd_impl(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) ->
         out.copy_(swiglu_reference(gate, up))
 
 
-_swiglu_fwd_op = torch.library.custom_op("hf_scatter::swiglu_fwd",
-                                          mutates_args=("out",))(_swiglu_fwd_impl)
+_swiglu_fwd_op = torch.library.custom_op("hf_scatter::swiglu_fwd", mutates_args=("out",))(_swiglu_fwd_impl)
 
 
 @_swiglu_fwd_op.register_fake
@@ -120,8 +117,7 @@ def _swiglu_bwd_impl(gate: torch.Tensor, up: torch.Tensor, dout: torch.Tensor, d
         dup.copy_(du)
 
 
-_swiglu_bwd_op = torch.library.custom_op("hf_scatter::swiglu_bwd",
-                                          mutates_args=("dgate", "dup"))(_swiglu_bwd_impl)
+_swiglu_bwd_op = torch.library.custom_op("hf_scatter::swiglu_bwd", mutates_args=("dgate", "dup"))(_swiglu_bwd_impl)
 
 
 @_swiglu_bwd_op.register_fake

@@ -18,26 +18,27 @@ if kernels_enabled():
     import triton.language as tl
 
     @triton.jit
-    def _swiglu_fwd_kernel(g_ptr, u_ptr, out_ptr, M, I, stride_gm, stride_um, stride_om,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _gate_up_tile(g_ptr, u_ptr, M, I, stride_gm, stride_um, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """This program's [BLOCK_M, BLOCK_N] tile of gate and up in fp32, with its row offsets and mask."""
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = (rows < M)[:, None] & (cols < I)[None, :]
         r64 = rows[:, None].to(tl.int64)
         g = tl.load(g_ptr + r64 * stride_gm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + r64 * stride_um + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        return g, u, r64, cols, mask
+
+    @triton.jit
+    def _swiglu_fwd_kernel(g_ptr, u_ptr, out_ptr, M, I, stride_gm, stride_um, stride_om,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        g, u, r64, cols, mask = _gate_up_tile(g_ptr, u_ptr, M, I, stride_gm, stride_um, BLOCK_M, BLOCK_N)
         out = g * tl.sigmoid(g) * u
         tl.store(out_ptr + r64 * stride_om + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _swiglu_bwd_kernel(g_ptr, u_ptr, dout_ptr, dg_ptr, du_ptr, M, I, stride_gm, stride_um, stride_dom,
                            stride_dgm, stride_dum, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = (rows < M)[:, None] & (cols < I)[None, :]
-        r64 = rows[:, None].to(tl.int64)
-        g = tl.load(g_ptr + r64 * stride_gm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(u_ptr + r64 * stride_um + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        g, u, r64, cols, mask = _gate_up_tile(g_ptr, u_ptr, M, I, stride_gm, stride_um, BLOCK_M, BLOCK_N)
         d = tl.load(dout_ptr + r64 * stride_dom + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         s = tl.sigmoid(g)
         dg = d * u * s * (1.0 + g * (1.0 - s))
