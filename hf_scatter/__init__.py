@@ -11,8 +11,8 @@ __version__ = "0.1.0"
 
 SCATTERMOE = "scattermoe"  # the experts_implementation name
 
-_PUBLIC = {"patch_model", "patch_report", "patch_transformers", "supported_model_types", "unpatch_model",
-           "unpatch_transformers"}
+_PUBLIC = {"from_pretrained", "patch_model", "patch_report", "patch_transformers", "supported_model_types",
+           "unpatch_model", "unpatch_transformers"}
 
 
 def _scattermoe_experts(self, hidden_states, top_k_index, top_k_weights):

@@ -57,6 +57,14 @@ def patch_model(model: nn.Module, **options) -> nn.Module:
     return model
 
 
+def from_pretrained(path, *args, patch: dict | None = None, **kwargs) -> nn.Module:
+    """``AutoModelForCausalLM.from_pretrained(path, ...)`` patched with ``patch_model(**patch)``: loads HF
+    checkpoints and ``hf-scatter convert`` output alike (the latter with no per-expert stacking)."""
+    from transformers import AutoModelForCausalLM
+
+    return patch_model(AutoModelForCausalLM.from_pretrained(path, *args, **kwargs), **(patch or {}))
+
+
 def unpatch_model(model: nn.Module) -> nn.Module:
     """Undo :func:`patch_model`: every piece back to the family's own implementation."""
     off = PatchOptions(**{name: False for name in PatchOptions.__dataclass_fields__})

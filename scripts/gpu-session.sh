@@ -6,6 +6,8 @@ set -uo pipefail
 out=${OUT:-/tmp/hf-scatter-out}
 mkdir -p "$out"
 export PYTHONPATH=$PWD PATH=$PATH:/usr/bin:/usr/local/bin  # Triton compiles its launcher with the host C compiler
+# conversion/ and eval/ install as hf_scatter.conversion / hf_scatter.eval; from a bare tree, link them there
+for pkg in conversion eval; do [ -e hf_scatter/$pkg ] || ln -s ../$pkg hf_scatter/$pkg; done
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,power.limit --format=csv,noheader | tee "$out/gpu.txt"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout 420 python3 -m pytest -q -x --ignore=tests/test_packaging.py -p no:cacheprovider >"$out/pytest.log" 2>&1

@@ -4,15 +4,14 @@ from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench
 
 from hf_scatter.kernels.ops import swiglu, swiglu_pair
+from hf_scatter.bench.moe import routed_batch
 from hf_scatter.moe import expert_mlp
 
 T, H, I, E, k = 8192, 1024, 3584, 8, 2
 dev, dt = "cuda", torch.bfloat16
 torch.manual_seed(0)
-x = torch.randn(T, H, device=dev, dtype=dt, requires_grad=True)
-gates, idx = torch.softmax(torch.randn(T, E, device=dev), -1).topk(k, -1)
-gates = gates.to(dt).requires_grad_(True)
-dy = torch.randn(T, H, device=dev, dtype=dt)
+x, idx, gates, dy = routed_batch(T, H, E, k, dev, dt)
+x, gates = x.requires_grad_(True), gates.to(dt).requires_grad_(True)
 gate_up = (torch.randn(E, 2 * I, H, device=dev, dtype=dt) * H ** -0.5).requires_grad_(True)  # Mixtral
 down = (torch.randn(E, H, I, device=dev, dtype=dt) * I ** -0.5).requires_grad_(True)
 w1 = (torch.randn(E * I, H, device=dev, dtype=dt) * H ** -0.5).requires_grad_(True)  # DBRX

@@ -11,14 +11,15 @@ from hf_scatter.cli import main
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 
 
-@pytest.mark.parametrize("suite,saved", [("moe", "moe-h200.json"), ("train", "train-h200.json")])
+@pytest.mark.parametrize("suite,saved", [("moe", "moe-h200.json"), ("train", "train-h200.json"),
+                                         ("convert", "convert-h200.json")])
 def test_bench_replot_renders_table_and_png_from_saved_json(suite, saved, tmp_path, capsys):
     png = tmp_path / "plot.png"
     assert main(["bench", suite, "--replot", str(RESULTS / saved), "--plot", str(png)]) == 0
     table = capsys.readouterr().out
     report = json.loads((RESULTS / saved).read_text())
     rows = [line for line in table.splitlines() if line.startswith("| ")]
-    for name in report["results"]:  # moe: config names; train: implementation names
+    for name in report.get("results", report.get("load_s")):  # configs, implementations, load paths
         assert any(f"| {name} |" in row for row in rows), name
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -34,3 +35,20 @@ def test_bench_train_smoke_run_patched_matches_vanilla_first_loss():
         vanilla = res[train.BASELINES[family]]["first_step_loss"]
         assert abs(res[f"{family}-hf-scatter"]["first_step_loss"] - vanilla) < 2e-2 * vanilla
     assert all(r["tokens_per_s"] > 0 and r["peak_gib"] > 0 and "breakdown_ms" in r for r in res.values())
+
+
+def test_bench_convert_runs_on_the_cpu_and_writes_json_table_png(tmp_path, monkeypatch, capsys):
+    from hf_scatter.bench import convert
+
+    monkeypatch.setitem(convert.MIXTRAL_8X7B, "hidden", 64)
+    monkeypatch.setitem(convert.MIXTRAL_8X7B, "intermediate", 96)
+    monkeypatch.setitem(convert.MIXTRAL_8X7B, "vocab", 384)
+    out, png = tmp_path / "convert.json", tmp_path / "convert.png"
+    assert main(["bench", "convert", "--layers", "1", "--workdir", str(tmp_path), "--out", str(out),
+                 "--plot", str(png)]) == 0
+    report = json.loads(out.read_text())
+    assert set(report["load_s"]) == set(convert.LOADS) and report["convert_gb_per_s"] > 0
+    assert all(report["load_and_touch_s"][k] >= report["load_s"][k] for k in convert.LOADS)
+    assert "patched <- hf-scatter checkpoint" in capsys.readouterr().out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["convert.json", "convert.png"], "checkpoints left behind"

@@ -102,15 +102,18 @@ def _measure(fn, params, x, idx, gates, dy, backward: bool) -> dict:
     return out
 
 
+def routed_batch(tokens: int, hidden: int, experts: int, top_k: int, device, dtype):
+    """One SMoE layer's inputs: random activations, renormalised top-k routing, an output gradient."""
+    x = torch.randn(tokens, hidden, device=device, dtype=dtype)
+    gates, idx = torch.softmax(torch.randn(tokens, experts, device=device), -1).topk(top_k, -1)
+    return x, idx, gates / gates.sum(-1, keepdim=True), torch.randn_like(x)
+
+
 def run_config(name: str, cfg: MoEConfig, impls=IMPLS, dtype=torch.bfloat16, seed: int = 0) -> dict:
     device = torch.device("cuda")
     torch.manual_seed(seed)
     experts = _hf_experts(cfg, device, dtype)
-    x = torch.randn(cfg.tokens, cfg.hidden, device=device, dtype=dtype)
-    probs = torch.softmax(torch.randn(cfg.tokens, cfg.experts, device=device), -1)
-    gates, idx = probs.topk(cfg.top_k, -1)
-    gates = gates / gates.sum(-1, keepdim=True)
-    dy = torch.randn_like(x)
+    x, idx, gates, dy = routed_batch(cfg.tokens, cfg.hidden, cfg.experts, cfg.top_k, device, dtype)
     table = _implementations(cfg, experts, device, dtype)
     results: dict[str, dict] = {"config": dataclasses.asdict(cfg)}
     with torch.no_grad():  # correctness of ours against transformers' eager loop, same weights and routing

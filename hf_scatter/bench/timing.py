@@ -16,7 +16,8 @@ def run_header() -> dict:
     import transformers
     import triton
 
-    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU only ({platform.machine()})"
+    return {"device": device, "torch": torch.__version__, "triton": triton.__version__,
             "transformers": transformers.__version__, "host": platform.node(),
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "dtype": "bfloat16"}
 
