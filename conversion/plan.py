@@ -56,9 +56,10 @@ class Plan:
     def describe(self) -> str:
         """Human-readable plan for ``--dry-run``."""
         n = sum(len(t) for t in self.shards.values())
-        lines = [f"convert {self.src} -> {self.dst}",
-                 f"  {self.model_type}, {'HF (' + self.scheme + ') -> hf-scatter' if self.to == TO_SCATTER else 'hf-scatter -> HF (' + self.scheme + ')'}"
-                 f"{', cast to ' + str(self.dtype).removeprefix('torch.') if self.dtype else ''}",
+        hf = f"HF ({self.scheme})"
+        direction = f"{hf} -> hf-scatter" if self.to == TO_SCATTER else f"hf-scatter -> {hf}"
+        cast = f", cast to {str(self.dtype).removeprefix('torch.')}" if self.dtype else ""
+        lines = [f"convert {self.src} -> {self.dst}", f"  {self.model_type}, {direction}{cast}",
                  f"  {n} tensors, {_size(self.total_bytes)} in {len(self.shards)} shard(s)"]
         for name, tensors in self.shards.items():
             lines.append(f"  {name}: {len(tensors)} tensors, {_size(sum(t.spec.nbytes for t in tensors))}")
@@ -194,8 +195,8 @@ def _outputs(corr: Correspondence, to: str, tensors: dict[str, TensorInfo],
         source_dtypes = {p.source.dtype for p in pieces[key]}
         if len(source_dtypes) > 1:
             names = sorted(p.source.name for p in pieces[key])
-            raise ConversionError(f"tensors {names[0]!r} ... of {key!r} have mixed dtypes {sorted(map(str, source_dtypes))}: "
-                                  f"pass --dtype to choose one")
+            raise ConversionError(f"tensors {names[0]!r} ... of {key!r} have mixed dtypes "
+                                  f"{sorted(map(str, source_dtypes))}: pass --dtype to choose one")
         (src_dtype,) = source_dtypes
         out_dtype = dtype if dtype is not None and src_dtype.is_floating_point else src_dtype
         outputs.append(OutputTensor(TensorSpec(key, out_dtype, out_shapes[key]), pieces[key]))

@@ -12,7 +12,7 @@ from .safetensors_io import ConversionError
 
 # max |logits difference| allowed, relative to the largest |logit| (kernel rounding only)
 _RTOL = {torch.float32: 1e-4, torch.float64: 1e-8}
-_RTOL_HALF = 2e-2
+_RTOL_HALF = 5e-2  # bf16 keeps 8 bits: rounding through a few layers, not a wrong tensor (those give O(1))
 
 
 def _logits(model, tokens: torch.Tensor) -> torch.Tensor:

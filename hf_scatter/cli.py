@@ -29,6 +29,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from .bench import moe as suite
 
         measure = lambda: suite.run(args.configs)  # noqa: E731
+    elif args.suite == "norms":
+        from .bench import norms as suite
+
+        measure = lambda: suite.run(args.configs)  # noqa: E731
     elif args.suite == "convert":
         from .bench import convert as suite
 
@@ -107,10 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_convert)
 
     p = sub.add_parser("bench", help="GPU benchmarks against every peer in one process (JSON + Markdown)")
-    p.add_argument("suite", choices=["moe", "train", "convert"],
+    p.add_argument("suite", choices=["moe", "train", "norms", "convert"],
                    help="moe: one SMoE SwiGLU layer vs HF eager/grouped_mm/batched_mm/dense; "
                         "train: training steps of the paper's 1.5B Mixtral (and a same-shape DBRX), vanilla vs patched; "
-                        "convert: conversion GB/s and CPU load time, HF vs hf-scatter layout (no GPU needed)")
+                        "norms: fused LayerNorm/RMSNorm/softmax/router vs torch, GB/s against the copy roof, "
+                        "and BERT-base forward; convert: conversion GB/s and CPU load time, HF vs hf-scatter layout (no GPU needed)")
     p.add_argument("--configs", nargs="*", help="subset of configs (moe) or implementations (train); default: all")
     p.add_argument("--steps", type=int, default=10, help="train: timed steps after 3 warm-up steps")
     p.add_argument("--no-breakdown", action="store_true", help="train: skip the per-category time breakdown")

@@ -86,7 +86,7 @@ def _check_patched_model(family: str, quick: bool) -> CheckResult:
     mismatch counts as an infinite difference)."""
     import copy
 
-    from . import patch_model, patch_report
+    from . import patch_model
     from .kernels.backend import kernel_path
     from .tiny import TINY_BUILDERS
 
@@ -101,9 +101,36 @@ def _check_patched_model(family: str, quick: bool) -> CheckResult:
     generate = dict(max_new_tokens=4 if quick else 12, do_sample=False, pad_token_id=0)
     if not torch.equal(patched.generate(ids, **generate), vanilla.generate(ids, **generate)):
         diff = float("inf")
-    layers = len(patch_report(patched))
-    return CheckResult(f"tiny {family}: patch_model logits + greedy generate ({layers} MoE layers patched)",
-                       f"scattermoe ({kernel_path(device)})", diff, 1e-4, seconds)
+    return CheckResult(f"tiny {family}: patch_model logits + greedy generate ({_patched_summary(patched)})",
+                       f"hf-scatter ({kernel_path(device)})", diff, 1e-4, seconds)
+
+
+def _patched_summary(model) -> str:
+    from collections import Counter
+
+    from . import patch_report
+
+    counts = Counter(impl.split(" ")[0] for impl in patch_report(model).values())
+    return ", ".join(f"{n} {impl}" for impl, n in sorted(counts.items()))
+
+
+def check_bert(quick: bool) -> CheckResult:
+    """A tiny BERT encoder after ``patch_model`` (fused residual add + LayerNorm) against a vanilla copy."""
+    import copy
+
+    from . import patch_model
+    from .kernels.backend import kernel_path
+    from .tiny import tiny_bert
+
+    device = _device()
+    vanilla = tiny_bert(**({} if quick else {"hidden": 72, "intermediate": 100})).to(device)
+    patched = patch_model(copy.deepcopy(vanilla))
+    ids = torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(0)).to(device)
+    with torch.no_grad():
+        out, seconds = _timed(lambda: patched(ids).last_hidden_state)
+        diff = (out - vanilla(ids).last_hidden_state).abs().max().item()
+    return CheckResult(f"tiny bert: patch_model hidden states ({_patched_summary(patched)})",
+                       f"hf-scatter ({kernel_path(device)})", diff, 1e-4, seconds)
 
 
 def check_mixtral(quick: bool) -> CheckResult:
@@ -114,7 +141,8 @@ def check_dbrx(quick: bool) -> CheckResult:
     return _check_patched_model("dbrx", quick)
 
 
-CHECKS: list[Callable[[bool], CheckResult]] = [check_group_kernel, check_smoe_mlp, check_mixtral, check_dbrx]
+CHECKS: list[Callable[[bool], CheckResult]] = [check_group_kernel, check_smoe_mlp, check_mixtral, check_dbrx,
+                                               check_bert]
 
 
 def format_table(results: list[CheckResult]) -> str:

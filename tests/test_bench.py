@@ -12,7 +12,7 @@ RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 
 
 @pytest.mark.parametrize("suite,saved", [("moe", "moe-h200.json"), ("train", "train-h200.json"),
-                                         ("convert", "convert-h200.json")])
+                                         ("norms", "norms-h200.json"), ("convert", "convert-h200.json")])
 def test_bench_replot_renders_table_and_png_from_saved_json(suite, saved, tmp_path, capsys):
     png = tmp_path / "plot.png"
     assert main(["bench", suite, "--replot", str(RESULTS / saved), "--plot", str(png)]) == 0

@@ -26,6 +26,11 @@ def vanilla_and_patched(family, device, **config):
     return vanilla, hf_scatter.patch_model(copy.deepcopy(vanilla))
 
 
+def patched_experts(model) -> int:
+    """How many experts modules run on ScatterMoE (the report also lists fused norms and routers)."""
+    return sum(v.startswith("scattermoe") for v in hf_scatter.patch_report(model).values())
+
+
 def _ids(device, batch=3, length=13, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, 300, (batch, length), generator=g).to(device)
@@ -46,7 +51,8 @@ def _assert_same_grads(vanilla, patched, tol=1e-5):
 def test_logits_and_every_gradient_match_vanilla_with_padding(family, device):
     vanilla, patched = vanilla_and_patched(family, device)
     report = hf_scatter.patch_report(patched)
-    assert len(report) == 2 and all(v.startswith("scattermoe") for v in report.values())
+    assert patched_experts(patched) == 2
+    assert {v for v in report.values() if not v.startswith("scattermoe")} == {"fused_add_norm", "router_topk"}
     assert "experts_implementation=scattermoe" in repr(patched)
     ids = _ids(device)
     mask = torch.ones_like(ids)
@@ -79,8 +85,8 @@ def test_routing_router_logits_aux_loss_and_jitter_are_the_familys(family, devic
     assert (got.router_logits is None) == (want.router_logits is None)
     if want.router_logits is not None:  # (transformers 5.17 does not record DBRX's: nothing to compare then)
         assert len(got.router_logits) == len(want.router_logits) == 2
-        assert torch.equal(got.router_logits[0], want.router_logits[0])  # same input, same router: bitwise
-        assert _rel(got.router_logits[1], want.router_logits[1]) < 1e-5  # input differs by float rounding only
+        for layer in range(2):  # router inputs differ by the fused norms' float rounding only
+            assert _rel(got.router_logits[layer], want.router_logits[layer]) < 1e-5
     assert type(got.aux_loss) is type(want.aux_loss)
     assert torch.allclose(torch.as_tensor(got.aux_loss), torch.as_tensor(want.aux_loss), rtol=1e-6, atol=0)
     want, got = _seeded_forward(vanilla, ids, labels=ids), _seeded_forward(patched, ids, labels=ids)
@@ -126,7 +132,7 @@ def test_save_pretrained_round_trips_both_ways_bitwise(family, device, tmp_path)
         loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "vanilla")
     finally:
         hf_scatter.unpatch_transformers()
-    assert len(hf_scatter.patch_report(loaded)) == 2
+    assert patched_experts(loaded) == 2
     sd_loaded, sd_vanilla = loaded.state_dict(), vanilla.state_dict()
     assert list(sd_loaded) == list(sd_vanilla)
     assert all(torch.equal(sd_loaded[k], sd_vanilla[k].cpu()) for k in sd_loaded)
@@ -143,7 +149,12 @@ def test_patch_is_idempotent_switchable_and_reversible(family, device):
     assert torch.equal(patched(ids).logits, first)
 
     hf_scatter.patch_model(patched, moe=False)
+    assert patched_experts(patched) == 0 and hf_scatter.patch_report(patched)
+    hf_scatter.patch_model(patched, moe=False, norms=False, router=False)
     assert hf_scatter.patch_report(patched) == {}
+    hf_scatter.patch_model(patched, norms=False)
+    assert "fused_add_norm" not in hf_scatter.patch_report(patched).values()
+    assert "router_topk" in hf_scatter.patch_report(patched).values()
     hf_scatter.patch_model(patched)
     hf_scatter.unpatch_model(patched)
     assert hf_scatter.patch_report(patched) == {}
@@ -154,19 +165,21 @@ def test_patch_is_idempotent_switchable_and_reversible(family, device):
 
 def test_patch_transformers_is_class_level_and_unpatch_restores_classes_exactly():
     from transformers import AutoModelForCausalLM
+    from transformers.models.bert.modeling_bert import BertPreTrainedModel
     from transformers.models.dbrx.modeling_dbrx import DbrxPreTrainedModel
     from transformers.models.mixtral.modeling_mixtral import MixtralPreTrainedModel
 
-    before = {cls: dict(vars(cls)) for cls in (MixtralPreTrainedModel, DbrxPreTrainedModel)}
+    before = {cls: dict(vars(cls)) for cls in (MixtralPreTrainedModel, DbrxPreTrainedModel, BertPreTrainedModel)}
     hf_scatter.patch_transformers()
     hf_scatter.patch_transformers()  # twice is harmless
     try:
         for family in ("mixtral", "dbrx"):
             model = AutoModelForCausalLM.from_config(CONFIGS[family]())
-            assert len(hf_scatter.patch_report(model)) == 2, family
+            assert patched_experts(model) == 2, family
         explicit = AutoModelForCausalLM.from_config(tiny_mixtral_config(), experts_implementation="eager")
         assert explicit.config._experts_implementation == "eager", "an explicit load-time choice wins"
-        hf_scatter.patch_transformers(moe=False)
+        assert set(hf_scatter.patch_report(tiny_bert()).values()) == {"fused_add_norm"}
+        hf_scatter.patch_transformers(moe=False, norms=False, router=False)
         assert hf_scatter.patch_report(AutoModelForCausalLM.from_config(tiny_dbrx_config())) == {}
     finally:
         hf_scatter.unpatch_transformers()
@@ -186,8 +199,12 @@ def test_experts_implementation_switch_works_without_patching(tmp_path):
 
 
 def test_bad_input_gets_clear_errors():
-    with pytest.raises(ValueError, match=r"model_type 'bert'.*Supported: dbrx, mixtral"):
-        hf_scatter.patch_model(tiny_bert())
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    with pytest.raises(ValueError, match=r"model_type 'llama'.*Supported: bert, dbrx, mixtral"):
+        hf_scatter.patch_model(llama)
     with pytest.raises(TypeError, match="PreTrainedModel"):
         hf_scatter.patch_model(torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match="unknown option.*experts_kernel.*the options are moe"):
@@ -250,9 +267,35 @@ def test_patching_a_model_under_accelerate_hooks(family, device):
     want = vanilla(ids).logits
     hooked = cpu_offload(copy.deepcopy(vanilla), execution_device=device)
     hf_scatter.patch_model(hooked)
-    assert len(hf_scatter.patch_report(hooked)) == 2
+    assert patched_experts(hooked) == 2
     assert _rel(hooked(ids).logits, want) < 1e-5
     hf_scatter.unpatch_model(hooked)
     assert hf_scatter.patch_report(hooked) == {}
     if family == "mixtral":
         assert _rel(hooked(ids).logits, want) < 1e-5
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_bert_fused_add_layer_norm_matches_vanilla_outputs_and_gradients(train, device):
+    """BERT's two dense -> dropout -> LayerNorm(h + input) blocks per layer, with padding; in training the
+    dropout masks are the same draws as vanilla's (same modules, same order, same seed)."""
+    vanilla = tiny_bert(hidden=72, heads=4, intermediate=100, hidden_dropout_prob=0.1).to(device)
+    patched = hf_scatter.patch_model(copy.deepcopy(vanilla))
+    assert list(hf_scatter.patch_report(patched).values()) == ["fused_add_norm"] * 4
+    ids = _ids(device)
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0
+    outs = []
+    for model in (vanilla, patched):
+        model.train(train)
+        torch.manual_seed(0)
+        out = model(ids, attention_mask=mask).last_hidden_state
+        probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(device)
+        (out * probe).sum().backward()
+        outs.append(out)
+    assert _rel(outs[1], outs[0]) < 1e-5
+    want, got = _grads(vanilla), _grads(patched)
+    assert want.keys() == got.keys() and want
+    scale = max(g.abs().max() for g in want.values())  # the key bias has an exactly-zero true gradient
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6 * scale, msg=name)

@@ -35,3 +35,15 @@ def restore_class(module: nn.Module, vanilla_class: type) -> None:
         raise TypeError(f"restore_class: {type(module).__name__} is not a {vanilla_class.__name__}")
     module.__class__ = vanilla_class
     _rebind_accelerate_forward(module)
+
+
+def apply_swaps(model: nn.Module, swaps) -> None:
+    """For each ``(vanilla_class, our_class, on)``: every ``vanilla_class`` module in ``model`` becomes
+    ``our_class`` when ``on``, and plain ``vanilla_class`` again when not."""
+    for module in model.modules():
+        for vanilla, ours, on in swaps:
+            if isinstance(module, vanilla):
+                if on:
+                    swap_class(module, ours)
+                else:
+                    restore_class(module, vanilla)

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.models.dbrx.modeling_dbrx import DbrxExpertGLU, DbrxExperts
+from transformers.models.dbrx.modeling_dbrx import DbrxExpertGLU, DbrxExperts, DbrxFFN, DbrxNormAttentionNorm
 
+from ..kernels.fused_ops import router_topk
 from ..kernels.ops import swiglu_pair
 from ..moe.mlp import expert_mlp, is_silu
-from .class_patch import restore_class, swap_class
+from .class_patch import apply_swaps
 from .experts import SCATTERMOE
+from .fused_norms import FUSED_ADD_NORM, add_layer_norm
 from .registry import Family, PatchOptions, register_family
 
 
@@ -49,17 +51,39 @@ class ScatterMoEDbrxExperts(DbrxExperts):
         return out.to(hidden_states.dtype).view(batch_size, -1, self.hidden_size)
 
 
-_SWAPS = ((DbrxExperts, ScatterMoEDbrxExperts), (DbrxExpertGLU, ScatterMoEDbrxExpertGLU))
+class FusedDbrxNormAttentionNorm(DbrxNormAttentionNorm):
+    """norm_1 -> attention -> dropout -> (+ residual, norm_2) with the add and norm_2 in one kernel."""
+
+    hf_scatter_impl = FUSED_ADD_NORM
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: torch.Tensor,
+                attention_mask: torch.Tensor | None = None, past_key_values=None, **kwargs):
+        residual = hidden_states
+        hidden_states = add_layer_norm(hidden_states, None, self.norm_1)[0].to(hidden_states.dtype)
+        hidden_states, _ = self.attn(hidden_states=hidden_states, attention_mask=attention_mask,
+                                     position_embeddings=position_embeddings, past_key_values=past_key_values,
+                                     **kwargs)
+        hidden_states = nn.functional.dropout(hidden_states, p=self.resid_pdrop, training=self.training)
+        normed, residual = add_layer_norm(hidden_states, residual, self.norm_2)
+        return residual, normed.to(residual.dtype)
+
+
+class FusedRouterDbrxFFN(DbrxFFN):
+    """Softmax in the logits' dtype, top-k and the p-norm of ``moe_normalize_expert_weights`` in one kernel;
+    the router module is still called, so its logits are recorded."""
+
+    hf_scatter_impl = "router_topk"
+
+    def route_tokens_to_experts(self, router_logits: torch.Tensor):
+        return router_topk(router_logits, self.top_k, normalize=self.moe_normalize_expert_weights,
+                           softmax_dtype=router_logits.dtype)
 
 
 def patch_dbrx(model: nn.Module, options: PatchOptions, class_default: bool = False) -> None:
-    for module in model.modules():
-        for vanilla, ours in _SWAPS:
-            if isinstance(module, vanilla):
-                if options.moe:
-                    swap_class(module, ours)
-                else:
-                    restore_class(module, vanilla)
+    apply_swaps(model, [(DbrxExperts, ScatterMoEDbrxExperts, options.moe),
+                        (DbrxExpertGLU, ScatterMoEDbrxExpertGLU, options.moe),
+                        (DbrxNormAttentionNorm, FusedDbrxNormAttentionNorm, options.norms),
+                        (DbrxFFN, FusedRouterDbrxFFN, options.router)])
 
 
 DBRX = register_family(Family(

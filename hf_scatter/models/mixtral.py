@@ -1,17 +1,27 @@
 """Mixtral (and any family whose experts use transformers' ``ExpertsInterface``): select ``"scattermoe"``.
 
-No class is touched on a live model: ``set_experts_implementation`` switches the registered backend, and
-under ``patch_transformers`` the family's default (what ``experts_implementation=None`` resolves to)
-becomes ``"scattermoe"``, so an explicit ``experts_implementation=...`` at load time still wins.
+Experts: no class is touched on a live model: ``set_experts_implementation`` switches the registered
+backend, and under ``patch_transformers`` the family's default (what ``experts_implementation=None``
+resolves to) becomes ``"scattermoe"``, so an explicit ``experts_implementation=...`` at load time still wins.
+
+Norms and router (Mixtral only): ``MixtralRMSNorm`` carries transformers' hub kernel-layer tag, but using
+it needs the ``kernels`` package and the hub, so the norm, the decoder layer (its post-attention residual
+add joins the RMSNorm) and the router are swapped in place for subclasses.
 """
 
 from __future__ import annotations
 
 import types
 
+import torch
+import torch.nn.functional as F
 from torch import nn
+from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer, MixtralRMSNorm, MixtralTopKRouter
 
+from ..kernels.fused_ops import router_topk
+from .class_patch import apply_swaps
 from .experts import SCATTERMOE
+from .fused_norms import FUSED_ADD_NORM, add_rms_norm, rms_norm
 from .registry import Family, PatchOptions, register_family
 
 _VANILLA_CHOICE = "_hf_scatter_vanilla_experts"
@@ -56,6 +66,48 @@ def patch_interface_experts(model: nn.Module, options: PatchOptions, class_defau
     _show_choice_in_repr(experts, options.moe)
 
 
+class FusedMixtralRMSNorm(MixtralRMSNorm):
+    hf_scatter_impl = FUSED_ADD_NORM
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return rms_norm(hidden_states, None, self.weight, self.variance_epsilon)[0]
+
+
+class FusedMixtralDecoderLayer(MixtralDecoderLayer):
+    """The post-attention residual add and RMSNorm in one kernel; the rest as transformers has it."""
+
+    hf_scatter_impl = FUSED_ADD_NORM
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
+                position_ids=None, past_key_values=None, **kwargs) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states, _ = self.self_attn(hidden_states=hidden_states, position_embeddings=position_embeddings,
+                                          attention_mask=attention_mask, position_ids=position_ids,
+                                          past_key_values=past_key_values, **kwargs)
+        hidden_states, residual = add_rms_norm(hidden_states, residual, self.post_attention_layernorm)
+        hidden_states = self.mlp(hidden_states)
+        return residual + hidden_states
+
+
+class FusedMixtralTopKRouter(MixtralTopKRouter):
+    """float32 softmax, top-k and renormalisation in one kernel."""
+
+    hf_scatter_impl = "router_topk"
+
+    def forward(self, hidden_states: torch.Tensor):
+        router_logits = F.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
+        scores, indices = router_topk(router_logits, self.top_k, normalize="sum", softmax_dtype=torch.float32)
+        return router_logits, scores, indices
+
+
+def patch_mixtral(model: nn.Module, options: PatchOptions, class_default: bool = False) -> None:
+    patch_interface_experts(model, options, class_default)
+    apply_swaps(model, [(MixtralRMSNorm, FusedMixtralRMSNorm, options.norms),
+                        (MixtralDecoderLayer, FusedMixtralDecoderLayer, options.norms),
+                        (MixtralTopKRouter, FusedMixtralTopKRouter, options.router)])
+
+
 def _default_to_scattermoe(self, requested_experts):
     from transformers import PreTrainedModel
 
@@ -65,7 +117,7 @@ def _default_to_scattermoe(self, requested_experts):
 
 MIXTRAL = register_family(Family(
     model_type="mixtral",
-    patch=patch_interface_experts,
+    patch=patch_mixtral,
     pretrained_class="transformers.models.mixtral.modeling_mixtral:MixtralPreTrainedModel",
     class_hooks=lambda options: {"get_correct_experts_implementation": _default_to_scattermoe} if options.moe else {},
 ))

@@ -14,6 +14,8 @@ class PatchOptions:
     """What :func:`hf_scatter.patch_model` replaces; every piece is on unless turned off."""
 
     moe: bool = True  # experts on the ScatterMoE kernels
+    norms: bool = True  # residual add + LayerNorm / RMSNorm in one fused kernel
+    router: bool = True  # router softmax + top-k + renormalisation in one fused kernel
 
     @classmethod
     def from_kwargs(cls, caller: str, **options) -> "PatchOptions":
