@@ -1,0 +1,2 @@
+"""Variable-length BERT runtime (TurboTransformers' runtime and serving ideas): unpadded encoder, memory
+planner, batch scheduler."""
