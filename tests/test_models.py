@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import hf_scatter
+from hf_scatter.models.bert import UNPADDED
 from hf_scatter.tiny import tiny_bert, tiny_dbrx, tiny_dbrx_config, tiny_mixtral, tiny_mixtral_config
 
 BUILDERS = {"mixtral": tiny_mixtral, "dbrx": tiny_dbrx}
@@ -178,7 +179,7 @@ def test_patch_transformers_is_class_level_and_unpatch_restores_classes_exactly(
             assert patched_experts(model) == 2, family
         explicit = AutoModelForCausalLM.from_config(tiny_mixtral_config(), experts_implementation="eager")
         assert explicit.config._experts_implementation == "eager", "an explicit load-time choice wins"
-        assert set(hf_scatter.patch_report(tiny_bert()).values()) == {"fused_add_norm"}
+        assert set(hf_scatter.patch_report(tiny_bert()).values()) == {"fused_add_norm", UNPADDED}
         hf_scatter.patch_transformers(moe=False, norms=False, router=False)
         assert hf_scatter.patch_report(AutoModelForCausalLM.from_config(tiny_dbrx_config())) == {}
     finally:
@@ -281,8 +282,8 @@ def test_bert_fused_add_layer_norm_matches_vanilla_outputs_and_gradients(train, 
     dropout masks are the same draws as vanilla's (same modules, same order, same seed)."""
     vanilla = tiny_bert(hidden=72, heads=4, intermediate=100, hidden_dropout_prob=0.1).to(device)
     patched = hf_scatter.patch_model(copy.deepcopy(vanilla))
-    assert list(hf_scatter.patch_report(patched).values()) == ["fused_add_norm"] * 4
-    ids = _ids(device)
+    assert list(hf_scatter.patch_report(patched).values()) == [UNPADDED] + ["fused_add_norm"] * 4
+    ids = _ids(device)  # (gradients are asked for, so the padded path answers: this test is about the norms)
     mask = torch.ones_like(ids)
     mask[1, 9:] = 0
     outs = []

@@ -81,7 +81,7 @@ class _AddNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, bias, add_bias, eps, rms):
         M, N = x.shape
-        out_dtype = torch.promote_types(x.dtype, weight.dtype) if rms and weight is not None else x.dtype
+        out_dtype = _norm_out_dtype(x, weight, rms)
         stat_dtype = torch.promote_types(x.dtype, torch.float32)
         has_add = residual is not None or add_bias is not None
         y = x.new_empty((M, N), dtype=out_dtype)
@@ -303,7 +303,8 @@ def _norm_result(x: torch.Tensor, outputs, has_add: bool, return_sum: bool):
 
 
 # ----------------------------------------------------------------------------------- public calls
-def _add_norm(op: str, x, residual, weight, bias, add_bias, eps, rms: bool, return_sum: bool, validate: bool):
+def _add_norm(op: str, x, residual, weight, bias, add_bias, eps, rms: bool, return_sum: bool, validate: bool,
+              out: torch.Tensor | None = None):
     if validate:
         x2, res2 = _norm_rows(op, x, residual, weight, bias, add_bias, rms)
         eps = _check_eps(op, eps)
@@ -311,20 +312,38 @@ def _add_norm(op: str, x, residual, weight, bias, add_bias, eps, rms: bool, retu
         N = x.shape[-1]
         x2, res2 = x.reshape(-1, N), None if residual is None else residual.reshape(-1, N)
     has_add = residual is not None or add_bias is not None
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                       for t in (x, residual, weight, bias, add_bias)):
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                                 for t in (x, residual, weight, bias, add_bias))
+    if out is not None:
+        _check_norm_out(op, out, x, weight, rms, needs_grad)
+    if needs_grad:
         outputs = _AddNorm.apply(x2, res2, weight, bias, add_bias, eps, rms)
     else:
-        outputs = _add_norm_inference(x2, res2, weight, bias, add_bias, eps, rms, return_sum and has_add)
+        outputs = _add_norm_inference(x2, res2, weight, bias, add_bias, eps, rms, return_sum and has_add,
+                                      None if out is None else out.view(x2.shape))
     return _norm_result(x, outputs, has_add, return_sum)
 
 
-def _add_norm_inference(x, residual, weight, bias, add_bias, eps, rms, keep_sum: bool):
+def _norm_out_dtype(x: torch.Tensor, weight: torch.Tensor | None, rms: bool) -> torch.dtype:
+    return torch.promote_types(x.dtype, weight.dtype) if rms and weight is not None else x.dtype
+
+
+def _check_norm_out(op: str, out: torch.Tensor, x: torch.Tensor, weight, rms: bool, needs_grad: bool) -> None:
+    if needs_grad:
+        _fail(op, "out= is for inference (an output buffer cannot carry autograd history); call it under "
+                  "torch.no_grad() or drop out=")
+    dtype = _norm_out_dtype(x, weight, rms)
+    if not isinstance(out, torch.Tensor) or out.shape != x.shape or out.dtype != dtype or out.device != x.device \
+            or not out.is_contiguous():
+        got = f"{tuple(out.shape)} {out.dtype} on {out.device}" if isinstance(out, torch.Tensor) else type(out).__name__
+        _fail(op, f"out must be a contiguous {tuple(x.shape)} {dtype} tensor on {x.device}, got {got}")
+
+
+def _add_norm_inference(x, residual, weight, bias, add_bias, eps, rms, keep_sum: bool, out=None):
     """No autograd node: the pre-norm sum is written only when the caller wants it, the statistics go to
     one scratch allocation (a small call is dominated by host time, so every allocation counts)."""
     M, N = x.shape
-    out_dtype = torch.promote_types(x.dtype, weight.dtype) if rms and weight is not None else x.dtype
-    y = x.new_empty((M, N), dtype=out_dtype)
+    y = x.new_empty((M, N), dtype=_norm_out_dtype(x, weight, rms)) if out is None else out
     sum_out = x.new_empty((M, N)) if keep_sum else None
     stats = x.new_empty((1 if rms else 2, M), dtype=torch.promote_types(x.dtype, torch.float32))
     _run(_add_norm_fwd_op, _add_norm_fwd_impl, x, residual, add_bias, weight, bias, eps, rms, y, sum_out,
@@ -334,7 +353,7 @@ def _add_norm_inference(x, residual, weight, bias, add_bias, eps, rms, keep_sum:
 
 def fused_add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None = None, weight: torch.Tensor | None = None,
                          bias: torch.Tensor | None = None, eps: float = 1e-5, add_bias: torch.Tensor | None = None,
-                         return_sum: bool = False, *, validate: bool = True):
+                         return_sum: bool = False, *, validate: bool = True, out: torch.Tensor | None = None):
     """``LayerNorm(x + add_bias + residual)`` over the last dimension in one read of each row, differentiable.
 
     The adds round to x's dtype one at a time, like ``LayerNorm(dense_out + input)`` unfused, so vanilla
@@ -342,8 +361,10 @@ def fused_add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None = None, 
     ``weight`` / ``bias`` may be x's dtype or float32 (y keeps x's dtype). ``return_sum``: also return the
     pre-norm sum (the next residual of a pre-norm block): ``(y, sum)``. ``validate=False`` skips the input
     checks (for callers that built the arguments themselves; wrong input is then undefined behaviour).
+    ``out``: write y there (inference only; a planned buffer of the packed BERT runtime).
     """
-    return _add_norm("fused_add_layer_norm", x, residual, weight, bias, add_bias, eps, False, return_sum, validate)
+    return _add_norm("fused_add_layer_norm", x, residual, weight, bias, add_bias, eps, False, return_sum, validate,
+                     out)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None = None, weight: torch.Tensor | None = None,

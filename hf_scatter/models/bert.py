@@ -1,18 +1,27 @@
-"""BERT: the two ``dense -> dropout -> LayerNorm(h + input)`` blocks with the add and LayerNorm in one kernel.
+"""BERT: fused residual add + LayerNorm in every layer, and packed (unpadded) inference.
 
-transformers has no kernel-layer tag on these classes, so ``BertSelfOutput`` and ``BertOutput`` are swapped in
-place; the dense layers, dropout and attention (SDPA or eager) are transformers' own.
+transformers has no kernel-layer tag on these classes, so they are swapped in place:
+- ``BertSelfOutput`` and ``BertOutput`` (``dense -> dropout -> LayerNorm(h + input)``) run the add and the
+  LayerNorm in one kernel; the dense layers, dropout and attention are transformers' own. This is the
+  training path.
+- ``BertModel`` runs inference calls on packed tokens (``hf_scatter.turbo``: no padding, variable-length
+  attention, planned memory, a CUDA graph per length bucket) and returns HF's padded outputs, so every head
+  (sequence / token classification, masked LM, ...) works unchanged. Calls the packed path cannot serve
+  exactly (training, gradients, autocast, attention or hidden-state outputs, caches, ``inputs_embeds``,
+  left padding with a pooler) take transformers' own forward.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.models.bert.modeling_bert import BertOutput, BertSelfOutput
+from transformers.models.bert.modeling_bert import BertModel, BertOutput, BertSelfOutput
 
-from .class_patch import apply_swaps
+from .class_patch import apply_swaps, restore_class, swap_class
 from .fused_norms import FUSED_ADD_NORM, add_layer_norm
 from .registry import Family, PatchOptions, register_family
+
+UNPADDED = "unpadded (packed tokens, varlen attention, planned memory, CUDA graphs)"
 
 
 def _dense_dropout_add_norm(self, hidden_states: torch.Tensor, input_tensor: torch.Tensor) -> torch.Tensor:
@@ -30,9 +39,77 @@ class FusedBertOutput(BertOutput):
     forward = _dense_dropout_add_norm
 
 
+_HF_ONLY_KWARGS = ("output_attentions", "output_hidden_states", "head_mask")
+
+
+def _packed_call_blocker(model, input_ids, attention_mask, inputs_embeds, encoder_hidden_states,
+                         past_key_values, use_cache, kwargs) -> str | None:
+    """Why this call must take transformers' padded forward (None: the packed path computes it exactly)."""
+    if model.training:
+        return "training mode (dropout)"
+    grad = torch.is_grad_enabled()
+    dtypes = set()
+    for p in model.parameters():
+        if grad and p.requires_grad:
+            return "gradients enabled (use torch.no_grad() or torch.inference_mode())"
+        dtypes.add(p.dtype)
+    if len(dtypes) > 1:
+        return f"parameters of several dtypes ({', '.join(sorted(map(str, dtypes)))})"
+    if input_ids is None or inputs_embeds is not None:
+        return "inputs_embeds instead of input_ids"
+    if encoder_hidden_states is not None or past_key_values is not None or use_cache:
+        return "cross-attention or a KV cache"
+    if any(kwargs.get(k) for k in _HF_ONLY_KWARGS) or model.config.output_attentions or \
+            model.config.output_hidden_states:
+        return "attention weights / hidden states / head_mask requested"
+    if torch.is_autocast_enabled(input_ids.device.type):
+        return "autocast"
+    if attention_mask is not None and attention_mask.dim() != 2:
+        return "a 3-D/4-D attention mask"
+    return None
+
+
+class UnpaddedBertModel(BertModel):
+    """BertModel whose inference calls run packed; see the module docstring for when it falls back."""
+
+    hf_scatter_impl = UNPADDED
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
+                inputs_embeds=None, encoder_hidden_states=None, encoder_attention_mask=None, past_key_values=None,
+                use_cache=None, **kwargs):
+        reason = _packed_call_blocker(self, input_ids, attention_mask, inputs_embeds, encoder_hidden_states,
+                                      past_key_values, use_cache, kwargs)
+        if reason is None:
+            from ..turbo.hf_forward import packed_bert_forward
+
+            out = packed_bert_forward(self, input_ids, attention_mask, token_type_ids, position_ids)
+            if out is not None:
+                return out.to_tuple() if kwargs.get("return_dict", self.config.return_dict) is False else out
+        return super().forward(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+                               position_ids=position_ids, inputs_embeds=inputs_embeds,
+                               encoder_hidden_states=encoder_hidden_states,
+                               encoder_attention_mask=encoder_attention_mask, past_key_values=past_key_values,
+                               use_cache=use_cache, **kwargs)
+
+
+def _patch_unpadded(model: nn.Module, options: PatchOptions) -> None:
+    """Swap every BertModel whose architecture packs exactly (encoders with absolute positions)."""
+    from ..turbo.unpadded import unsupported_architecture
+
+    for module in model.modules():
+        if isinstance(module, BertModel):
+            module.__dict__.pop("_hf_scatter_runtime", None)  # options may have changed: plan and capture afresh
+            if options.unpadded and unsupported_architecture(module.config) is None:
+                swap_class(module, UnpaddedBertModel)
+                module.__dict__["_hf_scatter_cuda_graphs"] = options.cuda_graphs
+            else:
+                restore_class(module, BertModel)
+
+
 def patch_bert(model: nn.Module, options: PatchOptions, class_default: bool = False) -> None:
     apply_swaps(model, [(BertSelfOutput, FusedBertSelfOutput, options.norms),
                         (BertOutput, FusedBertOutput, options.norms)])
+    _patch_unpadded(model, options)
 
 
 BERT = register_family(Family(

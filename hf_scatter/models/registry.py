@@ -16,6 +16,8 @@ class PatchOptions:
     moe: bool = True  # experts on the ScatterMoE kernels
     norms: bool = True  # residual add + LayerNorm / RMSNorm in one fused kernel
     router: bool = True  # router softmax + top-k + renormalisation in one fused kernel
+    unpadded: bool = True  # BERT inference on packed tokens (varlen attention, planned memory)
+    cuda_graphs: bool = True  # BERT packed inference replays one CUDA graph per length bucket (CUDA only)
 
     @classmethod
     def from_kwargs(cls, caller: str, **options) -> "PatchOptions":

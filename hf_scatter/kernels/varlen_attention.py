@@ -1,0 +1,147 @@
+"""Variable-length (packed) bidirectional attention forward, with its pure-torch reference.
+
+Packed BERT batches hold sequences back to back ([T, heads, head_dim], boundaries in ``cu_seqlens``), so
+no padding is ever computed. One program owns ``BLOCK_M`` query rows of one sequence and one head, walks
+that sequence's keys in ``BLOCK_N`` tiles with an online softmax (fp32 statistics, exp2 with the scale
+folded in) and writes its rows once: no score matrix ever reaches memory.
+
+Which rows a program owns comes from a *block table* built on the host from the sequence lengths (the
+packer knows them anyway): ``[blocks, 3]`` int32 rows ``(first query row, sequence start, sequence end)``.
+Its length can be fixed ahead (rows past the real blocks are ``(0, 0, 0)`` and exit at once), so one
+launch of a fixed grid serves every batch of a length bucket: what a captured CUDA graph needs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from .backend import kernels_enabled, triton_interpreted
+
+if kernels_enabled():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _varlen_attention_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, blocks_ptr, scale_log2e,
+                                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                                     stride_ot, stride_oh, HEAD_DIM,
+                                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                                     UPCAST: tl.constexpr, IEEE: tl.constexpr):
+        blk = tl.program_id(0)
+        head = tl.program_id(1).to(tl.int64)
+        q_start = tl.load(blocks_ptr + blk * 3)
+        seq_start = tl.load(blocks_ptr + blk * 3 + 1)
+        seq_end = tl.load(blocks_ptr + blk * 3 + 2)
+        if q_start < seq_end:
+            rows = q_start + tl.arange(0, BLOCK_M)
+            row_mask = rows < seq_end
+            rows64 = rows.to(tl.int64)
+            d = tl.arange(0, BLOCK_D)
+            d_mask = d < HEAD_DIM
+            q = tl.load(q_ptr + rows64[:, None] * stride_qt + head * stride_qh + d[None, :],
+                        mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+            if UPCAST:  # the interpreter's bf16 arithmetic is wrong
+                q = q.to(tl.float32)
+            m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+            for n0 in range(seq_start, seq_end, BLOCK_N):
+                cols = n0 + tl.arange(0, BLOCK_N)
+                col_mask = cols < seq_end
+                cols64 = cols.to(tl.int64)
+                kt = tl.load(k_ptr + cols64[None, :] * stride_kt + head * stride_kh + d[:, None],
+                             mask=d_mask[:, None] & col_mask[None, :], other=0.0)
+                v = tl.load(v_ptr + cols64[:, None] * stride_vt + head * stride_vh + d[None, :],
+                            mask=col_mask[:, None] & d_mask[None, :], other=0.0)
+                if UPCAST:
+                    kt = kt.to(tl.float32)
+                    v = v.to(tl.float32)
+                if IEEE:
+                    s = tl.dot(q, kt, input_precision="ieee")
+                else:
+                    s = tl.dot(q, kt)
+                s = tl.where(col_mask[None, :], s * scale_log2e, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                p = tl.exp2(s - m_new[:, None])
+                alpha = tl.exp2(m_i - m_new)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                if IEEE:
+                    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+                else:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                m_i = m_new
+            out = acc / l_i[:, None]
+            tl.store(o_ptr + rows64[:, None] * stride_ot + head * stride_oh + d[None, :],
+                     out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+
+def block_m_for(head_dim: int) -> int:
+    """Query rows per program. 64 keeps the rounding waste of short sequences small (BERT requests are a few
+    hundred tokens) while the tile still feeds the tensor cores; the interpreter pays per program, so it
+    gets larger tiles."""
+    if triton_interpreted():
+        return 32
+    return 64 if head_dim <= 128 else 32
+
+
+def block_table(lengths, block_m: int, capacity: int | None = None) -> np.ndarray:
+    """``[blocks, 3]`` int32 rows (first query row, sequence start, sequence end) for packed sequences of
+    ``lengths``; zero-length sequences own no block. ``capacity`` pads the table with empty rows (a fixed
+    grid for a CUDA graph); it must be at least :func:`max_blocks` of the batch's bucket."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    counts = -(-lengths // block_m)
+    seq = np.repeat(np.arange(len(lengths)), counts)
+    first_block = np.cumsum(counts) - counts
+    within = np.arange(int(counts.sum())) - np.repeat(first_block, counts)
+    table = np.stack([starts[seq] + within * block_m, starts[seq], ends[seq]], axis=1)
+    if capacity is not None:
+        if capacity < len(table):
+            raise ValueError(f"block_table: {len(table)} blocks do not fit a capacity of {capacity}")
+        table = np.concatenate([table, np.zeros((capacity - len(table), 3), dtype=table.dtype)])
+    if table.size and table.max() >= 2 ** 31:
+        raise ValueError("block_table: more than 2**31 packed tokens; split the batch")
+    return table.astype(np.int32).reshape(-1, 3)
+
+
+def max_blocks(total_tokens: int, num_sequences: int, block_m: int) -> int:
+    """Most blocks any batch of at most ``num_sequences`` sequences and ``total_tokens`` tokens can need."""
+    return -(-total_tokens // block_m) + num_sequences
+
+
+def varlen_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths, scale: float,
+                               out: torch.Tensor) -> torch.Tensor:
+    """Pure-torch definition: each sequence's own softmax attention, one SDPA call per sequence."""
+    start = 0
+    for length in lengths:
+        end = start + int(length)
+        if end > start:
+            qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))  # [heads, L, d]
+            out[start:end] = torch.nn.functional.scaled_dot_product_attention(
+                qs, ks, vs, scale=scale).transpose(0, 1)
+        start = end
+    return out
+
+
+def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor, scale: float,
+                            out: torch.Tensor, block_m: int) -> torch.Tensor:
+    """Launch into ``out`` ([T, heads, d], last dim contiguous); ``blocks`` from :func:`block_table` with
+    ``block_m``, on the device. Inputs are assumed validated."""
+    heads, head_dim = q.shape[1], q.shape[2]
+    if blocks.shape[0] == 0 or heads == 0:
+        return out
+    interpreted = triton_interpreted()
+    ieee = q.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_n = 32 if interpreted else 64
+    _varlen_attention_fwd_kernel[(blocks.shape[0], heads)](
+        q, k, v, out, blocks, scale * math.log2(math.e),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        UPCAST=interpreted or q.dtype == torch.float32, IEEE=ieee or interpreted,
+        num_warps=4, num_stages=1 if interpreted else 3)
+    return out

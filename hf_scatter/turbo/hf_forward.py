@@ -1,0 +1,45 @@
+"""The patched ``BertModel.forward`` for inference: pack, run the packed runtime, hand back HF's outputs.
+
+``last_hidden_state`` comes back padded ([B, S, H], zeros at padded positions: vanilla BERT fills those
+with values nobody should read), ``pooler_output`` as [B, H]. Callers that want the packed rows use
+:func:`packed_outputs` (or :class:`~hf_scatter.turbo.encoder.Encoder` for lists of requests).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
+
+from .packing import PackedBatch, pack_padded
+from .runtime import UnpaddedRuntime
+
+
+def runtime_of(model) -> UnpaddedRuntime:
+    """The model's packed runtime (plans and graphs live as long as the model)."""
+    runtime = model.__dict__.get("_hf_scatter_runtime")
+    if runtime is None:
+        runtime = UnpaddedRuntime(model, cuda_graphs=model.__dict__.get("_hf_scatter_cuda_graphs", True))
+        model.__dict__["_hf_scatter_runtime"] = runtime
+    return runtime
+
+
+def packed_outputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                   token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
+                   ) -> tuple[PackedBatch, torch.Tensor, torch.Tensor | None]:
+    """``(batch, hidden [T, H], pooled [N, H] or None)``: the packed rows, copied out of planned memory."""
+    batch = pack_padded(input_ids, attention_mask, token_type_ids, position_ids)
+    hidden, pooled = runtime_of(model).run(batch)
+    return batch, hidden[:batch.num_tokens].clone(), None if pooled is None else pooled.clone()
+
+
+def packed_bert_forward(model, input_ids, attention_mask, token_type_ids, position_ids):
+    """HF outputs of an inference call, or None where the padded forward must answer instead: a row whose
+    first column is padding (vanilla pools that padded position, which packing never computes)."""
+    if attention_mask is not None and model.pooler is not None and not bool((attention_mask[:, 0] != 0).all()):
+        return None
+    batch = pack_padded(input_ids, attention_mask, token_type_ids, position_ids)
+    if batch.num_tokens == 0:
+        return None
+    hidden, pooled = runtime_of(model).run(batch)
+    return BaseModelOutputWithPoolingAndCrossAttentions(
+        last_hidden_state=batch.unpack(hidden), pooler_output=None if pooled is None else pooled.clone())

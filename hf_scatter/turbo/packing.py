@@ -1,0 +1,134 @@
+"""Packed (unpadded) batches: the real tokens of every sequence back to back, and the way back to padding.
+
+A padded [B, S] batch of requests of lengths 5..500 is half padding; packing drops it, so every GEMM and
+norm runs on real tokens only and attention runs per sequence (``cu_seqlens``). Positions and token types
+are kept per token exactly as the padded model would see them (BERT's position of a token is its column
+in the padded row), so packed outputs at real positions equal the padded model's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+
+
+@dataclass
+class PackedBatch:
+    """Tokens of ``len(lengths)`` sequences back to back ([T] each); ``lengths`` are host ints.
+
+    ``padded_index``: for a batch packed from a padded [B, S] tensor, each token's flat index in B*S
+    (``unpack`` puts outputs back there); None for batches packed from request lists.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    token_type_ids: torch.Tensor | None
+    lengths: list[int]
+    padded_shape: tuple[int, int] | None = None
+    padded_index: torch.Tensor | None = None
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
+    def first_token_index(self) -> torch.Tensor:
+        """Row of each sequence's first token ([CLS] for BERT) in the packed tensor (0 for empty ones)."""
+        if "first" not in self._cache:
+            self._cache["first"] = torch.from_numpy(first_token_rows(self.lengths)).to(self.device)
+        return self._cache["first"]
+
+    def unpack(self, packed: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        """[T, ...] packed rows -> [B, S, ...] with ``fill`` at padded positions (zeros by default)."""
+        if self.padded_index is None:
+            raise ValueError("unpack: this batch was packed from a list of sequences, not a padded tensor; "
+                             "use split() for per-sequence outputs")
+        B, S = self.padded_shape
+        out = packed.new_full((B * S, *packed.shape[1:]), fill)
+        out.index_copy_(0, self.padded_index, packed[:self.num_tokens])
+        return out.view(B, S, *packed.shape[1:])
+
+    def split(self, packed: torch.Tensor) -> list[torch.Tensor]:
+        """[T, ...] packed rows -> one [length, ...] view per sequence, in order."""
+        return list(torch.split(packed[:self.num_tokens], self.lengths))
+
+
+def first_token_rows(lengths) -> np.ndarray:
+    """int64 row of each sequence's first token in a packed batch; 0 for empty sequences (read, never used)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    starts = np.cumsum(lengths) - lengths
+    return np.where(lengths > 0, starts, 0).astype(np.int64)
+
+
+def _check_ids(name: str, t, shape=None) -> None:
+    if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int64, torch.int32) or t.dim() != 2:
+        got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"pack_padded: {name} must be a [batch, seq] integer tensor, got {got}")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"pack_padded: {name} has shape {tuple(t.shape)} but input_ids has {tuple(shape)}")
+
+
+def pack_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> PackedBatch:
+    """Pack a padded HF batch: tokens with ``attention_mask`` 1 (left, right or any padding), in row order.
+
+    Costs one device-to-host copy (the row lengths), which the packed shapes need anyway.
+    """
+    _check_ids("input_ids", input_ids)
+    B, S = input_ids.shape
+    device = input_ids.device
+    if attention_mask is None:
+        keep = None
+        lengths = [S] * B
+    else:
+        if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (B, S):
+            got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
+            raise ValueError(f"pack_padded: attention_mask must be a [batch, seq] = {(B, S)} tensor of 0/1, got {got} "
+                             "(4-D or float masks: pass the 2-D padding mask)")
+        keep = attention_mask.reshape(-1) != 0
+        lengths = (attention_mask != 0).sum(1).tolist()
+    if keep is None:
+        index = torch.arange(B * S, device=device)
+    else:
+        index = keep.nonzero().squeeze(1)
+    columns = index % S
+    if position_ids is None:
+        positions = columns
+    else:
+        position_ids = position_ids.expand(B, S) if position_ids.dim() == 2 and position_ids.shape[0] == 1 else position_ids
+        _check_ids("position_ids", position_ids, (B, S))
+        positions = position_ids.reshape(-1)[index]
+    types = None
+    if token_type_ids is not None:
+        _check_ids("token_type_ids", token_type_ids, (B, S))
+        types = token_type_ids.reshape(-1)[index]
+    return PackedBatch(input_ids.reshape(-1)[index], positions, types, lengths, (B, S), index)
+
+
+def pack_sequences(sequences: Sequence, device: torch.device | str = "cpu",
+                   token_type_ids: Sequence | None = None) -> PackedBatch:
+    """Pack a list of token-id sequences (lists, arrays or 1-D tensors); positions count from 0 in each."""
+    if not isinstance(sequences, (list, tuple)):
+        raise ValueError(f"pack_sequences: expected a list of token-id sequences, got {type(sequences).__name__}")
+    arrays = [np.asarray(s.cpu() if isinstance(s, torch.Tensor) else s, dtype=np.int64).reshape(-1) for s in sequences]
+    lengths = [len(a) for a in arrays]
+    ids = np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
+    positions = np.concatenate([np.arange(n) for n in lengths]) if arrays else np.zeros(0, np.int64)
+    types = None
+    if token_type_ids is not None:
+        type_arrays = [np.asarray(t, dtype=np.int64).reshape(-1) for t in token_type_ids]
+        if [len(t) for t in type_arrays] != lengths:
+            raise ValueError("pack_sequences: token_type_ids must have one entry per token of each sequence")
+        types = torch.from_numpy(np.concatenate(type_arrays) if type_arrays else ids[:0]).to(device)
+    return PackedBatch(torch.from_numpy(ids).to(device), torch.from_numpy(positions).to(device), types, lengths)

@@ -1,0 +1,132 @@
+"""BERT encoder on packed tokens: embeddings, layers and pooler of a live ``BertModel``, no padding anywhere.
+
+Between the GEMMs run the fused kernels: residual add + LayerNorm in one pass, and variable-length
+attention straight from the Q/K/V projections (no score matrix, no [B, S, S] mask). Every intermediate
+comes from an *allocator* ``alloc(name, shape, dtype, device)`` and every op writes into it (``out=``), so
+the memory planner can place all of them in one arena and a CUDA graph can replay the whole encoder.
+
+Inference only (eval mode, no autograd): training keeps transformers' padded path with the fused norms.
+The arithmetic and its rounding follow transformers' BertModel op for op (bias inside the GEMM, the
+residual add rounded before the norm), so outputs at real positions match the padded model's.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..kernels.attention_ops import varlen_attention
+from ..kernels.fused_ops import fused_add_layer_norm
+from .packing import PackedBatch
+
+Alloc = Callable[[str, tuple, torch.dtype, torch.device], torch.Tensor]
+
+
+def fresh(name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The unplanned allocator: a new tensor from torch's caching allocator."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+_INPLACE_ACTIVATIONS = {
+    "gelu": lambda t: torch.ops.aten.gelu_(t),
+    "gelu_pytorch_tanh": lambda t: torch.ops.aten.gelu_(t, approximate="tanh"),
+    "relu": torch.relu_,
+    "silu": lambda t: torch.ops.aten.silu_(t),
+    "swish": lambda t: torch.ops.aten.silu_(t),
+}
+
+
+def unsupported_architecture(config) -> str | None:
+    """Why a BERT of this config cannot run packed, or None (encoders with absolute positions can)."""
+    if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
+        return "decoder / cross-attention BERT (causal or encoder-decoder attention is not packed)"
+    if getattr(config, "position_embedding_type", "absolute") != "absolute":
+        return f"position_embedding_type={config.position_embedding_type!r} (only absolute positions are packed)"
+    return None
+
+
+def _linear(x: torch.Tensor, linear: nn.Linear, out: torch.Tensor) -> torch.Tensor:
+    if linear.bias is None:
+        return torch.mm(x, linear.weight.t(), out=out)
+    return torch.addmm(linear.bias, x, linear.weight.t(), out=out)
+
+
+def _activation_(hidden_act, intermediate: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The FFN activation in place: the known ones by name, anything else through the module (a copy)."""
+    inplace = _INPLACE_ACTIVATIONS.get(hidden_act) if isinstance(hidden_act, str) else None
+    if inplace is not None:
+        return inplace(x)
+    return x.copy_(intermediate.intermediate_act_fn(x))
+
+
+def embed(embeddings: nn.Module, batch: PackedBatch, alloc: Alloc) -> torch.Tensor:
+    """LayerNorm(word + token type + position) per packed token, rounded like BertEmbeddings."""
+    word = embeddings.word_embeddings.weight
+    T, H, dev = batch.num_tokens, word.shape[1], word.device
+    summed = torch.index_select(word, 0, batch.input_ids, out=alloc("embed.word_type", (T, H), word.dtype, dev))
+    types = embeddings.token_type_embeddings.weight
+    if batch.token_type_ids is None:
+        summed.add_(types[0])
+    else:
+        summed.add_(torch.index_select(types, 0, batch.token_type_ids,
+                                       out=alloc("embed.type", (T, H), word.dtype, dev)))
+    positions = torch.index_select(embeddings.position_embeddings.weight, 0, batch.position_ids,
+                                   out=alloc("embed.position", (T, H), word.dtype, dev))
+    norm = embeddings.LayerNorm
+    return fused_add_layer_norm(summed, positions, norm.weight, norm.bias, eps=norm.eps, validate=False,
+                                out=alloc("embed.out", (T, H), word.dtype, dev))
+
+
+def layer_forward(layer: nn.Module, h: torch.Tensor, batch: PackedBatch, alloc: Alloc,
+                  blocks: torch.Tensor | None, hidden_act="gelu") -> torch.Tensor:
+    """One BertLayer on packed rows [T, H]: Q/K/V, varlen attention, out-proj + add&norm, FFN + add&norm."""
+    T, H = h.shape
+    dtype, dev = h.dtype, h.device
+    attn = layer.attention.self
+    heads, head_dim = attn.num_attention_heads, attn.attention_head_size
+    qkv = alloc("attention.qkv", (3, T, heads * head_dim), dtype, dev)
+    for i, proj in enumerate((attn.query, attn.key, attn.value)):
+        _linear(h, proj, qkv[i])
+    q, k, v = (qkv[i].view(T, heads, head_dim) for i in range(3))
+    context = alloc("attention.context", (T, heads * head_dim), dtype, dev)
+    varlen_attention(q, k, v, batch.lengths, attn.scaling, out=context.view(T, heads, head_dim), blocks=blocks)
+
+    out = layer.attention.output
+    projected = _linear(context, out.dense, alloc("attention.dense", (T, H), dtype, dev))
+    h1 = fused_add_layer_norm(projected, h, out.LayerNorm.weight, out.LayerNorm.bias, eps=out.LayerNorm.eps,
+                              validate=False, out=alloc("attention.norm", (T, H), dtype, dev))
+
+    inner = layer.intermediate.dense
+    intermediate = _linear(h1, inner, alloc("ffn.intermediate", (T, inner.out_features), dtype, dev))
+    _activation_(hidden_act, layer.intermediate, intermediate)
+    ffn = layer.output
+    projected = _linear(intermediate, ffn.dense, alloc("ffn.dense", (T, H), dtype, dev))
+    return fused_add_layer_norm(projected, h1, ffn.LayerNorm.weight, ffn.LayerNorm.bias, eps=ffn.LayerNorm.eps,
+                                validate=False, out=alloc("ffn.norm", (T, H), dtype, dev))
+
+
+def pool(pooler: nn.Module, h: torch.Tensor, first_token: torch.Tensor, alloc: Alloc) -> torch.Tensor:
+    """BertPooler on each sequence's first token: tanh(dense(h[CLS]))."""
+    N = first_token.shape[0]
+    cls = torch.index_select(h, 0, first_token, out=alloc("pooler.cls", (N, h.shape[1]), h.dtype, h.device))
+    pooled = _linear(cls, pooler.dense, alloc("pooler.out", (N, pooler.dense.out_features), h.dtype, h.device))
+    if isinstance(pooler.activation, nn.Tanh):
+        return pooled.tanh_()
+    return pooled.copy_(pooler.activation(pooled))
+
+
+def encode(model: nn.Module, batch: PackedBatch, alloc: Alloc = fresh, blocks: torch.Tensor | None = None,
+           first_token: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(last hidden state [T, H], pooled output [N, H] or None)`` of a BertModel on a packed batch.
+
+    ``blocks``/``first_token``: prebuilt device tables (the CUDA-graph runtime passes fixed-size ones).
+    """
+    h = embed(model.embeddings, batch, alloc)
+    for layer in model.encoder.layer:
+        h = layer_forward(layer, h, batch, alloc, blocks, model.config.hidden_act)
+    pooled = None
+    if model.pooler is not None:
+        pooled = pool(model.pooler, h, batch.first_token_index() if first_token is None else first_token, alloc)
+    return h, pooled
