@@ -44,17 +44,10 @@ _HF_ONLY_KWARGS = ("output_attentions", "output_hidden_states", "head_mask")
 
 def _packed_call_blocker(model, input_ids, attention_mask, inputs_embeds, encoder_hidden_states,
                          past_key_values, use_cache, kwargs) -> str | None:
-    """Why this call must take transformers' padded forward (None: the packed path computes it exactly)."""
+    """Why this call must take transformers' padded forward, as far as the arguments tell (the packed path
+    itself declines the rest: see ``turbo.hf_forward.packed_bert_forward``)."""
     if model.training:
         return "training mode (dropout)"
-    grad = torch.is_grad_enabled()
-    dtypes = set()
-    for p in model.parameters():
-        if grad and p.requires_grad:
-            return "gradients enabled (use torch.no_grad() or torch.inference_mode())"
-        dtypes.add(p.dtype)
-    if len(dtypes) > 1:
-        return f"parameters of several dtypes ({', '.join(sorted(map(str, dtypes)))})"
     if input_ids is None or inputs_embeds is not None:
         return "inputs_embeds instead of input_ids"
     if encoder_hidden_states is not None or past_key_values is not None or use_cache:
@@ -90,6 +83,20 @@ class UnpaddedBertModel(BertModel):
                                encoder_hidden_states=encoder_hidden_states,
                                encoder_attention_mask=encoder_attention_mask, past_key_values=past_key_values,
                                use_cache=use_cache, **kwargs)
+
+
+def _share_output_capture(ours: type, vanilla: type) -> None:
+    """transformers looks up which outputs (hidden states, attentions) a model records by the name of its
+    class (a registry filled in ``PreTrainedModel.__init__``); a swapped class needs the vanilla entry."""
+    try:
+        from transformers.modeling_utils import _CAN_RECORD_REGISTRY
+    except ImportError:
+        return
+    # Stored under str(class) in every 5.x release (newer ones key by model in __setitem__: bypass it).
+    dict.__setitem__(_CAN_RECORD_REGISTRY, str(ours), getattr(vanilla, "_can_record_outputs", None))
+
+
+_share_output_capture(UnpaddedBertModel, BertModel)
 
 
 def _patch_unpadded(model: nn.Module, options: PatchOptions) -> None:

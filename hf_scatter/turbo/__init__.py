@@ -1,2 +1,16 @@
-"""Variable-length BERT runtime (TurboTransformers' runtime and serving ideas): unpadded encoder, memory
-planner, batch scheduler."""
+"""Variable-length BERT runtime (TurboTransformers' runtime and serving ideas, done the way they pay off
+today): packed execution with variable-length attention, a sequence-length-aware memory planner, CUDA
+graphs per length bucket, and a DP batch scheduler for serving.
+
+``hf_scatter.patch_model(bert)`` routes a BERT's inference calls through it; ``Encoder`` serves lists of
+requests; see docs/bert.md.
+"""
+
+from .encoder import Encoder
+from .packing import PackedBatch, pack_padded, pack_sequences
+from .planner import MemoryPlanner, UsageRecord, plan_records, record_usage
+from .runtime import UnpaddedRuntime
+from .scheduler import BatchScheduler, CostTable, dp_schedule
+
+__all__ = ["BatchScheduler", "CostTable", "Encoder", "MemoryPlanner", "PackedBatch", "UnpaddedRuntime",
+           "UsageRecord", "dp_schedule", "pack_padded", "pack_sequences", "plan_records", "record_usage"]

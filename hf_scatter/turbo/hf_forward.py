@@ -32,14 +32,27 @@ def packed_outputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     return batch, hidden[:batch.num_tokens].clone(), None if pooled is None else pooled.clone()
 
 
+def _parameter_blocker(params) -> str | None:
+    grad = torch.is_grad_enabled()
+    dtype = params[0].dtype
+    for p in params:
+        if grad and p.requires_grad:
+            return "gradients enabled (use torch.no_grad() or torch.inference_mode())"
+        if p.dtype != dtype:
+            return "parameters of several dtypes"
+    return None
+
+
 def packed_bert_forward(model, input_ids, attention_mask, token_type_ids, position_ids):
-    """HF outputs of an inference call, or None where the padded forward must answer instead: a row whose
-    first column is padding (vanilla pools that padded position, which packing never computes)."""
-    if attention_mask is not None and model.pooler is not None and not bool((attention_mask[:, 0] != 0).all()):
+    """HF outputs of an inference call, or None where the padded forward must answer instead: gradients
+    wanted, mixed parameter dtypes, an empty batch, or a row whose first column is padding while the
+    model pools (vanilla pools that padded position, which packing never computes)."""
+    runtime = runtime_of(model)
+    if _parameter_blocker(runtime.params) is not None:
         return None
     batch = pack_padded(input_ids, attention_mask, token_type_ids, position_ids)
-    if batch.num_tokens == 0:
+    if batch.num_tokens == 0 or (batch.first_column_padded and model.pooler is not None):
         return None
-    hidden, pooled = runtime_of(model).run(batch)
+    hidden, pooled = runtime.run(batch)
     return BaseModelOutputWithPoolingAndCrossAttentions(
         last_hidden_state=batch.unpack(hidden), pooler_output=None if pooled is None else pooled.clone())

@@ -20,7 +20,8 @@ class PackedBatch:
     """Tokens of ``len(lengths)`` sequences back to back ([T] each); ``lengths`` are host ints.
 
     ``padded_index``: for a batch packed from a padded [B, S] tensor, each token's flat index in B*S
-    (``unpack`` puts outputs back there); None for batches packed from request lists.
+    (``unpack`` puts outputs back there); None for batches packed from request lists. ``first_column_padded``:
+    some row of that tensor starts with padding (left padding).
     """
 
     input_ids: torch.Tensor
@@ -29,6 +30,7 @@ class PackedBatch:
     lengths: list[int]
     padded_shape: tuple[int, int] | None = None
     padded_index: torch.Tensor | None = None
+    first_column_padded: bool = False
     _cache: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -83,25 +85,25 @@ def pack_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = N
                 token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> PackedBatch:
     """Pack a padded HF batch: tokens with ``attention_mask`` 1 (left, right or any padding), in row order.
 
-    Costs one device-to-host copy (the row lengths), which the packed shapes need anyway.
+    Costs one device-to-host copy of the mask (the packed shapes need the lengths on the host anyway); the
+    rest is worked out there and sent back as one index.
     """
     _check_ids("input_ids", input_ids)
     B, S = input_ids.shape
     device = input_ids.device
+    first_column_padded = False
     if attention_mask is None:
-        keep = None
         lengths = [S] * B
+        index = torch.arange(B * S, device=device)
     else:
         if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (B, S):
             got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
             raise ValueError(f"pack_padded: attention_mask must be a [batch, seq] = {(B, S)} tensor of 0/1, got {got} "
                              "(4-D or float masks: pass the 2-D padding mask)")
-        keep = attention_mask.reshape(-1) != 0
-        lengths = (attention_mask != 0).sum(1).tolist()
-    if keep is None:
-        index = torch.arange(B * S, device=device)
-    else:
-        index = keep.nonzero().squeeze(1)
+        keep = attention_mask.detach().cpu().numpy() != 0
+        lengths = keep.sum(1).tolist()
+        first_column_padded = bool(B and S and not keep[:, 0].all())
+        index = torch.from_numpy(np.flatnonzero(keep)).to(device)
     columns = index % S
     if position_ids is None:
         positions = columns
@@ -113,7 +115,7 @@ def pack_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = N
     if token_type_ids is not None:
         _check_ids("token_type_ids", token_type_ids, (B, S))
         types = token_type_ids.reshape(-1)[index]
-    return PackedBatch(input_ids.reshape(-1)[index], positions, types, lengths, (B, S), index)
+    return PackedBatch(input_ids.reshape(-1)[index], positions, types, lengths, (B, S), index, first_column_padded)
 
 
 def pack_sequences(sequences: Sequence, device: torch.device | str = "cpu",

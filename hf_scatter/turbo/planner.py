@@ -6,7 +6,9 @@ sizes. TurboTransformers instead plans all intermediates of a forward at once, p
 1. *Usage records* ``{first_op, last_op, size}`` of every intermediate, taken from the real computation:
    the forward runs once with a recording allocator under a ``TorchDispatchMode`` that sees every op
    (kernel calls included, through :class:`~hf_scatter.kernels.ops.dispatch_ops`) and which planned
-   buffers it touches. Nothing about lifetimes is written by hand.
+   buffers it touches. Nothing about lifetimes is written by hand. The recording runs on fake tensors
+   (shapes, dtypes and devices without memory or arithmetic), so planning never needs the memory that
+   planning is there to save.
 2. *Greedy by size, best fit* (Algorithm 2): records sorted by size, largest first; each goes to the
    smallest gap, among the tensors of a chunk whose lifetimes overlap its own, that holds it; when no
    chunk has one, a new chunk of ``max(2 MB, 1.2 x size)``.
@@ -19,12 +21,14 @@ length bucket and serves any batch of that bucket (smaller tensors use the start
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -88,10 +92,13 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
-def record_usage(forward: Callable, keep_alive: Callable[[object], list] = lambda result: []) -> tuple[list[UsageRecord], object]:
+def record_usage(forward: Callable, keep_alive: Callable[[object], list] = lambda result: [],
+                 fake: bool = True) -> tuple[list[UsageRecord], object]:
     """Run ``forward(alloc)`` once, recording every buffer it takes from ``alloc`` and the ops that touch it.
 
-    Buffers in ``keep_alive(result)`` (the outputs) live to the end. Returns ``(records, result)``.
+    Buffers in ``keep_alive(result)`` (the outputs) live to the end. ``fake``: on fake tensors (real inputs
+    and weights are read as fakes; nothing is computed or allocated). Returns ``(records, result)``; with
+    ``fake`` the result is made of fake tensors.
     """
     recorder = _Recorder()
     names: list[str] = []
@@ -99,14 +106,14 @@ def record_usage(forward: Callable, keep_alive: Callable[[object], list] = lambd
     buffers: list[torch.Tensor] = []  # keeps storages alive so their keys stay unique
 
     def alloc(name, shape, dtype, device):
-        t = torch.empty(shape, dtype=dtype, device=device)
+        t = torch.zeros(shape, dtype=dtype, device=device)  # (real runs: rows nobody writes stay finite)
         recorder.by_storage[_storage_key(t)] = len(names)
         names.append(name)
         sizes.append(_aligned(t.numel() * t.element_size()))
         buffers.append(t)
         return t
 
-    with dispatch_ops(), recorder:
+    with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext(), dispatch_ops(), recorder:
         result = forward(alloc)
     end = recorder.ops
     for t in keep_alive(result):
@@ -249,25 +256,25 @@ class MemoryPlanner:
             self.plans.move_to_end(key)
         return plan
 
-    def plan(self, key, forward: Callable, keep_alive: Callable = lambda result: []) -> tuple[PlannedAllocator, object]:
-        """``(allocator, result of the recording run or None)`` for ``key``."""
+    def plan(self, key, forward: Callable, keep_alive: Callable = lambda result: []) -> PlannedAllocator:
+        """An allocator for ``key``, planned from a (fake) recording of ``forward`` the first time."""
         plan = self.cached(key)
-        result = None
         if plan is None:
             start = time.perf_counter()
-            records, result = record_usage(forward, keep_alive)
+            records, _ = record_usage(forward, keep_alive)
             placements, sizes = plan_records(records, {cid: c.numel() for cid, c in self.chunks.items()},
                                              self.chunk_bytes, self.growth)
             for cid, size in sizes.items():
                 if cid not in self.chunks:
-                    self.chunks[cid] = torch.empty(size, dtype=torch.uint8, device=self.device)
+                    # zeroed once: rows a bucket pads with then only ever hold finite values
+                    self.chunks[cid] = torch.zeros(size, dtype=torch.uint8, device=self.device)
             plan = Plan(records, placements, (time.perf_counter() - start) * 1e3)
             self.planning_ms_total += plan.planning_ms
             self.plans[key] = plan
             while len(self.plans) > self.max_plans:
                 self.plans.popitem(last=False)
             self._release_unused()
-        return PlannedAllocator(plan, self.chunks), result
+        return PlannedAllocator(plan, self.chunks)
 
     def _release_unused(self) -> None:
         used = set().union(*(p.chunk_ids() for p in self.plans.values())) if self.plans else set()

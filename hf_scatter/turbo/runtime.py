@@ -69,11 +69,12 @@ class UnpaddedRuntime:
         self.cuda_graphs = cuda_graphs
         self.max_graphs = max_graphs
         self.chunk_bytes = chunk_bytes
+        self.params = list(model.parameters())  # .to()/.half() swap their data in place: watched per call
         self._signature = None
         self._reset()
 
     def _reset(self) -> None:
-        device = next(self.model.parameters()).device
+        device = self.params[0].device
         self.device = device
         self.planner = MemoryPlanner(device, chunk_bytes=self.chunk_bytes, max_plans=self.max_graphs)
         self.graphs: OrderedDict = OrderedDict()
@@ -81,7 +82,7 @@ class UnpaddedRuntime:
         self.captures = 0
 
     def _params_signature(self):
-        return tuple((p.data_ptr(), p.dtype) for p in self.model.parameters())
+        return [(p.data_ptr(), p.dtype) for p in self.params]
 
     def graphs_enabled(self) -> bool:
         wanted = self.device.type == "cuda" if self.cuda_graphs is None else self.cuda_graphs
@@ -115,9 +116,9 @@ class UnpaddedRuntime:
         """Eager, with the bucket's plan: the batch is padded to the bucket's token count so that one plan
         (recorded at that size) serves every batch of the bucket."""
         padded = _pad_to_bucket(batch, *key)
-        forward = lambda alloc: encode(self.model, padded, alloc)  # noqa: E731
-        allocator, result = self.planner.plan(key, forward, keep_alive=_outputs)
-        hidden, pooled = result if result is not None else forward(allocator)  # the recording run computed it
+        first = padded.first_token_index()
+        forward = lambda alloc: encode(self.model, padded, alloc, first_token=first)  # noqa: E731
+        hidden, pooled = forward(self.planner.plan(key, forward, keep_alive=_outputs))
         return hidden[:batch.num_tokens], None if pooled is None else pooled[:batch.num_sequences]
 
     # ---------------------------------------------------------------------------------------- graphs
@@ -162,12 +163,12 @@ class UnpaddedRuntime:
         placeholder = _Captured(None, static, blocks, first, None, None)
         self._fill(placeholder, batch)
         forward = lambda alloc: encode(self.model, static, alloc, blocks, first)  # noqa: E731
-        allocator, _ = self.planner.plan(key, forward, keep_alive=_outputs)  # records: also compiles the kernels
+        allocator = self.planner.plan(key, forward, keep_alive=_outputs)
         for stale in [k for k in self.graphs if k not in self.planner.plans]:
             del self.graphs[stale]  # its plan (and maybe its chunks) are gone
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):  # warm-up on a side stream, as CUDA-graph capture wants
+        with torch.cuda.stream(stream):  # warm-up (compiles the kernels) on a side stream, as capture wants
             forward(allocator.reset())
         torch.cuda.current_stream(self.device).wait_stream(stream)
         if self._pool is None:

@@ -1,0 +1,336 @@
+"""The variable-length BERT runtime: varlen attention, packing, the packed encoder behind the patched model,
+the memory planner and the CUDA-graph runtime."""
+
+import copy
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import hf_scatter
+from hf_scatter.kernels import varlen_attention as va
+from hf_scatter.kernels.attention_ops import varlen_attention
+from hf_scatter.models.bert import UNPADDED
+from hf_scatter.tiny import tiny_bert
+from hf_scatter.turbo.packing import pack_padded, pack_sequences
+from hf_scatter.turbo.planner import MemoryPlanner, UsageRecord, plan_records, record_usage
+from hf_scatter.turbo.runtime import UnpaddedRuntime, token_bucket
+from hf_scatter.turbo.unpadded import encode
+
+TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+
+
+def _rel(got, want):
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+# ------------------------------------------------------------------------------------ varlen attention
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("lengths,heads,head_dim", [([1, 7, 40, 0, 33], 3, 16), ([64, 64], 2, 24), ([1], 1, 8)])
+def test_varlen_attention_matches_float64_per_sequence_attention(dtype, lengths, heads, head_dim, device):
+    T = sum(lengths) + 5  # trailing rows belong to no sequence and must stay untouched
+    qkv = torch.randn(T, 3, heads, head_dim, device=device).to(dtype)  # q, k, v are strided views of one buffer
+    q, k, v = qkv.unbind(1)
+    out = torch.full((T, heads, head_dim), float("nan"), device=device, dtype=dtype)
+    varlen_attention(q, k, v, lengths, out=out)
+    want = torch.zeros(T, heads, head_dim, dtype=torch.float64, device=device)
+    for start, n in zip(np.cumsum([0] + lengths[:-1]), lengths):  # softmax(q k^T / sqrt(d)) v per sequence
+        s = slice(int(start), int(start) + n)
+        scores = torch.einsum("qhd,khd->hqk", q[s].double(), k[s].double()) / head_dim ** 0.5
+        want[s] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v[s].double())
+    n = sum(lengths)
+    assert not out[:n].isnan().any(), "every real row must be written"
+    assert _rel(out[:n], want[:n]) < TOL[dtype]
+    assert out[n:].isnan().all(), "rows past the sequences must not be written"
+
+
+def test_block_table_covers_every_row_once_and_pads_to_capacity():
+    lengths = [5, 0, 64, 65, 1]
+    table = va.block_table(lengths, 32, capacity=va.max_blocks(sum(lengths), len(lengths), 32))
+    covered = np.zeros(sum(lengths), dtype=int)
+    for first, start, end in table:
+        covered[first:min(first + 32, end)] += 1
+        assert start <= first < end or first == start == end == 0
+    assert (covered == 1).all()
+    assert (table[len(lengths) + 5:] == 0).all() and len(table) == va.max_blocks(135, 5, 32)
+    with pytest.raises(ValueError, match="do not fit a capacity"):
+        va.block_table(lengths, 32, capacity=3)
+
+
+def test_varlen_attention_rejects_bad_input():
+    q = torch.randn(10, 2, 8)
+    with pytest.raises(ValueError, match="lengths add up to 12 tokens but q has only 10 rows"):
+        varlen_attention(q, q, q, [6, 6])
+    with pytest.raises(ValueError, match="must share shape"):
+        varlen_attention(q, q[:, :1], q, [4])
+    with pytest.raises(ValueError, match="head_dim must be contiguous"):
+        varlen_attention(q.transpose(1, 2).contiguous().transpose(1, 2), q, q, [4])
+    with pytest.raises(ValueError, match=">= 0"):
+        varlen_attention(q, q, q, [-1, 4])
+
+
+# ----------------------------------------------------------------------------------------- packing
+def test_pack_padded_keeps_hf_positions_and_unpack_restores_the_layout():
+    ids = torch.arange(1, 13).view(3, 4)
+    mask = torch.tensor([[1, 1, 1, 0], [0, 0, 1, 1], [1, 1, 1, 1]])  # right, left and no padding
+    batch = pack_padded(ids, mask)
+    assert batch.lengths == [3, 2, 4]
+    assert batch.input_ids.tolist() == [1, 2, 3, 7, 8, 9, 10, 11, 12]
+    assert batch.position_ids.tolist() == [0, 1, 2, 2, 3, 0, 1, 2, 3], "a token's position is its padded column"
+    back = batch.unpack(batch.input_ids.float()[:, None])[..., 0]
+    assert torch.equal(back, (ids * mask).float())
+    assert [s.tolist() for s in batch.split(batch.input_ids)] == [[1, 2, 3], [7, 8], [9, 10, 11, 12]]
+    with pytest.raises(ValueError, match="attention_mask must be a"):
+        pack_padded(ids, mask[:, :2])
+
+
+# -------------------------------------------------------------------------------- the patched model
+def _batch(lengths, S=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    S = S or max(lengths)
+    ids = torch.randint(3, 380, (len(lengths), S), generator=g)
+    mask = (torch.arange(S)[None] < torch.tensor(lengths)[:, None]).long()
+    types = torch.randint(0, 2, (len(lengths), S), generator=g)
+    return ids, mask, types
+
+
+@pytest.mark.parametrize("head", ["base", "sequence-classification", "token-classification", "masked-lm"])
+def test_patched_bert_inference_is_packed_and_equals_vanilla_at_real_positions(head, device):
+    vanilla = tiny_bert(hidden=72, heads=4, intermediate=100, head=head).to(device)
+    patched = hf_scatter.patch_model(copy.deepcopy(vanilla))
+    assert UNPADDED in hf_scatter.patch_report(patched).values()
+    key = "last_hidden_state" if head == "base" else "logits"
+    for lengths in ([1, 64, 17, 33, 2], [9, 9, 9], [1], list(range(1, 9))):
+        ids, mask, types = (t.to(device) for t in _batch(lengths))
+        with torch.inference_mode():
+            want = vanilla(ids, attention_mask=mask, token_type_ids=types)
+            got = patched(ids, attention_mask=mask, token_type_ids=types)
+        w, g = want[key], got[key]
+        if w.dim() == 3:  # per-token outputs: only real positions are defined
+            keep = mask.bool()
+            w, g = w[keep], g[keep]
+        assert _rel(g, w) < 1e-5, (head, lengths)
+        if head == "base":
+            assert _rel(got.pooler_output, want.pooler_output) < 1e-5
+            assert (got.last_hidden_state[~mask.bool()] == 0).all(), "padded positions come back as zeros"
+    runtime = (patched.bert if head != "base" else patched).__dict__["_hf_scatter_runtime"]
+    assert runtime.stats()["plans"] >= 1, "the calls ran packed, on planned memory"
+
+
+def test_calls_the_packed_path_cannot_serve_exactly_take_the_padded_forward():
+    vanilla = tiny_bert(hidden=72, heads=4, intermediate=100)
+    patched = hf_scatter.patch_model(copy.deepcopy(vanilla))
+    ids, mask, _ = _batch([5, 3])
+    left = mask.flip(1)
+    with torch.no_grad():  # left padding: vanilla pools the padded first column, which packing never computes
+        assert _rel(patched(ids, attention_mask=left).pooler_output, vanilla(ids, attention_mask=left).pooler_output) < 1e-5
+        hidden = patched(ids, attention_mask=mask, output_hidden_states=True)
+        assert len(hidden.hidden_states) == 3 and _rel(hidden.hidden_states[1][mask.bool()], vanilla(
+            ids, attention_mask=mask, output_hidden_states=True).hidden_states[1][mask.bool()]) < 1e-5
+    out = patched(ids, attention_mask=mask)  # gradients enabled: the padded path, with autograd
+    assert out.last_hidden_state.requires_grad
+    ran_packed = lambda: patched.__dict__.get("_hf_scatter_runtime") and patched._hf_scatter_runtime.stats()["plans"]  # noqa: E731
+    assert not ran_packed(), "none of these calls ran packed"
+    with torch.no_grad():  # return_dict=False is served packed, as a tuple
+        as_tuple = patched(ids, attention_mask=mask, return_dict=False)
+        assert isinstance(as_tuple, tuple) and torch.equal(as_tuple[0], patched(ids, attention_mask=mask)[0])
+    assert ran_packed()
+    hf_scatter.patch_model(patched, unpadded=False)
+    assert UNPADDED not in hf_scatter.patch_report(patched).values()
+
+
+# ---------------------------------------------------------------------------------- memory planner
+def _random_records(rng: random.Random, n: int) -> list[UsageRecord]:
+    records = []
+    for i in range(n):
+        first = rng.randrange(0, 60)
+        size = rng.choice([512, 4096, rng.randrange(1, 3 << 20)])
+        records.append(UsageRecord(i, f"t{i}", first, first + rng.randrange(0, 20), -(-size // 512) * 512))
+    return records
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_planner_never_overlaps_live_tensors_and_never_needs_more_than_the_naive_sum(seed):
+    rng = random.Random(seed)
+    records = _random_records(rng, rng.randrange(1, 60))
+    existing = {0: 2 << 20} if seed % 2 else {}
+    placements, chunks = plan_records(records, existing)
+    again = plan_records(records, existing)
+    assert (placements, chunks) == again, "plans are deterministic"
+    assert set(existing.items()) <= set(chunks.items()), "existing chunks are kept and tried first"
+    by_index = {r.index: r for r in records}
+    for i, a in by_index.items():
+        pa = placements[i]
+        assert pa.offset >= 0 and pa.offset + a.size <= chunks[pa.chunk], "inside its chunk"
+        for j, b in by_index.items():
+            pb = placements[j]
+            if i < j and pa.chunk == pb.chunk and a.overlaps(b):
+                assert pa.offset + a.size <= pb.offset or pb.offset + b.size <= pa.offset, (a, b)
+    used = {}
+    for r in records:
+        p = placements[r.index]
+        used[p.chunk] = max(used.get(p.chunk, 0), p.offset + r.size)
+    assert sum(used.values()) <= sum(r.size for r in records)
+    for cid in set(chunks) - set(existing):  # a new chunk is max(2 MB, 1.2 x the tensor that opened it)
+        opener = max((r for r in records if placements[r.index].chunk == cid), key=lambda r: r.size)
+        assert chunks[cid] == max(2 << 20, -(-int(1.2 * opener.size) // 512) * 512)
+
+
+def test_usage_records_come_from_the_real_computation_and_plans_reuse_memory():
+    model = tiny_bert(hidden=64, heads=4, intermediate=96, layers=3)
+    batch = pack_sequences([list(range(3, 40)), list(range(5, 20))])
+    with torch.inference_mode():
+        real, (hidden, _) = record_usage(lambda alloc: encode(model, batch, alloc), lambda r: [r[0]], fake=False)
+        assert torch.equal(hidden, encode(model, batch)[0]), "the recording runs the computation itself"
+        records, _ = record_usage(lambda alloc: encode(model, batch, alloc), lambda r: [r[0]])  # on fake tensors
+    assert [(r.name, r.size) for r in records] == [(r.name, r.size) for r in real]
+    names = [r.name for r in records]
+    assert names.count("attention.qkv") == 3 and names[-2:] == ["pooler.cls", "pooler.out"]
+    qkv, context = records[names.index("attention.qkv")], records[names.index("attention.context")]
+    assert qkv.first_op < context.first_op <= qkv.last_op < context.last_op, "qkv dies once attention read it"
+    last_norm = [r for r in records if r.name == "ffn.norm"][-1]
+    assert last_norm.last_op == max(r.last_op for r in records), "the output lives to the end"
+    planner = MemoryPlanner("cpu", chunk_bytes=64 << 10, max_plans=1)
+    big = pack_sequences([list(range(3, 300))] * 3)
+    with torch.inference_mode():
+        planner.plan("a", lambda alloc: encode(model, batch, alloc), lambda r: [r[0]])
+        plan = planner.plans["a"]
+        assert plan.used_bytes() < plan.naive_bytes / 2, "three layers' intermediates share memory"
+        planner.plan("b", lambda alloc: encode(model, big, alloc), lambda r: [r[0]])
+    assert list(planner.plans) == ["b"] and planner.footprint_bytes == sum(
+        c.numel() for cid, c in planner.chunks.items() if cid in planner.plans["b"].chunk_ids()), \
+        "chunks of evicted plans that no kept plan uses are released"
+
+
+def test_runtime_serves_every_batch_of_a_bucket_from_one_plan_and_replans_when_weights_move():
+    model = tiny_bert(hidden=64, heads=4, intermediate=96)
+    runtime = UnpaddedRuntime(model, chunk_bytes=64 << 10)
+    with torch.inference_mode():
+        for lengths in ([30, 2, 9], [1, 1, 1, 1], [40]):  # all in the 64-token bucket
+            seqs = [torch.randint(3, 380, (n,)) for n in lengths]
+            hidden, pooled = runtime.run(pack_sequences(seqs))
+            for s, h, p in zip(seqs, torch.split(hidden, lengths), pooled):
+                ref = model(s[None])
+                assert _rel(h, ref.last_hidden_state[0]) < 1e-5 and _rel(p, ref.pooler_output[0]) < 1e-5
+        assert runtime.stats()["plans"] == 2 and token_bucket(40) == 64  # (64 tokens, 4 seqs) and (64, 1)
+        model.double()
+        hidden, _ = runtime.run(pack_sequences([list(range(3, 20))]))
+        assert hidden.dtype == torch.float64 and runtime.stats()["plans"] == 1, "new parameters: planned afresh"
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+@pytest.mark.gpu
+def test_cuda_graph_replays_equal_vanilla_for_changing_batches():
+    from transformers import AutoModel
+
+    config = tiny_bert(hidden=256, heads=4, intermediate=512, layers=4).config
+    vanilla = AutoModel.from_config(config, attn_implementation="sdpa").cuda().half().eval()
+    patched = hf_scatter.patch_model(copy.deepcopy(vanilla))
+    rng = random.Random(0)
+    for step in range(12):
+        lengths = [rng.randrange(1, 200) for _ in range(rng.randrange(1, 12))]
+        ids, mask, types = (t.cuda() for t in _batch(lengths, seed=step))
+        with torch.inference_mode():
+            want = vanilla(ids, attention_mask=mask, token_type_ids=types)
+            got = patched(ids, attention_mask=mask, token_type_ids=types)
+        keep = mask.bool()
+        assert _rel(got.last_hidden_state[keep], want.last_hidden_state[keep]) < 1e-2, lengths
+        assert _rel(got.pooler_output, want.pooler_output) < 1e-2, lengths
+    stats = patched.__dict__["_hf_scatter_runtime"].stats()
+    assert stats["graphs"] >= 1 and stats["captures"] < 12, stats
+
+
+# ----------------------------------------------------------------------------------- batch scheduler
+def _contiguous_partitions(n):
+    if n == 0:
+        yield []
+        return
+    for first in range(1, n + 1):
+        for rest in _contiguous_partitions(n - first):
+            yield [first] + rest
+
+
+@pytest.mark.parametrize("seed", range(30))
+@pytest.mark.parametrize("padded", [False, True])
+def test_dp_schedule_equals_brute_force(seed, padded):
+    from hf_scatter.turbo.scheduler import BatchScheduler, CostTable, dp_schedule
+
+    rng = random.Random(seed)
+    lengths_grid, batches_grid = [8, 64, 256, 512], [1, 2, 4, 8]
+    ms = [[0.2 + 0.004 * L * b ** rng.uniform(0.5, 1.0) + rng.uniform(0, 0.3) for b in batches_grid]
+          for L in lengths_grid]
+    table = CostTable(lengths_grid, batches_grid, ms, padded=padded)
+    scheduler = BatchScheduler(table, max_batch=rng.choice([3, 5, 64]), max_tokens=None)
+    lengths = [rng.randrange(5, 500) for _ in range(rng.randrange(1, 10))]
+    groups = dp_schedule(lengths, scheduler.group_cost, scheduler.max_batch)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths))), "every request exactly once"
+    ordered = sorted(lengths)
+    best = min(sum(table.group_cost(ordered[sum(p[:k]):sum(p[:k + 1])]) for k in range(len(p)))
+               for p in _contiguous_partitions(len(lengths)) if max(p) <= scheduler.max_batch)
+    got = sum(table.group_cost(sorted(lengths[i] for i in g)) for g in groups)
+    assert got == pytest.approx(best, rel=1e-12)
+
+
+def test_scheduler_edge_cases_and_policies(tmp_path):
+    from hf_scatter.turbo.scheduler import BatchScheduler, CostTable, dp_schedule
+
+    table = CostTable([8, 512], [1, 8], [[1.0, 2.0], [3.0, 20.0]])
+    assert dp_schedule([], table.group_cost) == []
+    assert dp_schedule([7], table.group_cost) == [[0]]
+    path = tmp_path / "costs.json"
+    table.save(path)
+    assert CostTable.load(path).ms == table.ms
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read"):
+        CostTable.load(path)
+    with pytest.raises(ValueError, match="table of positive"):
+        CostTable([8], [1, 2], [[1.0, -1.0]])
+    lazy = BatchScheduler(table, policy="lazy", max_batch=4, timeout_ms=10, latency_budget_ms=30)
+    assert not lazy.ready([], 100) and not lazy.ready([10, 20], 1.0)
+    assert lazy.ready([10] * 4, 0.0) and lazy.ready([10], 10.0), "full batch or timeout"
+    assert lazy.ready([500] * 3, 15.0), "waiting longer would break the latency budget"
+    assert BatchScheduler(table).ready([10], 0.0), "hungry takes whatever is queued"
+    with pytest.raises(ValueError, match="policy"):
+        BatchScheduler(table, policy="eager")
+
+
+# -------------------------------------------------------------------------------------------- Encoder
+@pytest.mark.parametrize("head", ["base", "sequence-classification", "token-classification", "masked-lm"])
+def test_encoder_returns_each_requests_outputs_in_request_order(head, tokenizer):
+    from hf_scatter.turbo import Encoder
+
+    model = tiny_bert(hidden=64, heads=4, intermediate=96, head=head)
+    rng = random.Random(0)
+    reqs = [[rng.randrange(3, 380) for _ in range(n)] for n in (1, 40, 3, 64, 7, 7, 22)]
+    enc = Encoder(model, max_batch=3, max_tokens=80, progress=False)
+    assert enc.batches([len(r) for r in reqs]) == [[0, 2, 4], [5, 6, 1], [3]], "greedy by length, within limits"
+    outs = enc.encode(reqs)
+    key = "last_hidden_state" if head == "base" else "logits"
+    with torch.inference_mode():
+        for r, out in zip(reqs, outs):
+            want = model(torch.tensor([r]))[key][0]
+            assert out[key].shape == want.shape and _rel(out[key], want) < 1e-5
+    assert enc.encode([]) == []
+    text = Encoder(model, tokenizer=tokenizer, progress=False).encode(["hello world", "mixture of experts"])
+    assert len(text) == 2
+    with pytest.raises(ValueError, match="request 1 is empty"):
+        enc.encode([[5], []])
+    with pytest.raises(ValueError, match="got text"):
+        enc.encode(["no tokenizer"])
+
+
+def test_encoder_calibrates_saves_and_reloads_its_cost_table(tmp_path, monkeypatch):
+    from hf_scatter.turbo import Encoder
+    from hf_scatter.turbo.scheduler import cost_table_path
+
+    monkeypatch.setenv("HF_SCATTER_CACHE", str(tmp_path))
+    model = tiny_bert(hidden=32, heads=2, intermediate=48, layers=1)
+    enc = Encoder(model, progress=False)
+    assert enc.scheduler is None
+    scheduler = enc.calibrate(lengths=(8, 32), batches=(1, 4))
+    assert cost_table_path(enc.cost_key()).exists()
+    again = Encoder(model, progress=False)
+    assert again.scheduler is not None and again.scheduler.table.ms == scheduler.table.ms, "reloaded on restart"
+    outs = again.encode([[5, 6, 7]] * 5)
+    assert len(outs) == 5 and all(torch.equal(o["last_hidden_state"], outs[0]["last_hidden_state"]) for o in outs)
