@@ -18,7 +18,7 @@ import math
 import numpy as np
 import torch
 
-from .backend import kernels_enabled, triton_interpreted
+from .backend import kernels_enabled, launch, triton_interpreted
 
 if kernels_enabled():
     import triton
@@ -27,7 +27,7 @@ if kernels_enabled():
     @triton.jit
     def _varlen_attention_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, blocks_ptr, scale_log2e,
                                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                                     stride_ot, stride_oh, HEAD_DIM,
+                                     stride_ot, stride_oh, HEAD_DIM, SIZE_CLASS,
                                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                                      UPCAST: tl.constexpr, IEEE: tl.constexpr):
         blk = tl.program_id(0)
@@ -76,6 +76,14 @@ if kernels_enabled():
             out = acc / l_i[:, None]
             tl.store(o_ptr + rows64[:, None] * stride_ot + head * stride_oh + d[None, :],
                      out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+    # Key tiles per query block, warps and pipeline depth, measured per head size and problem size class
+    # (query rows per program stay fixed: the block table is built for them).
+    _ATTN_CONFIGS = [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
+                     for bn, w, st in [(64, 4, 3), (128, 4, 3), (64, 8, 3), (128, 8, 3), (32, 4, 4), (64, 4, 4),
+                                       (128, 8, 2)]]
+    _varlen_attention_tuned = triton.autotune(configs=_ATTN_CONFIGS, key=["HEAD_DIM", "SIZE_CLASS"])(
+        _varlen_attention_fwd_kernel)
 
 
 def block_m_for(head_dim: int) -> int:
@@ -136,12 +144,11 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b
         return out
     interpreted = triton_interpreted()
     ieee = q.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    block_n = 32 if interpreted else 64
-    _varlen_attention_fwd_kernel[(blocks.shape[0], heads)](
-        q, k, v, out, blocks, scale * math.log2(math.e),
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        UPCAST=interpreted or q.dtype == torch.float32, IEEE=ieee or interpreted,
-        num_warps=4, num_stages=1 if interpreted else 3)
+    args = (q, k, v, out, blocks, scale * math.log2(math.e), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            v.stride(0), v.stride(1), out.stride(0), out.stride(1), head_dim,
+            triton.next_power_of_2(max(1, blocks.shape[0])))
+    meta = dict(BLOCK_M=block_m, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+                UPCAST=interpreted or q.dtype == torch.float32, IEEE=ieee or interpreted)
+    launch(_varlen_attention_fwd_kernel, _varlen_attention_tuned, _ATTN_CONFIGS, {}, lambda cfg: (blocks.shape[0], heads),
+           args, meta, {"BLOCK_N": 32})
     return out

@@ -109,6 +109,7 @@ def _patch_unpadded(model: nn.Module, options: PatchOptions) -> None:
             if options.unpadded and unsupported_architecture(module.config) is None:
                 swap_class(module, UnpaddedBertModel)
                 module.__dict__["_hf_scatter_cuda_graphs"] = options.cuda_graphs
+                module.__dict__["_hf_scatter_fast_gelu"] = options.fast_gelu
             else:
                 restore_class(module, BertModel)
 

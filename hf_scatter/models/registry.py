@@ -18,6 +18,7 @@ class PatchOptions:
     router: bool = True  # router softmax + top-k + renormalisation in one fused kernel
     unpadded: bool = True  # BERT inference on packed tokens (varlen attention, planned memory)
     cuda_graphs: bool = True  # BERT packed inference replays one CUDA graph per length bucket (CUDA only)
+    fast_gelu: bool = True  # BERT packed half-precision inference: bias + GELU in the GEMM epilogue (tanh form)
 
     @classmethod
     def from_kwargs(cls, caller: str, **options) -> "PatchOptions":

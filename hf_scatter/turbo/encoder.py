@@ -115,7 +115,7 @@ class Encoder:
     @torch.inference_mode()
     def run_batch(self, sequences: list, token_type_ids: list | None = None) -> list[dict[str, torch.Tensor]]:
         """One packed call for ``sequences`` (token-id lists); per-request outputs in their order."""
-        batch = pack_sequences(sequences, self.device, token_type_ids)
+        batch = pack_sequences(sequences, "cpu", token_type_ids)  # the runtime stages it to the device
         hidden, pooled = self.runtime.run(batch)
         return self._outputs(batch, hidden[:batch.num_tokens], pooled)
 
@@ -147,6 +147,11 @@ class Encoder:
             for i, out in zip(group, self.run_batch([ids[i] for i in group], types)):
                 results[i] = out
         return results
+
+    def warmup(self, max_tokens: int | None = None) -> float:
+        """Plan and capture every length bucket a batch of this Encoder can need (up to ``max_tokens``,
+        default the Encoder's), so no request pays for it later; returns the seconds it took."""
+        return self.runtime.warmup(max_tokens or self.max_tokens, progress=self.progress)
 
     # ------------------------------------------------------------------------------------ calibration
     def calibrate(self, lengths=DEFAULT_LENGTHS, batches=DEFAULT_BATCHES, save: bool = True,

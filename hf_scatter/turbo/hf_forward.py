@@ -18,7 +18,8 @@ def runtime_of(model) -> UnpaddedRuntime:
     """The model's packed runtime (plans and graphs live as long as the model)."""
     runtime = model.__dict__.get("_hf_scatter_runtime")
     if runtime is None:
-        runtime = UnpaddedRuntime(model, cuda_graphs=model.__dict__.get("_hf_scatter_cuda_graphs", True))
+        runtime = UnpaddedRuntime(model, cuda_graphs=model.__dict__.get("_hf_scatter_cuda_graphs", True),
+                                  exact_gelu=not model.__dict__.get("_hf_scatter_fast_gelu", True))
         model.__dict__["_hf_scatter_runtime"] = runtime
     return runtime
 

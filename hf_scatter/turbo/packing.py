@@ -45,6 +45,15 @@ class PackedBatch:
     def device(self) -> torch.device:
         return self.input_ids.device
 
+    def to(self, device: torch.device | str) -> "PackedBatch":
+        """The batch with its token tensors on ``device`` (itself if they are there already)."""
+        device = torch.device(device)
+        if self.device == device:
+            return self
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return PackedBatch(move(self.input_ids), move(self.position_ids), move(self.token_type_ids),
+                           self.lengths, self.padded_shape, move(self.padded_index), self.first_column_padded)
+
     def first_token_index(self) -> torch.Tensor:
         """Row of each sequence's first token ([CLS] for BERT) in the packed tensor (0 for empty ones)."""
         if "first" not in self._cache:

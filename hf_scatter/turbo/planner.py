@@ -47,6 +47,12 @@ class UsageRecord:
     first_op: int
     last_op: int
     size: int  # bytes, rounded up to ALIGN
+    nbytes: int = 0  # bytes the buffer asked for
+
+    def scaled(self, factor: float) -> "UsageRecord":
+        """The same buffer in a forward over ``factor`` times the tokens (every shape is linear in them)."""
+        nbytes = int(round(self.nbytes * factor))
+        return UsageRecord(self.index, self.name, self.first_op, self.last_op, _aligned(nbytes), nbytes)
 
     def overlaps(self, other: "UsageRecord") -> bool:
         return self.first_op <= other.last_op and other.first_op <= self.last_op
@@ -102,14 +108,14 @@ def record_usage(forward: Callable, keep_alive: Callable[[object], list] = lambd
     """
     recorder = _Recorder()
     names: list[str] = []
-    sizes: list[int] = []
+    sizes: list[int] = []  # bytes asked for
     buffers: list[torch.Tensor] = []  # keeps storages alive so their keys stay unique
 
     def alloc(name, shape, dtype, device):
         t = torch.zeros(shape, dtype=dtype, device=device)  # (real runs: rows nobody writes stay finite)
         recorder.by_storage[_storage_key(t)] = len(names)
         names.append(name)
-        sizes.append(_aligned(t.numel() * t.element_size()))
+        sizes.append(t.numel() * t.element_size())
         buffers.append(t)
         return t
 
@@ -125,7 +131,7 @@ def record_usage(forward: Callable, keep_alive: Callable[[object], list] = lambd
     for i, (name, size) in enumerate(zip(names, sizes)):
         if i not in recorder.first:
             raise RuntimeError(f"memory planner: buffer {i} ({name!r}) was allocated but no op touched it")
-        records.append(UsageRecord(i, name, recorder.first[i], recorder.last[i], size))
+        records.append(UsageRecord(i, name, recorder.first[i], recorder.last[i], _aligned(size), size))
     return records, result
 
 
@@ -256,12 +262,19 @@ class MemoryPlanner:
             self.plans.move_to_end(key)
         return plan
 
-    def plan(self, key, forward: Callable, keep_alive: Callable = lambda result: []) -> PlannedAllocator:
+    def plan(self, key, forward: Callable | None = None, keep_alive: Callable = lambda result: []) -> PlannedAllocator:
         """An allocator for ``key``, planned from a (fake) recording of ``forward`` the first time."""
-        plan = self.cached(key)
-        if plan is None:
+        if self.cached(key) is None:
             start = time.perf_counter()
             records, _ = record_usage(forward, keep_alive)
+            return self.plan_records(key, records, start)
+        return PlannedAllocator(self.plans[key], self.chunks)
+
+    def plan_records(self, key, records: list[UsageRecord], start: float | None = None) -> PlannedAllocator:
+        """An allocator for ``key`` from usage records recorded elsewhere (e.g. scaled from another size)."""
+        plan = self.cached(key)
+        if plan is None:
+            start = time.perf_counter() if start is None else start
             placements, sizes = plan_records(records, {cid: c.numel() for cid, c in self.chunks.items()},
                                              self.chunk_bytes, self.growth)
             for cid, size in sizes.items():

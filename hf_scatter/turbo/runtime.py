@@ -5,15 +5,27 @@ A small BERT batch is host-bound: ~25 launches per layer cost more host time tha
 captured CUDA graph makes the host cost one launch. Graphs need fixed shapes and fixed addresses, which
 the memory planner already gives: every intermediate of a bucket's plan sits at a fixed place in its chunks.
 
-Buckets: total tokens rounded up to a geometric series (ratio 1.125, multiples of 64: at most ~12% padded
-rows, ~6% on average) and sequences to a power of two. Rows past the real tokens hold stale data nobody
-reads: each attention block only covers real rows of one sequence (the block table), and every other op
-is row-wise.
+Buckets: total tokens rounded up to multiples of 64 up to 1024, then growing by 1/16 a step (at most ~6%
+padded rows, ~3% on average); a bucket of T tokens takes up to T sequences (the pooler's [T, H] slot and
+the attention block table cost next to nothing), so the token count alone picks the graph. Rows past the
+real tokens hold stale data nobody reads: each attention block only covers real rows of one sequence (the
+block table), and every other op is row-wise.
+
+Planning: every buffer's shape is linear in the bucket's tokens and the ops are the same for every size,
+so the usage records are recorded (on fake tensors) at two small sizes, checked to agree op for op and to
+scale exactly, and scaled: planning a size costs milliseconds, not a recording. One plan, made for the
+largest bucket seen so far, serves every bucket (a smaller buffer takes the start of its slot), so all
+graphs share one arena and the footprint is that of the largest batch; a larger batch re-plans, releases
+the old chunks and re-captures graphs as they are used again (``warmup`` plans the largest size first).
+
+Inputs: batches packed on the host (``pack_sequences``) go to the device through pinned staging buffers
+with asynchronous copies, so the host packs the next batch while the GPU runs this one.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -23,35 +35,44 @@ from torch import nn
 
 from ..kernels.varlen_attention import block_m_for, block_table, max_blocks
 from .packing import PackedBatch, first_token_rows
-from .planner import MemoryPlanner, MiB
+from .planner import MemoryPlanner, MiB, UsageRecord, record_usage
 from .unpadded import encode, fresh
 
 TOKEN_QUANTUM = 64
-BUCKET_RATIO = 1.125
+FINE_UNTIL = 1024  # tokens; above, buckets grow by 1/16
+BUCKET_RATIO = 1.0625
 
 
 def token_bucket(num_tokens: int) -> int:
-    """Smallest bucket >= ``num_tokens``: multiples of 64 growing by at most 12.5% a step."""
-    size = TOKEN_QUANTUM
+    """Smallest bucket >= ``num_tokens``: multiples of 64, growing by at most 6.25% a step above 1024."""
+    if num_tokens <= FINE_UNTIL:
+        return max(TOKEN_QUANTUM, -(-num_tokens // TOKEN_QUANTUM) * TOKEN_QUANTUM)
+    size = FINE_UNTIL
     while size < num_tokens:
-        size = max(size + TOKEN_QUANTUM, int(math.ceil(size * BUCKET_RATIO / TOKEN_QUANTUM)) * TOKEN_QUANTUM)
+        size = int(math.ceil(size * BUCKET_RATIO / TOKEN_QUANTUM)) * TOKEN_QUANTUM
     return size
 
 
-def sequence_bucket(num_sequences: int) -> int:
-    return 1 << max(0, num_sequences - 1).bit_length()
+def buckets_up_to(num_tokens: int) -> list[int]:
+    out = [token_bucket(1)]
+    while out[-1] < num_tokens:
+        out.append(token_bucket(out[-1] + 1))
+    return out
 
 
 @dataclass
 class _Captured:
-    """A bucket's graph with its static inputs (written before each replay) and outputs (arena views)."""
+    """A bucket's graph with its static inputs (written before each replay), their pinned host staging and
+    the event of the last copy out of it, and its outputs (arena views)."""
 
-    graph: "torch.cuda.CUDAGraph"
+    graph: "torch.cuda.CUDAGraph | None"
     batch: PackedBatch
     blocks: torch.Tensor
     first: torch.Tensor
-    hidden: torch.Tensor
-    pooled: torch.Tensor | None
+    staging: dict
+    copied: "torch.cuda.Event"
+    hidden: torch.Tensor | None = None
+    pooled: torch.Tensor | None = None
 
 
 class UnpaddedRuntime:
@@ -60,15 +81,19 @@ class UnpaddedRuntime:
     ``planner``: intermediates in planned chunks (TurboTransformers' allocator) instead of torch's caching
     allocator. ``cuda_graphs``: replay a captured graph per bucket (CUDA only; needs the planner). The
     runtime notices when the model's parameters move (another device or dtype, new tensors) and re-plans.
+    ``exact_gelu``: in half precision the FFN's bias + GELU run inside the GEMM (cuBLASLt epilogue, GELU's
+    tanh form: at most 4.7e-4 from the erf form, under the fp16 rounding of the same values); True keeps
+    the erf form (float32 always does).
     """
 
     def __init__(self, model: nn.Module, *, planner: bool = True, cuda_graphs: bool | None = None,
-                 max_graphs: int = 48, chunk_bytes: int = 2 * MiB):
+                 max_graphs: int = 96, chunk_bytes: int = 2 * MiB, exact_gelu: bool = False):
         self.model = model
         self.use_planner = planner
         self.cuda_graphs = cuda_graphs
         self.max_graphs = max_graphs
         self.chunk_bytes = chunk_bytes
+        self.exact_gelu = exact_gelu
         self.params = list(model.parameters())  # .to()/.half() swap their data in place: watched per call
         self._signature = None
         self._reset()
@@ -78,15 +103,31 @@ class UnpaddedRuntime:
         self.device = device
         self.planner = MemoryPlanner(device, chunk_bytes=self.chunk_bytes, max_plans=self.max_graphs)
         self.graphs: OrderedDict = OrderedDict()
+        self._template: tuple[int, list[UsageRecord]] | None = None
+        self._arena_tokens = 0
         self._pool = None
+        # One stream for every warm-up and capture: cuBLAS keeps a workspace per stream, so a fresh stream per
+        # capture would cost a workspace per graph.
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.captures = 0
+        self.capture_ms_total = 0.0
 
     def _params_signature(self):
         return [(p.data_ptr(), p.dtype) for p in self.params]
 
+    def _check_params(self) -> None:
+        signature = self._params_signature()
+        if signature != self._signature:
+            self._reset()
+            self._signature = signature
+
     def graphs_enabled(self) -> bool:
         wanted = self.device.type == "cuda" if self.cuda_graphs is None else self.cuda_graphs
         return bool(wanted and self.use_planner and self.device.type == "cuda")
+
+    def _encode(self, batch, alloc, blocks=None, first=None):
+        fast_gelu = not self.exact_gelu and self.params[0].dtype in (torch.float16, torch.bfloat16)
+        return encode(self.model, batch, alloc, blocks, first, fast_gelu=fast_gelu)
 
     # -------------------------------------------------------------------------------------- running
     def run(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -95,107 +136,162 @@ class UnpaddedRuntime:
         With the planner the results are views of planned memory, valid until the next call: copy what
         you keep (``PackedBatch.unpack`` / ``split`` + ``clone`` do).
         """
-        signature = self._params_signature()
-        if signature != self._signature:
-            self._reset()
-            self._signature = signature
-        if batch.device != self.device:
+        self._check_params()
+        if batch.device != self.device and batch.device.type != "cpu":
             raise ValueError(f"UnpaddedRuntime: the batch is on {batch.device} but the model is on {self.device}; "
-                             "pack it on the model's device")
+                             "pack it on the host or on the model's device")
         if batch.num_tokens == 0:
             raise ValueError("UnpaddedRuntime: the batch has no tokens (every sequence is empty)")
-        if not self.use_planner:
-            h, pooled = encode(self.model, batch, fresh)
-            return h, pooled
-        key = (token_bucket(batch.num_tokens), sequence_bucket(batch.num_sequences))
+        tokens = token_bucket(batch.num_tokens)
         if self.graphs_enabled():
-            return self._replay(key, batch)
-        return self._planned(key, batch)
+            return self._replay(tokens, batch)
+        batch = batch.to(self.device)
+        if not self.use_planner:
+            return self._encode(batch, fresh)
+        if batch.token_type_ids is None:  # planned code paths read token types always (all zeros here)
+            batch = PackedBatch(batch.input_ids, batch.position_ids, torch.zeros_like(batch.input_ids),
+                                batch.lengths)
+        return self._encode(batch, self._allocator(tokens))
 
-    def _planned(self, key, batch: PackedBatch):
-        """Eager, with the bucket's plan: the batch is padded to the bucket's token count so that one plan
-        (recorded at that size) serves every batch of the bucket."""
-        padded = _pad_to_bucket(batch, *key)
-        first = padded.first_token_index()
-        forward = lambda alloc: encode(self.model, padded, alloc, first_token=first)  # noqa: E731
-        hidden, pooled = forward(self.planner.plan(key, forward, keep_alive=_outputs))
-        return hidden[:batch.num_tokens], None if pooled is None else pooled[:batch.num_sequences]
+    def warmup(self, max_tokens: int, progress: bool = True) -> float:
+        """Plan (and capture, with graphs) every bucket up to ``max_tokens`` now rather than on first use;
+        returns the seconds it took."""
+        from tqdm.auto import tqdm
+
+        self._check_params()
+        start = time.perf_counter()
+        sizes = buckets_up_to(max_tokens)
+        if len(sizes) > self.max_graphs:
+            raise ValueError(f"warmup: {len(sizes)} buckets up to {max_tokens} tokens exceed max_graphs="
+                             f"{self.max_graphs}; raise max_graphs or lower max_tokens")
+        self._allocator(sizes[-1])  # the one arena, at its final size
+        with torch.inference_mode():
+            for tokens in tqdm(sizes, desc="planning buckets", disable=not progress):
+                if self.graphs_enabled():
+                    if tokens not in self.graphs:
+                        self._capture(tokens, self._sample_batch(tokens))
+                else:
+                    self._allocator(tokens)
+        return time.perf_counter() - start
+
+    def _sample_batch(self, tokens: int) -> PackedBatch:
+        """Real tokens for a warm-up run: sequences of 128 filling the bucket."""
+        lengths = [128] * (tokens // 128) + ([tokens % 128] if tokens % 128 else [])
+        ids = torch.full((tokens,), 1, dtype=torch.int64, device=self.device)
+        positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])
+        return PackedBatch(ids, positions, None, lengths)
+
+    # -------------------------------------------------------------------------------------- planning
+    def _bucket_batch(self, tokens: int) -> PackedBatch:
+        """A stand-in batch of a bucket's size: ``tokens`` one-token sequences (the most a bucket holds)."""
+        ids = torch.zeros(tokens, dtype=torch.int64, device=self.device)
+        return PackedBatch(ids, ids, ids, [1] * tokens)
+
+    def _record(self, tokens: int) -> list[UsageRecord]:
+        batch = self._bucket_batch(tokens)
+        first = torch.arange(tokens, device=self.device)
+        records, _ = record_usage(lambda alloc: self._encode(batch, alloc, first=first), _outputs)
+        return records
+
+    def _records_for(self, tokens: int) -> list[UsageRecord]:
+        """Usage records of a bucket, scaled from the template (recorded and checked on first use)."""
+        if self._template is None:
+            a, b = self._record(TOKEN_QUANTUM), self._record(2 * TOKEN_QUANTUM)
+            same_ops = [(r.name, r.first_op, r.last_op) for r in a] == [(r.name, r.first_op, r.last_op) for r in b]
+            linear = all(rb.nbytes == 2 * ra.nbytes for ra, rb in zip(a, b))
+            self._template = (TOKEN_QUANTUM, a) if same_ops and linear else None
+            if self._template is None:  # some buffer does not scale with the tokens: record every bucket
+                return self._record(tokens)
+        base, records = self._template
+        return [r.scaled(tokens / base) for r in records]
+
+    def _allocator(self, tokens: int):
+        """The arena's allocator, re-planned at ``tokens`` when that is larger than its current size."""
+        if tokens > self._arena_tokens:
+            self.planner.clear()  # the old chunks go; graphs captured on them must go too
+            self.graphs.clear()
+            self._arena_tokens = tokens
+            return self.planner.plan_records(tokens, self._records_for(tokens), time.perf_counter())
+        return self.planner.plan(self._arena_tokens)
 
     # ---------------------------------------------------------------------------------------- graphs
-    def _static_inputs(self, key) -> tuple[PackedBatch, torch.Tensor, torch.Tensor]:
-        tokens, sequences = key
+    def _static_inputs(self, tokens: int) -> _Captured:
         dev = self.device
-        zeros = lambda n: torch.zeros(n, dtype=torch.int64, device=dev)  # noqa: E731
         head_dim = self.model.encoder.layer[0].attention.self.attention_head_size
-        blocks = torch.zeros((max_blocks(tokens, sequences, block_m_for(head_dim)), 3), dtype=torch.int32,
-                             device=dev)
-        return PackedBatch(zeros(tokens), zeros(tokens), zeros(tokens), [tokens]), blocks, zeros(sequences)
+        nblocks = max_blocks(tokens, tokens, block_m_for(head_dim))
+        zeros = lambda *shape, **kw: torch.zeros(shape, dtype=torch.int64, device=dev, **kw)  # noqa: E731
+        staging = {name: torch.zeros(tokens, dtype=torch.int64, pin_memory=True)
+                   for name in ("input_ids", "position_ids", "token_type_ids", "first")}
+        staging["blocks"] = torch.zeros((nblocks, 3), dtype=torch.int32, pin_memory=True)
+        batch = PackedBatch(zeros(tokens), zeros(tokens), zeros(tokens), [tokens])
+        return _Captured(None, batch, torch.zeros((nblocks, 3), dtype=torch.int32, device=dev), zeros(tokens),
+                         staging, torch.cuda.Event())
 
     def _fill(self, captured: _Captured, batch: PackedBatch) -> None:
-        static = captured.batch
+        """Write a batch into a graph's static inputs: host data through the pinned staging (asynchronous),
+        device data by device copies."""
+        static, staging = captured.batch, captured.staging
         T = batch.num_tokens
-        static.input_ids[:T].copy_(batch.input_ids)
-        static.position_ids[:T].copy_(batch.position_ids)
-        if batch.token_type_ids is None:
-            static.token_type_ids[:T].zero_()
-        else:
-            static.token_type_ids[:T].copy_(batch.token_type_ids)
+        captured.copied.synchronize()  # the previous batch's copies have left the staging buffers
         head_dim = self.model.encoder.layer[0].attention.self.attention_head_size
-        table = block_table(batch.lengths, block_m_for(head_dim), capacity=captured.blocks.shape[0])
-        first = np.zeros(captured.first.shape[0], dtype=np.int64)
+        staging["blocks"].numpy()[:] = block_table(batch.lengths, block_m_for(head_dim),
+                                                   capacity=captured.blocks.shape[0])
+        first = staging["first"].numpy()
+        first[:] = 0
         first[:batch.num_sequences] = first_token_rows(batch.lengths)
-        captured.blocks.copy_(torch.from_numpy(table))
-        captured.first.copy_(torch.from_numpy(first))
+        captured.blocks.copy_(staging["blocks"], non_blocking=True)
+        captured.first.copy_(staging["first"], non_blocking=True)
+        on_host = batch.device.type == "cpu"
+        for name in ("input_ids", "position_ids", "token_type_ids"):
+            src, dst = getattr(batch, name), getattr(static, name)[:T]
+            if src is None:
+                dst.zero_()
+            elif on_host:
+                staging[name][:T].copy_(src)
+                dst.copy_(staging[name][:T], non_blocking=True)
+            else:
+                dst.copy_(src)
+        captured.copied.record()
         static.lengths = list(batch.lengths)
 
-    def _replay(self, key, batch: PackedBatch):
-        captured = self.graphs.get(key)
+    def _replay(self, tokens: int, batch: PackedBatch):
+        captured = self.graphs.get(tokens)
         if captured is None:
-            captured = self._capture(key, batch)
-        self.graphs.move_to_end(key)
+            captured = self._capture(tokens, batch)
+        self.graphs.move_to_end(tokens)
         self._fill(captured, batch)
         captured.graph.replay()
         N = batch.num_sequences
         return captured.hidden, None if captured.pooled is None else captured.pooled[:N]
 
-    def _capture(self, key, batch: PackedBatch) -> _Captured:
-        static, blocks, first = self._static_inputs(key)
-        placeholder = _Captured(None, static, blocks, first, None, None)
-        self._fill(placeholder, batch)
-        forward = lambda alloc: encode(self.model, static, alloc, blocks, first)  # noqa: E731
-        allocator = self.planner.plan(key, forward, keep_alive=_outputs)
-        for stale in [k for k in self.graphs if k not in self.planner.plans]:
-            del self.graphs[stale]  # its plan (and maybe its chunks) are gone
-        stream = torch.cuda.Stream(self.device)
+    def _capture(self, tokens: int, batch: PackedBatch) -> _Captured:
+        start = time.perf_counter()
+        captured = self._static_inputs(tokens)
+        self._fill(captured, batch)
+        static, blocks, first = captured.batch, captured.blocks, captured.first
+        allocator = self._allocator(tokens)
+        forward = lambda: self._encode(static, allocator.reset(), blocks, first)  # noqa: E731
+        stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):  # warm-up (compiles the kernels) on a side stream, as capture wants
-            forward(allocator.reset())
+        with torch.cuda.stream(stream):  # warm-up (compiles and tunes the kernels) on the stream capture uses
+            forward()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            hidden, pooled = forward(allocator.reset())
-        captured = _Captured(graph, static, blocks, first, hidden, pooled)
-        self.graphs[key] = captured
+        with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+            hidden, pooled = forward()
+        captured.graph, captured.hidden, captured.pooled = graph, hidden, pooled
+        self.graphs[tokens] = captured
         self.captures += 1
         while len(self.graphs) > self.max_graphs:
             self.graphs.popitem(last=False)
+        self.capture_ms_total += (time.perf_counter() - start) * 1e3
         return captured
 
     def stats(self) -> dict:
-        return {"graphs": len(self.graphs), "captures": self.captures, **self.planner.stats()}
-
-
-def _pad_to_bucket(batch: PackedBatch, tokens: int, sequences: int) -> PackedBatch:
-    """The same sequences, plus empty ones up to ``sequences``, in ``tokens`` rows; the extra rows (token 0,
-    position 0) belong to no sequence, so nothing reads what they compute."""
-    extra = tokens - batch.num_tokens
-    lengths = batch.lengths + [0] * (sequences - batch.num_sequences)
-    if extra == 0 and len(lengths) == batch.num_sequences:
-        return batch
-    pad = lambda t: None if t is None else torch.cat([t, t.new_zeros(extra)])  # noqa: E731
-    return PackedBatch(pad(batch.input_ids), pad(batch.position_ids), pad(batch.token_type_ids), lengths)
+        return {"graphs": len(self.graphs), "captures": self.captures,
+                "capture_ms_total": round(self.capture_ms_total, 1), **self.planner.stats()}
 
 
 def _outputs(result) -> list[torch.Tensor]:

@@ -80,7 +80,7 @@ def embed(embeddings: nn.Module, batch: PackedBatch, alloc: Alloc) -> torch.Tens
 
 
 def layer_forward(layer: nn.Module, h: torch.Tensor, batch: PackedBatch, alloc: Alloc,
-                  blocks: torch.Tensor | None, hidden_act="gelu") -> torch.Tensor:
+                  blocks: torch.Tensor | None, hidden_act="gelu", fast_gelu: bool = False) -> torch.Tensor:
     """One BertLayer on packed rows [T, H]: Q/K/V, varlen attention, out-proj + add&norm, FFN + add&norm."""
     T, H = h.shape
     dtype, dev = h.dtype, h.device
@@ -99,8 +99,11 @@ def layer_forward(layer: nn.Module, h: torch.Tensor, batch: PackedBatch, alloc: 
                               validate=False, out=alloc("attention.norm", (T, H), dtype, dev))
 
     inner = layer.intermediate.dense
-    intermediate = _linear(h1, inner, alloc("ffn.intermediate", (T, inner.out_features), dtype, dev))
-    _activation_(hidden_act, layer.intermediate, intermediate)
+    intermediate = alloc("ffn.intermediate", (T, inner.out_features), dtype, dev)
+    if fast_gelu and hidden_act == "gelu" and inner.bias is not None:  # bias + GELU in the GEMM's epilogue
+        torch._addmm_activation(inner.bias, h1, inner.weight.t(), use_gelu=True, out=intermediate)
+    else:
+        _activation_(hidden_act, layer.intermediate, _linear(h1, inner, intermediate))
     ffn = layer.output
     projected = _linear(intermediate, ffn.dense, alloc("ffn.dense", (T, H), dtype, dev))
     return fused_add_layer_norm(projected, h1, ffn.LayerNorm.weight, ffn.LayerNorm.bias, eps=ffn.LayerNorm.eps,
@@ -118,14 +121,16 @@ def pool(pooler: nn.Module, h: torch.Tensor, first_token: torch.Tensor, alloc: A
 
 
 def encode(model: nn.Module, batch: PackedBatch, alloc: Alloc = fresh, blocks: torch.Tensor | None = None,
-           first_token: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+           first_token: torch.Tensor | None = None, fast_gelu: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(last hidden state [T, H], pooled output [N, H] or None)`` of a BertModel on a packed batch.
 
     ``blocks``/``first_token``: prebuilt device tables (the CUDA-graph runtime passes fixed-size ones).
+    ``fast_gelu``: the FFN's bias + GELU inside the GEMM (``torch._addmm_activation``; on CUDA that is
+    cuBLASLt's epilogue, GELU's tanh form), for half precision.
     """
     h = embed(model.embeddings, batch, alloc)
     for layer in model.encoder.layer:
-        h = layer_forward(layer, h, batch, alloc, blocks, model.config.hidden_act)
+        h = layer_forward(layer, h, batch, alloc, blocks, model.config.hidden_act, fast_gelu)
     pooled = None
     if model.pooler is not None:
         pooled = pool(model.pooler, h, batch.first_token_index() if first_token is None else first_token, alloc)
