@@ -12,14 +12,16 @@ RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 
 
 @pytest.mark.parametrize("suite,saved", [("moe", "moe-h200.json"), ("train", "train-h200.json"),
-                                         ("norms", "norms-h200.json"), ("convert", "convert-h200.json")])
+                                         ("norms", "norms-h200.json"), ("norms", "norms-h100.json"),
+                                         ("convert", "convert-h200.json"), ("bert", "bert-h100.json"),
+                                         ("serve", "serve-h100.json")])
 def test_bench_replot_renders_table_and_png_from_saved_json(suite, saved, tmp_path, capsys):
     png = tmp_path / "plot.png"
     assert main(["bench", suite, "--replot", str(RESULTS / saved), "--plot", str(png)]) == 0
     table = capsys.readouterr().out
     report = json.loads((RESULTS / saved).read_text())
     rows = [line for line in table.splitlines() if line.startswith("| ")]
-    for name in report.get("results", report.get("load_s")):  # configs, implementations, load paths
+    for name in report.get("results", report.get("load_s", report.get("cases"))):  # configs, impls, load paths, cases
         assert any(f"| {name} |" in row for row in rows), name
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

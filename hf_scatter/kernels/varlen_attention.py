@@ -6,9 +6,10 @@ that sequence's keys in ``BLOCK_N`` tiles with an online softmax (fp32 statistic
 folded in) and writes its rows once: no score matrix ever reaches memory.
 
 Which rows a program owns comes from a *block table* built on the host from the sequence lengths (the
-packer knows them anyway): ``[blocks, 3]`` int32 rows ``(first query row, sequence start, sequence end)``.
-Its length can be fixed ahead (rows past the real blocks are ``(0, 0, 0)`` and exit at once), so one
-launch of a fixed grid serves every batch of a length bucket: what a captured CUDA graph needs.
+packer knows them anyway): a header row ``(number of blocks, 0, 0)`` then one int32 row ``(first query
+row, sequence start, sequence end)`` per block. Programs stride over the blocks the header counts, so a
+fixed grid (sized for the bucket's tokens, not its worst case of one-token sequences) serves every batch
+of a length bucket: what a captured CUDA graph needs, without launching thousands of idle programs.
 """
 
 from __future__ import annotations
@@ -30,12 +31,12 @@ if kernels_enabled():
                                      stride_ot, stride_oh, HEAD_DIM, SIZE_CLASS,
                                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                                      UPCAST: tl.constexpr, IEEE: tl.constexpr):
-        blk = tl.program_id(0)
         head = tl.program_id(1).to(tl.int64)
-        q_start = tl.load(blocks_ptr + blk * 3)
-        seq_start = tl.load(blocks_ptr + blk * 3 + 1)
-        seq_end = tl.load(blocks_ptr + blk * 3 + 2)
-        if q_start < seq_end:
+        num_blocks = tl.load(blocks_ptr)
+        for blk in range(tl.program_id(0), num_blocks, tl.num_programs(0)):
+            q_start = tl.load(blocks_ptr + 3 + blk * 3)
+            seq_start = tl.load(blocks_ptr + 3 + blk * 3 + 1)
+            seq_end = tl.load(blocks_ptr + 3 + blk * 3 + 2)
             rows = q_start + tl.arange(0, BLOCK_M)
             row_mask = rows < seq_end
             rows64 = rows.to(tl.int64)
@@ -96,9 +97,10 @@ def block_m_for(head_dim: int) -> int:
 
 
 def block_table(lengths, block_m: int, capacity: int | None = None) -> np.ndarray:
-    """``[blocks, 3]`` int32 rows (first query row, sequence start, sequence end) for packed sequences of
-    ``lengths``; zero-length sequences own no block. ``capacity`` pads the table with empty rows (a fixed
-    grid for a CUDA graph); it must be at least :func:`max_blocks` of the batch's bucket."""
+    """``[1 + blocks, 3]`` int32: the header ``(blocks, 0, 0)``, then (first query row, sequence start, sequence
+    end) per block of ``block_m`` query rows of the packed sequences of ``lengths`` (zero-length sequences
+    own none). ``capacity`` pads to that many block rows (a fixed-size table for a CUDA graph); it must be
+    at least :func:`max_blocks` of the batch's bucket."""
     lengths = np.asarray(lengths, dtype=np.int64)
     ends = np.cumsum(lengths)
     starts = ends - lengths
@@ -113,7 +115,14 @@ def block_table(lengths, block_m: int, capacity: int | None = None) -> np.ndarra
         table = np.concatenate([table, np.zeros((capacity - len(table), 3), dtype=table.dtype)])
     if table.size and table.max() >= 2 ** 31:
         raise ValueError("block_table: more than 2**31 packed tokens; split the batch")
-    return table.astype(np.int32).reshape(-1, 3)
+    header = np.array([[int(counts.sum()), 0, 0]])
+    return np.concatenate([header, table.reshape(-1, 3)]).astype(np.int32)
+
+
+def grid_programs(num_tokens: int, block_rows: int, block_m: int) -> int:
+    """Programs per head: about one per block of a batch of ``num_tokens`` tokens (they stride over the
+    rest), never more than the table holds."""
+    return max(1, min(block_rows, -(-num_tokens // block_m) + 32))
 
 
 def max_blocks(total_tokens: int, num_sequences: int, block_m: int) -> int:
@@ -140,15 +149,16 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b
     """Launch into ``out`` ([T, heads, d], last dim contiguous); ``blocks`` from :func:`block_table` with
     ``block_m``, on the device. Inputs are assumed validated."""
     heads, head_dim = q.shape[1], q.shape[2]
-    if blocks.shape[0] == 0 or heads == 0:
+    programs = grid_programs(q.shape[0], blocks.shape[0] - 1, block_m)
+    if blocks.shape[0] <= 1 or heads == 0:
         return out
     interpreted = triton_interpreted()
     ieee = q.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
     args = (q, k, v, out, blocks, scale * math.log2(math.e), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             v.stride(0), v.stride(1), out.stride(0), out.stride(1), head_dim,
-            triton.next_power_of_2(max(1, blocks.shape[0])))
+            triton.next_power_of_2(programs))
     meta = dict(BLOCK_M=block_m, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
                 UPCAST=interpreted or q.dtype == torch.float32, IEEE=ieee or interpreted)
-    launch(_varlen_attention_fwd_kernel, _varlen_attention_tuned, _ATTN_CONFIGS, {}, lambda cfg: (blocks.shape[0], heads),
+    launch(_varlen_attention_fwd_kernel, _varlen_attention_tuned, _ATTN_CONFIGS, {}, lambda cfg: (programs, heads),
            args, meta, {"BLOCK_N": 32})
     return out

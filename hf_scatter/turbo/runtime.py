@@ -29,13 +29,13 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import nn
 
 from ..kernels.varlen_attention import block_m_for, block_table, max_blocks
 from .packing import PackedBatch, first_token_rows
 from .planner import MemoryPlanner, MiB, UsageRecord, record_usage
+from . import unpadded
 from .unpadded import encode, fresh
 
 TOKEN_QUANTUM = 64
@@ -194,7 +194,10 @@ class UnpaddedRuntime:
         return records
 
     def _records_for(self, tokens: int) -> list[UsageRecord]:
-        """Usage records of a bucket, scaled from the template (recorded and checked on first use)."""
+        """Usage records of a bucket, scaled from the template (recorded and checked on first use); past
+        the FFN's row chunk the intermediate stops scaling, so such sizes are recorded as they are."""
+        if tokens > unpadded.FFN_CHUNK_ROWS:
+            return self._record(tokens)
         if self._template is None:
             a, b = self._record(TOKEN_QUANTUM), self._record(2 * TOKEN_QUANTUM)
             same_ops = [(r.name, r.first_op, r.last_op) for r in a] == [(r.name, r.first_op, r.last_op) for r in b]
@@ -218,7 +221,7 @@ class UnpaddedRuntime:
     def _static_inputs(self, tokens: int) -> _Captured:
         dev = self.device
         head_dim = self.model.encoder.layer[0].attention.self.attention_head_size
-        nblocks = max_blocks(tokens, tokens, block_m_for(head_dim))
+        nblocks = 1 + max_blocks(tokens, tokens, block_m_for(head_dim))  # header row + every possible block
         zeros = lambda *shape, **kw: torch.zeros(shape, dtype=torch.int64, device=dev, **kw)  # noqa: E731
         staging = {name: torch.zeros(tokens, dtype=torch.int64, pin_memory=True)
                    for name in ("input_ids", "position_ids", "token_type_ids", "first")}
@@ -235,7 +238,7 @@ class UnpaddedRuntime:
         captured.copied.synchronize()  # the previous batch's copies have left the staging buffers
         head_dim = self.model.encoder.layer[0].attention.self.attention_head_size
         staging["blocks"].numpy()[:] = block_table(batch.lengths, block_m_for(head_dim),
-                                                   capacity=captured.blocks.shape[0])
+                                                   capacity=captured.blocks.shape[0] - 1)
         first = staging["first"].numpy()
         first[:] = 0
         first[:batch.num_sequences] = first_token_rows(batch.lengths)

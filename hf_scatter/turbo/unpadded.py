@@ -23,6 +23,11 @@ from .packing import PackedBatch
 
 Alloc = Callable[[str, tuple, torch.dtype, torch.device], torch.Tensor]
 
+# The FFN runs in row chunks of at most this many tokens: GEMMs of thousands of rows still run at full
+# speed, and the [rows, intermediate] buffer (the largest of a layer, 4x the hidden size) stops growing with
+# the batch.
+FFN_CHUNK_ROWS = 5120
+
 
 def fresh(name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The unplanned allocator: a new tensor from torch's caching allocator."""
@@ -98,14 +103,19 @@ def layer_forward(layer: nn.Module, h: torch.Tensor, batch: PackedBatch, alloc: 
     h1 = fused_add_layer_norm(projected, h, out.LayerNorm.weight, out.LayerNorm.bias, eps=out.LayerNorm.eps,
                               validate=False, out=alloc("attention.norm", (T, H), dtype, dev))
 
-    inner = layer.intermediate.dense
-    intermediate = alloc("ffn.intermediate", (T, inner.out_features), dtype, dev)
-    if fast_gelu and hidden_act == "gelu" and inner.bias is not None:  # bias + GELU in the GEMM's epilogue
-        torch._addmm_activation(inner.bias, h1, inner.weight.t(), use_gelu=True, out=intermediate)
-    else:
-        _activation_(hidden_act, layer.intermediate, _linear(h1, inner, intermediate))
-    ffn = layer.output
-    projected = _linear(intermediate, ffn.dense, alloc("ffn.dense", (T, H), dtype, dev))
+    inner, ffn = layer.intermediate.dense, layer.output
+    rows = min(T, FFN_CHUNK_ROWS)  # the [T, 4H] intermediate is the largest buffer: bound it (monotone in T,
+    # so the arena planned for a large bucket holds every smaller one)
+    intermediate = alloc("ffn.intermediate", (rows, inner.out_features), dtype, dev)
+    projected = alloc("ffn.dense", (T, H), dtype, dev)
+    for r0 in range(0, T, rows):
+        r1 = min(T, r0 + rows)
+        inter = intermediate[:r1 - r0]
+        if fast_gelu and hidden_act == "gelu" and inner.bias is not None:  # bias + GELU in the GEMM's epilogue
+            torch._addmm_activation(inner.bias, h1[r0:r1], inner.weight.t(), use_gelu=True, out=inter)
+        else:
+            _activation_(hidden_act, layer.intermediate, _linear(h1[r0:r1], inner, inter))
+        _linear(inter, ffn.dense, projected[r0:r1])
     return fused_add_layer_norm(projected, h1, ffn.LayerNorm.weight, ffn.LayerNorm.bias, eps=ffn.LayerNorm.eps,
                                 validate=False, out=alloc("ffn.norm", (T, H), dtype, dev))
 
