@@ -1,0 +1,207 @@
+"""Hierarchical roofline (MoE-Lightning, section 3): one roofline per memory level plus a cross-level roof.
+
+For an op of ``F`` FLOPs over ``B`` bytes at intensity ``I = F / B``:
+
+* GPU level: ``P = min(gpu_flops, gpu_bandwidth * I)``; CPU level: ``P = min(cpu_flops, cpu_bandwidth * I)``.
+* Cross level (data in CPU memory, computed on the GPU): ``P = min(gpu_flops, link_bandwidth * I_link)`` with
+  ``I_link`` = FLOPs per byte that must cross the CPU->GPU link.
+
+Turning points: ``P1`` (:attr:`TurningPoints.cpu_gpu`) is the intensity above which data living in CPU memory
+is better shipped to the GPU than computed where it is; ``P2`` (:attr:`TurningPoints.link_gpu`) is where the
+cross-level roof meets the GPU's compute (or the kernel's achieved performance): past it, streaming no longer
+limits the op. The *balance point* of an op is the batch size that puts its operating point at ``P2``.
+
+Plain roofs over-predict. :class:`HierarchicalRoofline` therefore times ops with the measured calibration terms
+of the profile, each explicit: GEMM efficiency as a function of rows (small decode GEMMs reach a fraction of
+the bandwidth roof), a launch cost per GPU op, CPU decode attention at its measured, context-dependent rate
+plus a per-call overhead, a per-op CPU dispatch cost and a per-copy latency. A term the profile lacks counts
+as zero (or efficiency 1) and is listed in :attr:`HierarchicalRoofline.uncalibrated`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .model_spec import ModelSpec, OpCost
+from .profile import HardwareProfile
+
+
+class ProfileError(ValueError):
+    """The hardware profile lacks what the model needs."""
+
+
+@dataclass(frozen=True)
+class Roofs:
+    gpu_flops: float
+    gpu_bandwidth: float
+    cpu_flops: float
+    cpu_bandwidth: float
+    link_bandwidth: float  # CPU -> GPU, pinned
+
+    @classmethod
+    def from_profile(cls, profile: HardwareProfile) -> "Roofs":
+        missing = profile.missing()
+        if missing:
+            raise ProfileError(f"profile {profile.name!r} lacks {', '.join(missing)}: run `hf-scatter profile` on the "
+                               "GPU host, or fill them in the profile JSON")
+        return cls(profile.gpu_flops, profile.gpu_bandwidth, profile.cpu_flops_bf16, profile.cpu_bandwidth,
+                   profile.h2d_pinned)
+
+    def gpu(self, intensity: float) -> float:
+        return min(self.gpu_flops, self.gpu_bandwidth * intensity)
+
+    def cpu(self, intensity: float) -> float:
+        return min(self.cpu_flops, self.cpu_bandwidth * intensity)
+
+    def cross(self, link_intensity: float, gpu_perf: float | None = None) -> float:
+        """GPU computing on data that crosses the link: ``gpu_perf`` (default: the GPU roof) caps it."""
+        return min(self.gpu_flops if gpu_perf is None else gpu_perf, self.link_bandwidth * link_intensity)
+
+
+@dataclass(frozen=True)
+class TurningPoints:
+    """Intensities (FLOP/byte) where the best place or the binding roof changes."""
+
+    gpu_ridge: float  # gpu_flops / gpu_bandwidth: compute-bound above
+    cpu_ridge: float  # cpu_flops / cpu_bandwidth
+    cpu_gpu: float  # P1: data in CPU memory is computed faster on the GPU above this (0: always; inf: never)
+    link_gpu: float  # P2: cross-level roof meets the GPU (kernel) performance
+
+    def to_dict(self) -> dict:
+        return {"gpu_ridge": self.gpu_ridge, "cpu_ridge": self.cpu_ridge, "P1_cpu_gpu": self.cpu_gpu,
+                "P2_link_gpu": self.link_gpu}
+
+
+def turning_points(roofs: Roofs, gpu_perf: float | None = None) -> TurningPoints:
+    """``gpu_perf``: the op's achieved GPU FLOP/s (e.g. the MoE kernel at its micro-batch); default the roof."""
+    perf = roofs.gpu_flops if gpu_perf is None else gpu_perf
+    return TurningPoints(gpu_ridge=roofs.gpu_flops / roofs.gpu_bandwidth,
+                         cpu_ridge=roofs.cpu_flops / roofs.cpu_bandwidth,
+                         cpu_gpu=_cpu_gpu_turning(roofs.cpu_flops, roofs.cpu_bandwidth, perf, roofs.link_bandwidth),
+                         link_gpu=perf / roofs.link_bandwidth)
+
+
+def _cpu_gpu_turning(cpu_flops: float, cpu_bw: float, gpu_flops: float, link_bw: float) -> float:
+    """Smallest I from which min(gpu_flops, link_bw I) >= min(cpu_flops, cpu_bw I) for every larger I."""
+    if gpu_flops < cpu_flops:
+        return math.inf  # at high intensity the CPU stays ahead
+    if link_bw >= cpu_bw:
+        return 0.0  # the link feeds the GPU at least as fast as CPU memory feeds the CPU
+    return cpu_flops / link_bw  # the CPU is compute-bound where the cross roof reaches it
+
+
+class HierarchicalRoofline:
+    """Roofs, turning points and calibrated op times of one hardware profile."""
+
+    def __init__(self, profile: HardwareProfile):
+        self.profile = profile
+        self.roofs = Roofs.from_profile(profile)
+        self.uncalibrated: list[str] = []
+        p = profile
+
+        def term(name, value, fallback, why):
+            if value is None:
+                self.uncalibrated.append(f"{name} ({why})")
+                return fallback
+            return value
+
+        self.launch_s = term("gpu_launch_s", p.gpu_launch_s, 0.0, "GPU launch overhead taken as zero")
+        self.cpu_op_s = term("cpu_op_s", p.cpu_op_s, 0.0, "CPU dispatch overhead taken as zero")
+        self.latency_s = term("transfer_latency_s", p.transfer_latency_s, 0.0, "copy latency taken as zero")
+        self.d2h_bandwidth = term("d2h_pinned", p.d2h_pinned, p.h2d_pinned, "device->host taken equal to host->device")
+        self.duplex_bandwidth = term("duplex_pinned", p.duplex_pinned, math.inf, "no shared-link limit")
+        self.host_dram_bandwidth = term("host_dram_bandwidth", p.host_dram_bandwidth, math.inf,
+                                        "no host-memory contention between CPU work and DMA")
+        self.gpu_attention_bandwidth = term("gpu_attention_bandwidth", p.gpu_attention_bandwidth, p.gpu_bandwidth,
+                                            "GPU attention at the copy bandwidth")
+        if p.gemm_efficiency:
+            pts = sorted((float(m), float(e)) for m, e in p.gemm_efficiency)
+            if any(not 0 < e <= 1.0 for _, e in pts):
+                raise ProfileError(f"profile {p.name!r}: gemm_efficiency values must be in (0, 1]")
+            self._eff_log_rows = np.log([m for m, _ in pts])
+            self._eff = np.array([e for _, e in pts])
+        else:
+            self.uncalibrated.append("gemm_efficiency (GEMMs at the roofline: optimistic)")
+            self._eff_log_rows = None
+        self._cpu_attention = _fit_cpu_attention(p.cpu_attention)
+        if self._cpu_attention is None:
+            self.uncalibrated.append("cpu_attention (CPU attention at the CPU copy bandwidth)")
+
+    # ----- calibration terms -----
+    def gemm_efficiency(self, rows: float) -> float:
+        """Achieved / roofline time of a GEMM with ``rows`` rows: log-linear between measured points, flat
+        outside them."""
+        if self._eff_log_rows is None:
+            return 1.0
+        return float(np.interp(math.log(max(rows, 1e-9)), self._eff_log_rows, self._eff))
+
+    def cpu_attention_rate(self, context: float) -> tuple[float, float]:
+        """(KV bytes/s, seconds of overhead per call) of CPU decode attention at this context length."""
+        if self._cpu_attention is None:
+            return self.roofs.cpu_bandwidth, 0.0
+        log_ctx, rates, overhead = self._cpu_attention
+        return float(np.exp(np.interp(math.log(max(context, 1.0)), log_ctx, np.log(rates)))), overhead
+
+    # ----- op times -----
+    def gpu_seconds(self, op: OpCost) -> float:
+        """Roofline time of ``op`` on the GPU divided by the GEMM efficiency at its row count (attention:
+        at the measured decode-attention bandwidth). Launch costs are separate (:attr:`launch_s`)."""
+        if op.flops == 0 and op.bytes == 0:
+            return 0.0
+        if op.name == "attention" and op.kv_bytes > 0 and op.weight_bytes == 0:
+            memory = op.kv_bytes / self.gpu_attention_bandwidth
+            return max(op.flops / self.roofs.gpu_flops, memory)
+        roof = max(op.flops / self.roofs.gpu_flops, op.bytes / self.roofs.gpu_bandwidth)
+        return roof / self.gemm_efficiency(op.rows)
+
+    def cpu_attention_seconds(self, batch: float, context: float, kv_bytes_per_token: float) -> float:
+        """One CPU decode-attention call over ``batch`` sequences of ``context`` cached tokens."""
+        rate, overhead = self.cpu_attention_rate(context)
+        return overhead + batch * context * kv_bytes_per_token / rate
+
+    def cpu_seconds(self, op: OpCost) -> float:
+        """A GEMM-like op on the CPU (bf16 FLOP/s, copy bandwidth)."""
+        return max(op.flops / self.roofs.cpu_flops, op.bytes / self.roofs.cpu_bandwidth)
+
+    # ----- analysis -----
+    def turning_points(self, gpu_perf: float | None = None) -> TurningPoints:
+        return turning_points(self.roofs, gpu_perf)
+
+    def ffn_gpu_performance(self, model: ModelSpec, micro_batch: float) -> float:
+        """Achieved FLOP/s of the (MoE) FFN on the GPU at this micro-batch, launches included."""
+        op = model.decode_ops(micro_batch, 1)["ffn"]
+        return op.flops / (self.gpu_seconds(op) + op.kernels * self.launch_s)
+
+    def balance_batch_size(self, model: ModelSpec, micro_batch: float, weights_gpu_fraction: float = 0.0) -> float:
+        """Batch size N at which the FFN, its weights streamed over the link, sits at P2: its link intensity
+        ``2 N k / ((1 - r_w) E b)`` equals ``P_ffn(mu) / link_bandwidth``. More N no longer raises throughput."""
+        if weights_gpu_fraction >= 1.0:
+            return math.inf
+        p2 = self.turning_points(self.ffn_gpu_performance(model, micro_batch)).link_gpu
+        streamed = (1 - weights_gpu_fraction) * model.ffn_weight_bytes  # bytes over the link per layer and step
+        flops_per_sequence = 6.0 * model.top_k * model.hidden * model.intermediate
+        return p2 * streamed / flops_per_sequence
+
+
+def _fit_cpu_attention(points: list) -> tuple[np.ndarray, np.ndarray, float] | None:
+    """Per context: time = overhead + batch * kv_bytes_per_seq / rate, least squares over the batch sizes
+    measured at that context (through the origin when only one batch, or when the fit goes negative)."""
+    if not points:
+        return None
+    by_context: dict[float, list[tuple[float, float]]] = {}
+    for p in points:
+        per_seq = p["context"] * p["kv_heads"] * p["head_dim"] * 2 * p.get("dtype_bytes", 2)
+        by_context.setdefault(float(p["context"]), []).append((p["batch"] * per_seq, float(p["seconds"])))
+    contexts, rates, overheads = [], [], []
+    for ctx in sorted(by_context):
+        xs, ts = np.array(by_context[ctx]).T
+        slope, intercept = (np.polyfit(xs, ts, 1) if len(set(xs)) > 1 else (0.0, -1.0))
+        if slope <= 0 or intercept < 0:
+            slope, intercept = float(np.dot(xs, ts) / np.dot(xs, xs)), 0.0
+        contexts.append(math.log(ctx))
+        rates.append(1.0 / slope)
+        overheads.append(intercept)
+    return np.array(contexts), np.array(rates), float(np.median(overheads))

@@ -1,0 +1,253 @@
+"""What one decoder layer of a model costs: FLOPs and bytes of each op, weight and KV-cache sizes.
+
+The performance model needs only shapes, so a model is described by its HF config: Mixtral, DBRX, or a
+dense Llama-style model (one "expert" that every token uses, no router). Well-known configs are built in
+code (no hub access), so ``hf-scatter plan --model mixtral-8x7b`` works on any machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+
+# GPU kernel launches per op and micro-batch, counted on the patched Mixtral layer (norm, GEMM, rotary
+# embedding, residual add, routing and expert kernels). Launch-bound ops cost this many launches.
+KERNELS = {"qkv": 4, "attention": 2, "o_proj": 2, "router": 4, "ffn": 6, "head": 3}
+DENSE_FFN_KERNELS = 3
+
+# Published configs of the models users plan for, as (transformers config class, keyword arguments).
+BUILTIN_MODELS: dict[str, tuple[str, dict]] = {
+    "mixtral-8x7b": ("MixtralConfig", dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
+        max_position_embeddings=32768, rope_theta=1e6)),
+    "mixtral-8x22b": ("MixtralConfig", dict(
+        hidden_size=6144, intermediate_size=16384, num_hidden_layers=56, num_attention_heads=48,
+        num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
+        max_position_embeddings=65536, rope_theta=1e6)),
+    "dbrx": ("DbrxConfig", dict(
+        d_model=6144, n_heads=48, n_layers=40, max_seq_len=32768, vocab_size=100352,
+        attn_config={"kv_n_heads": 8, "clip_qkv": 8.0, "rope_theta": 500000.0},
+        ffn_config={"ffn_hidden_size": 10752, "moe_num_experts": 16, "moe_top_k": 4})),
+    "llama-3-8b": ("LlamaConfig", dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)),
+}
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """One op of one layer for ``tokens`` rows: what it computes and what it must read."""
+
+    name: str
+    flops: float
+    weight_bytes: float  # weights the op reads (only the experts the tokens hit)
+    kv_bytes: float  # KV cache read (attention)
+    rows: float  # rows per weight matrix of its GEMMs (tokens per expert for the FFN): sets GEMM efficiency
+    kernels: int  # GPU launches
+
+    @property
+    def bytes(self) -> float:
+        return self.weight_bytes + self.kv_bytes
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shapes of a decoder-only model (Mixtral/DBRX-style MoE; dense models have one expert, top-1)."""
+
+    name: str
+    family: str  # "mixtral", "dbrx" or "dense"
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int  # per expert
+    experts: int
+    top_k: int
+    vocab: int
+    tied_embeddings: bool = False
+    dtype_bytes: int = 2
+    kv_dtype_bytes: int = 2
+
+    def __post_init__(self):
+        for field in ("hidden", "layers", "heads", "kv_heads", "head_dim", "intermediate", "experts", "top_k", "vocab"):
+            if int(getattr(self, field)) <= 0:
+                raise ValueError(f"model {self.name!r}: {field} must be positive, got {getattr(self, field)}")
+        if self.top_k > self.experts:
+            raise ValueError(f"model {self.name!r}: top_k {self.top_k} exceeds the {self.experts} experts")
+
+    # ----- construction -----
+    @classmethod
+    def from_config(cls, config, name: str | None = None, dtype_bytes: int = 2) -> "ModelSpec":
+        """From a transformers config, a config dict, a config.json path or directory, or a built-in name
+        (:data:`BUILTIN_MODELS`)."""
+        if isinstance(config, str):
+            return cls._from_name_or_path(config, dtype_bytes)
+        if isinstance(config, dict):
+            from transformers import AutoConfig
+
+            if "model_type" not in config:
+                raise ValueError("model config dict has no 'model_type': pass a transformers config.json")
+            config = AutoConfig.for_model(**config)
+        model_type = getattr(config, "model_type", "")
+        label = name or getattr(config, "_name_or_path", "") or model_type
+        if model_type == "dbrx":
+            attn, ffn = config.attn_config, config.ffn_config
+            return cls(name=label, family="dbrx", hidden=config.d_model, layers=config.n_layers, heads=config.n_heads,
+                       kv_heads=attn.kv_n_heads, head_dim=config.d_model // config.n_heads,
+                       intermediate=ffn.ffn_hidden_size, experts=ffn.moe_num_experts, top_k=ffn.moe_top_k,
+                       vocab=config.vocab_size, tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+                       dtype_bytes=dtype_bytes)
+        needed = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+        missing = [a for a in needed if getattr(config, a, None) is None]
+        if missing:
+            raise ValueError(f"model_type {model_type!r} is not supported: no {', '.join(missing)} in its config "
+                             "(supported: mixtral, dbrx and dense Llama-style decoders)")
+        experts = getattr(config, "num_local_experts", None)
+        if model_type != "mixtral" and (experts or getattr(config, "num_experts", None)):
+            raise ValueError(f"model_type {model_type!r} is a mixture-of-experts layout hf-scatter cannot describe "
+                             "yet (supported: mixtral, dbrx and dense Llama-style decoders)")
+        heads = config.num_attention_heads
+        return cls(name=label, family="mixtral" if model_type == "mixtral" else "dense", hidden=config.hidden_size,
+                   layers=config.num_hidden_layers, heads=heads,
+                   kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+                   head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+                   intermediate=config.intermediate_size, experts=experts or 1,
+                   top_k=(getattr(config, "num_experts_per_tok", None) or 1) if experts else 1, vocab=config.vocab_size,
+                   tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)), dtype_bytes=dtype_bytes)
+
+    @classmethod
+    def _from_name_or_path(cls, ref: str, dtype_bytes: int) -> "ModelSpec":
+        if ref in BUILTIN_MODELS:
+            return cls.from_config(builtin_config(ref), name=ref, dtype_bytes=dtype_bytes)
+        path = os.path.join(ref, "config.json") if os.path.isdir(ref) else ref
+        if not os.path.isfile(path):
+            raise ValueError(f"model {ref!r} is neither a built-in ({', '.join(BUILTIN_MODELS)}) nor a config.json "
+                             "file or a directory holding one")
+        try:
+            with open(path) as f:
+                config = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON ({e}): pass a transformers config.json") from None
+        label = os.path.basename(os.path.dirname(os.path.abspath(path))) if path.endswith("config.json") else path
+        return cls.from_config(config, name=label, dtype_bytes=dtype_bytes)
+
+    # ----- sizes -----
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def is_moe(self) -> bool:
+        return self.family != "dense"
+
+    @property
+    def qkv_weight_bytes(self) -> float:
+        """Input norm + fused Q, K, V projections."""
+        return (self.hidden * (self.q_dim + 2 * self.kv_dim) + self.hidden) * self.dtype_bytes
+
+    @property
+    def o_weight_bytes(self) -> float:
+        return self.q_dim * self.hidden * self.dtype_bytes
+
+    @property
+    def router_weight_bytes(self) -> float:
+        """Post-attention norm + router (the norm alone for dense models)."""
+        router = self.hidden * self.experts if self.is_moe else 0
+        return (router + self.hidden) * self.dtype_bytes
+
+    @property
+    def expert_weight_bytes(self) -> float:
+        """One expert's gate, up and down projections (GLU)."""
+        return 3 * self.hidden * self.intermediate * self.dtype_bytes
+
+    @property
+    def ffn_weight_bytes(self) -> float:
+        return self.experts * self.expert_weight_bytes
+
+    @property
+    def layer_weight_bytes(self) -> float:
+        return self.qkv_weight_bytes + self.o_weight_bytes + self.router_weight_bytes + self.ffn_weight_bytes
+
+    @property
+    def other_weight_bytes(self) -> float:
+        """Embedding, final norm and LM head: small, always kept on the GPU."""
+        tables = 1 if self.tied_embeddings else 2
+        return (tables * self.vocab * self.hidden + self.hidden) * self.dtype_bytes
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.layers * self.layer_weight_bytes + self.other_weight_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """KV cache of one token in one layer (K and V)."""
+        return 2 * self.kv_dim * self.kv_dtype_bytes
+
+    def active_experts(self, tokens: float) -> float:
+        """Expected number of distinct experts ``tokens`` tokens hit under uniform top-k routing."""
+        if not self.is_moe:
+            return 1.0
+        return self.experts * (1.0 - (1.0 - self.top_k / self.experts) ** max(tokens, 0.0))
+
+    # ----- op costs -----
+    def decode_ops(self, tokens: float, context_len: float) -> dict[str, OpCost]:
+        """One decode step of ``tokens`` sequences (one new token each) through one layer, each attending
+        to ``context_len`` cached tokens."""
+        return self._ops(tokens, attention_flops=4.0 * tokens * self.q_dim * context_len,
+                         kv_bytes=tokens * context_len * self.kv_bytes_per_token)
+
+    def prefill_ops(self, tokens: float, prompt_len: float, prompt_len_sq: float | None = None) -> dict[str, OpCost]:
+        """``tokens`` prompt tokens through one layer with causal attention. Prompts of mean length
+        ``prompt_len`` and mean square ``prompt_len_sq``: a token sees on average E[p^2] / (2 E[p]) keys."""
+        sq = prompt_len * prompt_len if prompt_len_sq is None else prompt_len_sq
+        keys = sq / (2.0 * prompt_len)
+        return self._ops(tokens, attention_flops=4.0 * tokens * self.q_dim * keys,
+                         kv_bytes=tokens * self.kv_bytes_per_token)
+
+    def _ops(self, tokens: float, attention_flops: float, kv_bytes: float) -> dict[str, OpCost]:
+        h = self.hidden
+        ops = [
+            OpCost("qkv", 2.0 * tokens * h * (self.q_dim + 2 * self.kv_dim), self.qkv_weight_bytes, 0.0, tokens,
+                   KERNELS["qkv"]),
+            OpCost("attention", attention_flops, 0.0, kv_bytes, tokens, KERNELS["attention"]),
+            OpCost("o_proj", 2.0 * tokens * self.q_dim * h, self.o_weight_bytes, 0.0, tokens, KERNELS["o_proj"]),
+        ]
+        if self.is_moe:
+            ops.append(OpCost("router", 2.0 * tokens * h * self.experts, self.router_weight_bytes, 0.0, tokens,
+                              KERNELS["router"]))
+        active = self.active_experts(tokens)
+        ops.append(OpCost("ffn", 6.0 * tokens * self.top_k * h * self.intermediate,
+                          active * self.expert_weight_bytes, 0.0, tokens * self.top_k / self.experts,
+                          KERNELS["ffn"] if self.is_moe else DENSE_FFN_KERNELS))
+        return {op.name: op for op in ops}
+
+    def head_op(self, tokens: float) -> OpCost:
+        """Final norm + LM head for ``tokens`` rows."""
+        return OpCost("head", 2.0 * tokens * self.hidden * self.vocab, self.vocab * self.hidden * self.dtype_bytes,
+                      0.0, tokens, KERNELS["head"])
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        kind = f"{self.experts} experts, top-{self.top_k}" if self.is_moe else "dense"
+        return (f"{self.name}: {self.layers} layers, hidden {self.hidden}, {kind}, {self.weight_bytes / 1e9:.1f} GB "
+                f"of weights ({self.layer_weight_bytes / 1e9:.2f} GB per layer), KV "
+                f"{self.kv_bytes_per_token * self.layers / 1024:.0f} KiB per token")
+
+
+def builtin_config(name: str):
+    """The transformers config object of a built-in model name."""
+    import transformers
+
+    if name not in BUILTIN_MODELS:
+        raise ValueError(f"unknown built-in model {name!r}: choose one of {', '.join(BUILTIN_MODELS)}")
+    cls_name, kwargs = BUILTIN_MODELS[name]
+    return getattr(transformers, cls_name)(**kwargs)

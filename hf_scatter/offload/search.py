@@ -1,0 +1,115 @@
+"""Policy search: the placement that minimises predicted time per generated token within both memories.
+
+Exhaustive over the discrete choices (batch size N and micro-batch size mu as powers of two, attention on
+CPU or GPU, expert FFN on CPU or GPU); for each, the two fractions (weights and KV cache on the GPU) are
+found exactly by :func:`~hf_scatter.offload.pwl.minimize` (the cost and the memory use are piecewise-linear
+and linear in them). MoE-Lightning's Eqs. 12-14 as an integer grid plus a tiny LP; Mixtral-8x7B plans in
+about a second.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .cost_model import CostOptions, Lin, as_roofline, default_cpu_limit, memory_use, objective, predict
+from .hrm import HierarchicalRoofline
+from .model_spec import ModelSpec
+from .policy import PlanError, Policy, Workload
+from .profile import HardwareProfile, load_profile
+from .pwl import minimize
+from .units import format_bytes, parse_bytes
+
+MAX_BATCH = 16384
+MAX_MICRO_BATCHES = 256  # CGOPipe pages a layer's weights into one page per micro-batch
+
+
+def _powers_of_two_upto(limit: int) -> list[int]:
+    out = [1 << i for i in range(limit.bit_length()) if 1 << i <= limit]
+    return out + ([limit] if out[-1] != limit else [])
+
+
+def _resolve(model, profile) -> tuple[ModelSpec, HierarchicalRoofline]:
+    spec = model if isinstance(model, ModelSpec) else ModelSpec.from_config(model)
+    if not isinstance(profile, (HardwareProfile, HierarchicalRoofline)):
+        profile = load_profile(profile)
+    return spec, as_roofline(profile)
+
+
+def search_policy(model, profile, workload: Workload, gpu_memory: int | float | str,
+                  cpu_memory: int | float | str | None = None, options: CostOptions | None = None,
+                  max_batch: int = MAX_BATCH, placements=None) -> Policy:
+    """The best :class:`Policy` (with its ``prediction``) for ``workload`` on ``profile`` within ``gpu_memory``
+    (bytes or e.g. "16GiB") and ``cpu_memory`` (default: 90% of the profile's CPU memory). ``model``: a
+    :class:`ModelSpec` or anything :meth:`ModelSpec.from_config` takes; ``profile``: a profile, or a known
+    name / JSON path. ``placements``: the ``(attention_on_gpu, experts_on_gpu)`` pairs to consider (default
+    all four; the CGOPipe runtime executes ``(False, True)``). Raises :class:`PlanError` when nothing fits."""
+    options = options or CostOptions()
+    spec, hrm = _resolve(model, profile)
+    gpu_limit = parse_bytes(gpu_memory, "GPU memory")
+    cpu_limit = (parse_bytes(cpu_memory, "CPU memory") if cpu_memory is not None
+                 else default_cpu_limit(hrm.profile, options))
+    capacity = hrm.profile.gpu_memory
+    if capacity is not None and gpu_limit > capacity * (1 + 1e-9):
+        raise PlanError(f"GPU memory budget {format_bytes(gpu_limit)} exceeds the {format_bytes(capacity)} of the GPU "
+                        f"in profile {hrm.profile.name!r}: lower --gpu-memory")
+    gpu_usable = gpu_limit * (1 - options.gpu_margin)
+    _check_feasible(spec, workload, gpu_usable, cpu_limit, options)
+
+    cap = min(max_batch, workload.num_requests or max_batch)
+    best = None
+    for n in _powers_of_two_upto(cap):
+        for mu in _powers_of_two_upto(n):
+            if math.ceil(n / mu) > MAX_MICRO_BATCHES:
+                continue
+            for attention_on_gpu in (False, True):
+                for experts_on_gpu in (True, False):
+                    if placements is not None and (attention_on_gpu, experts_on_gpu) not in placements:
+                        continue
+                    template = Policy(n, mu, attention_on_gpu, experts_on_gpu)
+                    gpu_mem, cpu_mem = memory_use(spec, template, workload, options)
+                    gpu_total, cpu_total = sum(gpu_mem.values(), Lin()), sum(cpu_mem.values(), Lin())
+                    constraints = [gpu_total / gpu_usable + (-1.0), cpu_total / cpu_limit + (-1.0)]
+                    solution = minimize(objective(hrm, spec, template, workload, options), constraints,
+                                        fix_y=not attention_on_gpu, tiebreak=gpu_total)
+                    if solution is None:
+                        continue
+                    x, y, seconds = solution
+                    key = (seconds / (n * workload.gen_len), gpu_total.at(x, y), n)
+                    if best is None or _better(key, best[0]):
+                        best = (key, Policy(n, mu, attention_on_gpu, experts_on_gpu, x, y))
+    if best is None:
+        raise PlanError(f"no policy fits {spec.name} in {format_bytes(gpu_limit)} of GPU and {format_bytes(cpu_limit)} "
+                        f"of CPU memory for {workload.describe()}: give more memory or shorten prompt/generation")
+    policy = best[1]
+    prediction = predict(policy, spec, hrm, workload, gpu_limit, cpu_limit, options)
+    return Policy(policy.batch_size, policy.micro_batch_size, policy.attention_on_gpu, policy.experts_on_gpu,
+                  policy.weights_gpu_fraction, policy.kv_gpu_fraction, prediction=prediction)
+
+
+def _better(key, incumbent) -> bool:
+    """Less time per token; within 1e-9 relative, less GPU memory, then the smaller batch."""
+    if key[0] < incumbent[0] * (1 - 1e-9):
+        return True
+    if key[0] > incumbent[0] * (1 + 1e-9):
+        return False
+    return key[1:] < incumbent[1:]
+
+
+def _check_feasible(spec: ModelSpec, workload: Workload, gpu_usable: float, cpu_limit: float,
+                    options: CostOptions) -> None:
+    """The two ways a plan is impossible whatever the policy, each with its own message."""
+    if spec.weight_bytes > gpu_usable + cpu_limit:
+        raise PlanError(
+            f"{spec.name} has {format_bytes(spec.weight_bytes)} of weights but the GPU ({format_bytes(gpu_usable)} "
+            f"usable) and CPU ({format_bytes(cpu_limit)}) budgets together hold only "
+            f"{format_bytes(gpu_usable + cpu_limit)}: raise --cpu-memory / --gpu-memory or use a machine with more "
+            "memory (offloading to disk is not supported)")
+    smallest = Policy(1, 1, attention_on_gpu=False, experts_on_gpu=True)
+    gpu_mem, _ = memory_use(spec, smallest, workload, options)
+    floor = sum(v.at(0.0, 0.0) for v in gpu_mem.values())
+    if floor > gpu_usable:
+        raise PlanError(
+            f"{format_bytes(gpu_usable)} of usable GPU memory is too small for {spec.name}: the embedding and LM head "
+            f"({format_bytes(spec.other_weight_bytes)}) plus a double buffer for one streamed layer "
+            f"({format_bytes(2 * spec.layer_weight_bytes)}) and activations need at least {format_bytes(floor)} "
+            f"(plus the {options.gpu_margin:.0%} fragmentation margin): raise --gpu-memory")

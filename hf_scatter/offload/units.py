@@ -1,0 +1,34 @@
+"""Byte sizes as people write them ("16GiB", "1.5 GB", 17179869184) and back."""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def parse_bytes(size: int | float | str, what: str = "size") -> int:
+    """``16GiB`` -> 17179869184. GB/MB are powers of ten, GiB/MiB powers of two; a bare number is bytes."""
+    if isinstance(size, bool):
+        raise ValueError(f"{what} {size!r} is not a size: write bytes or e.g. '16GiB', '24GB'")
+    if isinstance(size, (int, float)):
+        value = float(size)
+    else:
+        match = _SIZE.match(str(size))
+        unit = match.group(2).lower() if match else None
+        if not match or unit not in _UNITS:
+            raise ValueError(f"{what} {size!r} is not a size: write bytes or e.g. '16GiB', '24GB', '512MiB'")
+        value = float(match.group(1)) * _UNITS[unit]
+    if not value > 0:
+        raise ValueError(f"{what} must be positive, got {size!r}")
+    return int(value)
+
+
+def format_bytes(nbytes: float) -> str:
+    """Binary units, three significant digits: 1.5 GiB, 640 MiB."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.0f} B"

@@ -1,0 +1,339 @@
+"""HRM performance model and policy search (CPU only): roofline arithmetic against hand-computed values on
+synthetic hardware, the model description against real parameter counts, the search's guarantees
+(memory limits, monotonicity, clear errors), and the `plan` / `profile` commands end to end."""
+
+import dataclasses
+import json
+import math
+import time
+
+import numpy as np
+import pytest
+
+from hf_scatter.cli import main
+from hf_scatter.offload import (
+    HardwareProfile, HierarchicalRoofline, ModelSpec, PlanError, Policy, ProfileError, Roofs, Workload,
+    decode_layer_time, load_profile, operating_points, parse_bytes, plot_roofline, predict, search_policy,
+    turning_points,
+)
+from hf_scatter.offload.cost_model import Lin
+from hf_scatter.offload.pwl import minimize
+
+GiB = 2**30
+
+
+def synthetic(**overrides) -> HardwareProfile:
+    """Round numbers, no calibration terms: every time below can be computed by hand."""
+    fields = dict(name="synthetic", gpu_flops=100e12, gpu_bandwidth=1e12, gpu_memory=64 * GiB, h2d_pinned=10e9,
+                  d2h_pinned=10e9, cpu_flops_bf16=1e12, cpu_bandwidth=100e9, cpu_memory=1024 * GiB)
+    fields.update(overrides)
+    return HardwareProfile(**fields)
+
+
+def small_moe() -> ModelSpec:
+    return ModelSpec(name="small-moe", family="mixtral", hidden=1024, layers=4, heads=8, kv_heads=2, head_dim=128,
+                     intermediate=2048, experts=8, top_k=2, vocab=1000)
+
+
+MIXTRAL = ModelSpec.from_config("mixtral-8x7b")
+ANCHORS = load_profile("h100-host-anchors")
+
+
+# ----- roofline arithmetic -----
+def test_turning_points_match_hand_computed_values():
+    tp = turning_points(Roofs.from_profile(synthetic()))
+    assert tp.gpu_ridge == pytest.approx(100.0)  # 100 TFLOP/s / 1 TB/s
+    assert tp.cpu_ridge == pytest.approx(10.0)  # 1 TFLOP/s / 100 GB/s
+    assert tp.cpu_gpu == pytest.approx(100.0)  # P1: CPU compute roof meets the 10 GB/s link roof
+    assert tp.link_gpu == pytest.approx(10_000.0)  # P2: GPU roof meets the link roof
+    # P2 for a kernel that reaches only 20 TFLOP/s
+    assert turning_points(Roofs.from_profile(synthetic()), gpu_perf=20e12).link_gpu == pytest.approx(2000.0)
+    # A link as fast as CPU memory: shipping to the GPU never loses; a GPU slower than the CPU: it always loses
+    assert turning_points(Roofs.from_profile(synthetic(h2d_pinned=100e9))).cpu_gpu == 0.0
+    assert turning_points(Roofs.from_profile(synthetic(gpu_flops=0.5e12))).cpu_gpu == math.inf
+
+
+def test_p1_separates_where_cpu_and_gpu_win():
+    roofs = Roofs.from_profile(synthetic())
+    p1 = turning_points(roofs).cpu_gpu
+    for intensity in (1.0, 10.0, 0.9 * p1):
+        assert roofs.cpu(intensity) > roofs.cross(intensity)
+    for intensity in (1.1 * p1, 1000.0, 1e5):
+        assert roofs.cross(intensity) > roofs.cpu(intensity)
+
+
+def test_balance_point_is_where_streaming_meets_ffn_compute():
+    hrm = HierarchicalRoofline(synthetic())
+    model = small_moe()
+    # mu = 4096: the FFN reads all 8 experts and computes 4096*2 rows: 1024 FLOP/B, above the GPU ridge, so it
+    # runs at 100 TFLOP/s; P2 = 1e4 FLOP per link byte; the FFN's link intensity is 2 N k / ((1 - x) E b).
+    assert hrm.ffn_gpu_performance(model, 4096) == pytest.approx(100e12)
+    assert hrm.balance_batch_size(model, 4096) == pytest.approx(1e4 * 8 * 2 / (2 * 2))
+    assert hrm.balance_batch_size(model, 4096, weights_gpu_fraction=0.5) == pytest.approx(20_000)
+    assert hrm.balance_batch_size(model, 4096, weights_gpu_fraction=1.0) == math.inf
+    # At the balance point, streaming the FFN weights takes exactly as long as computing the batch on the GPU.
+    n = hrm.balance_batch_size(model, 4096)
+    ffn = model.decode_ops(n, 1)["ffn"]
+    assert model.ffn_weight_bytes / 10e9 == pytest.approx(ffn.flops / 100e12)
+
+
+def test_calibration_terms_interpolate_measurements():
+    prof = synthetic(gemm_efficiency=[[16, 0.5], [2048, 0.6]], cpu_attention=[
+        # time = 1 ms + batch * bytes_per_seq / 20 GB/s at context 512; 10 GB/s at context 2048, no overhead
+        dict(batch=b, context=512, q_heads=8, kv_heads=2, head_dim=128, dtype_bytes=2,
+             seconds=1e-3 + b * 512 * 2 * 128 * 2 * 2 / 20e9) for b in (4, 64)] + [
+        dict(batch=64, context=2048, q_heads=8, kv_heads=2, head_dim=128, dtype_bytes=2,
+             seconds=64 * 2048 * 2 * 128 * 2 * 2 / 10e9)])
+    hrm = HierarchicalRoofline(prof)
+    assert hrm.gemm_efficiency(math.sqrt(16 * 2048)) == pytest.approx(0.55)  # log-linear between the points
+    assert hrm.gemm_efficiency(1) == pytest.approx(0.5) and hrm.gemm_efficiency(1e6) == pytest.approx(0.6)
+    rate, overhead = hrm.cpu_attention_rate(512)
+    assert rate == pytest.approx(20e9, rel=1e-6) and overhead == pytest.approx(1e-3 / 2, rel=1e-6)  # median of 1 ms, 0
+    assert hrm.cpu_attention_rate(1024)[0] == pytest.approx(math.sqrt(20e9 * 10e9), rel=1e-6)
+    assert HierarchicalRoofline(synthetic()).gemm_efficiency(16) == 1.0
+    assert any("gemm_efficiency" in u for u in HierarchicalRoofline(synthetic()).uncalibrated)
+
+
+# ----- model description -----
+@pytest.mark.parametrize("family", ["mixtral", "dbrx", "llama"])
+def test_model_spec_weight_bytes_equal_the_real_parameter_count(family, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from hf_scatter.tiny import tiny_dbrx_config, tiny_mixtral_config
+
+    config = {"mixtral": lambda: tiny_mixtral_config(hidden=48, experts=6, top_k=3, intermediate=40),
+              "dbrx": lambda: tiny_dbrx_config(hidden=48, experts=5, intermediate=40),
+              "llama": lambda: LlamaConfig(hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+                                           num_attention_heads=4, num_key_value_heads=2, vocab_size=100)}[family]()
+    config.save_pretrained(tmp_path)  # through config.json, as a user passes it
+    spec = ModelSpec.from_config(str(tmp_path))
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    assert spec.weight_bytes == sum(p.numel() * 2 for p in model.parameters())
+    assert spec.kv_bytes_per_token == 2 * 2 * 12 * 2  # K and V, 2 KV heads of 48 / 4 = 12, bf16
+    assert spec.is_moe == (family != "llama")
+
+
+def test_builtin_models_match_published_sizes():
+    assert MIXTRAL.weight_bytes / 2 == pytest.approx(46.7e9, rel=0.002)  # Mixtral-8x7B: 46.7B parameters
+    assert ModelSpec.from_config("dbrx").weight_bytes / 2 == pytest.approx(132e9, rel=0.005)  # DBRX: 132B
+    assert ModelSpec.from_config("llama-3-8b").weight_bytes / 2 == pytest.approx(8.03e9, rel=0.002)
+    assert MIXTRAL.kv_bytes_per_token * MIXTRAL.layers == 128 * 1024  # 2 x 8 heads x 128 x bf16 x 32 layers
+    ops = MIXTRAL.decode_ops(1, 100)
+    assert ops["ffn"].flops == 2 * 2 * 3 * 4096 * 14336  # top-2 experts, three GEMMs
+    assert ops["attention"].kv_bytes == 100 * 8 * 128 * 2 * 2
+    assert MIXTRAL.active_experts(1) == pytest.approx(2) and MIXTRAL.active_experts(1000) == pytest.approx(8)
+    with pytest.raises(ValueError, match="neither a built-in"):
+        ModelSpec.from_config("no-such-model")
+
+
+# ----- cost model against hand computation -----
+def test_decode_layer_time_by_hand_all_resident_and_all_streamed():
+    model, prof = small_moe(), synthetic()
+    resident = Policy(64, 64, attention_on_gpu=True, experts_on_gpu=True, weights_gpu_fraction=1.0,
+                      kv_gpu_fraction=1.0)
+    t = decode_layer_time(resident, model, prof, context_len=100)
+    expected = sum(max(op.flops / 100e12, op.bytes / 1e12) for op in model.decode_ops(64, 100).values())
+    assert t.seconds == pytest.approx(expected) and t.bottleneck == "gpu_compute"
+    assert t.terms["h2d"] == pytest.approx(0, abs=1e-15) and t.terms["cpu"] == 0
+    streamed = dataclasses.replace(resident, weights_gpu_fraction=0.0)
+    t = decode_layer_time(streamed, model, prof, context_len=100)
+    assert t.bottleneck == "h2d" and t.seconds == pytest.approx(model.layer_weight_bytes / 10e9)
+    assert t.link_weight_bytes == pytest.approx(model.layer_weight_bytes)
+
+
+def test_experts_on_cpu_split_by_the_resident_fraction_by_hand():
+    model, prof = small_moe(), synthetic()
+    policy = Policy(64, 64, attention_on_gpu=True, experts_on_gpu=False, weights_gpu_fraction=0.25, kv_gpu_fraction=1.0)
+    t = decode_layer_time(policy, model, prof, context_len=100)
+    ffn = model.decode_ops(64, 100)["ffn"]
+    assert t.terms["cpu"] == pytest.approx(0.75 * max(ffn.flops / 1e12, ffn.bytes / 100e9))  # CPU: its 75%
+    assert t.ops["ffn (GPU share)"].seconds == pytest.approx(0.25 * max(ffn.flops / 100e12, ffn.bytes / 1e12))
+    assert t.ops["ffn"].flops + t.ops["ffn (GPU share)"].flops == pytest.approx(ffn.flops)
+    # non-expert weights stream (75% of them), hidden states go to the CPU experts and their output comes back
+    streamed = 0.75 * (model.layer_weight_bytes - model.ffn_weight_bytes)
+    assert t.terms["h2d"] == pytest.approx((streamed + 64 * 1024 * 2) / 10e9)
+    assert t.terms["d2h"] == pytest.approx(64 * 1024 * 2 / 10e9)
+
+
+def test_one_micro_batch_serialises_gpu_and_cpu():
+    model, prof = small_moe(), synthetic()
+    one = decode_layer_time(Policy(256, 256, weights_gpu_fraction=1.0), model, prof, 2000)
+    four = decode_layer_time(Policy(256, 64, weights_gpu_fraction=1.0), model, prof, 2000)
+    assert one.terms["dependency_chain"] >= one.terms["gpu_compute"] + one.terms["cpu"]
+    assert one.bottleneck == "dependency_chain"
+    assert four.terms["dependency_chain"] < one.terms["dependency_chain"] / 2
+    assert four.seconds < one.seconds
+
+
+def test_policy_and_workload_reject_bad_input():
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        Policy(8, 16)
+    with pytest.raises(ValueError, match="attention_on_gpu"):
+        Policy(8, 8, attention_on_gpu=False, kv_gpu_fraction=0.5)
+    with pytest.raises(ValueError, match="weights_gpu_fraction"):
+        Policy(8, 8, weights_gpu_fraction=1.5)
+    with pytest.raises(ValueError, match="generation length"):
+        Workload(100, 0)
+    w = Workload.from_prompts([100, 300], gen_len=10)
+    assert (w.prompt_len, w.prompt_len_sq, w.prompt_len_max, w.num_requests) == (200, 50000, 300, 2)
+    assert parse_bytes("16GiB") == 16 * GiB and parse_bytes("1.5 GB") == 1_500_000_000
+    with pytest.raises(ValueError, match="not a size"):
+        parse_bytes("sixteen gigs")
+
+
+# ----- exact placement LP -----
+def test_pwl_minimize_is_exact_against_a_dense_grid():
+    assert minimize([(1.0, [Lin(1, -1), Lin(0, 1)])], [], fix_y=True)[::2] == pytest.approx((0.5, 0.5))
+    assert minimize([(1.0, [Lin(1, -1), Lin(0, 1)])], [Lin(-0.3, 1)], fix_y=True)[::2] == pytest.approx((0.3, 0.7))
+    assert minimize([(1.0, [Lin(1)])], [Lin(0.5)]) is None  # infeasible
+    rng = np.random.default_rng(0)
+    grid = np.stack(np.meshgrid(np.linspace(0, 1, 401), np.linspace(0, 1, 401)), -1).reshape(-1, 2)
+    for _ in range(20):
+        groups = [(float(rng.uniform(0.5, 3)), [Lin(*rng.normal(size=3)) for _ in range(rng.integers(1, 5))])
+                  for _ in range(3)]
+        cons = [Lin(-0.8, *rng.uniform(0, 1, size=2))]
+        x, y, value = minimize(groups, cons)
+        assert cons[0].at(x, y) <= 1e-9
+        assert value == pytest.approx(sum(w * max(p.at(x, y) for p in ps) for w, ps in groups))
+        at = lambda lin: lin.c + lin.cx * grid[:, 0] + lin.cy * grid[:, 1]  # noqa: E731
+        cost = sum(w * np.max([at(p) for p in ps], axis=0) for w, ps in groups)
+        assert value <= cost[at(cons[0]) <= 0].min() + 1e-9
+
+
+# ----- policy search -----
+def test_search_mixtral_16gib_is_fast_fits_and_explains_itself():
+    start = time.perf_counter()
+    policy = search_policy(MIXTRAL, ANCHORS, Workload(512, 64), "16GiB")
+    assert time.perf_counter() - start < 10
+    pred = policy.prediction
+    assert pred.fits and pred.gpu_memory_total <= 16 * GiB * 0.95 * (1 + 1e-9)
+    assert pred.cpu_memory_total <= pred.cpu_limit * (1 + 1e-9)
+    assert policy.tokens_per_s == pytest.approx(policy.batch_size * 64 / pred.batch_s)
+    # Mixtral's 93 GB cannot sit in 16 GiB: most weights stream, and the link or the CPU bounds the layer
+    assert 0 < policy.weights_gpu_fraction < 0.2
+    assert policy.bottleneck in ("h2d", "cpu")
+    assert pred.decode_layer.seconds >= MIXTRAL.layer_weight_bytes * (1 - policy.weights_gpu_fraction) / 55e9
+    # the searched optimum is no worse than hand-picked policies within the same memory
+    for other in (Policy(64, 64), Policy(256, 32), Policy(128, 128, attention_on_gpu=True)):
+        alt = predict(other, MIXTRAL, ANCHORS, Workload(512, 64), 16 * GiB)
+        if alt.fits:
+            assert alt.tokens_per_s <= policy.tokens_per_s * (1 + 1e-9)
+    text = policy.explain()
+    assert "bottleneck" in text and "tokens/s" in text and "\n" not in text
+    table = policy.to_markdown()
+    assert "| batch N / micro-batch mu (micro-batches) |" in table and "predicted throughput" in table
+    json.dumps(policy.to_dict())  # serialisable
+
+
+@pytest.mark.parametrize("profile,cpu", [(ANCHORS, None), (synthetic(), "256GiB")])
+def test_more_gpu_memory_never_predicts_less_throughput_and_limits_hold(profile, cpu):
+    previous = 0.0
+    for gib in (8, 12, 16, 24, 40, 64):
+        policy = search_policy(MIXTRAL, profile, Workload(256, 32, num_requests=2048), f"{gib}GiB", cpu)
+        pred = policy.prediction
+        assert pred.gpu_memory_total <= gib * GiB * 0.95 * (1 + 1e-9), gib
+        assert pred.cpu_memory_total <= pred.cpu_limit * (1 + 1e-9), gib
+        assert all(v >= -1e-6 for v in list(pred.gpu_memory.values()) + list(pred.cpu_memory.values()))
+        assert policy.tokens_per_s >= previous * (1 - 1e-9), gib
+        previous = policy.tokens_per_s
+
+
+def test_more_link_bandwidth_moves_weights_off_the_gpu():
+    """The paper's bandwidth ablation: a slow link makes resident weights precious; a fast one frees that GPU
+    memory. Placement and throughput follow the link monotonically."""
+    fractions, speeds = [], []
+    for gbps in (4, 8, 16, 32):  # PCIe Gen3 x4 .. Gen4 x16, where CPU attention stays the better choice
+        prof = dataclasses.replace(ANCHORS, h2d_pinned=gbps * 1e9, d2h_pinned=gbps * 1e9, duplex_pinned=2 * gbps * 1e9,
+                                   cpu_memory=1024 * GiB)  # room for any batch: the link decides
+        policy = search_policy(MIXTRAL, prof, Workload(512, 64), "16GiB", "1TiB")
+        fractions.append(policy.weights_gpu_fraction)
+        speeds.append(policy.tokens_per_s)
+    assert all(b <= a + 1e-9 for a, b in zip(fractions, fractions[1:])), fractions
+    assert fractions[-1] < fractions[0]
+    assert all(b >= a for a, b in zip(speeds, speeds[1:])), speeds
+
+
+def test_infeasible_requests_give_clear_errors():
+    with pytest.raises(PlanError, match="weights but the GPU .* and CPU .* budgets together hold only"):
+        search_policy(MIXTRAL, ANCHORS, Workload(512, 64), "16GiB", cpu_memory="32GiB")
+    with pytest.raises(PlanError, match="too small for mixtral-8x7b.*double buffer"):
+        search_policy(MIXTRAL, ANCHORS, Workload(512, 64), "4GiB")
+    with pytest.raises(PlanError, match="exceeds the .* of the GPU"):
+        search_policy(MIXTRAL, ANCHORS, Workload(512, 64), "100GiB")
+    with pytest.raises(ProfileError, match="lacks gpu_flops"):
+        search_policy(MIXTRAL, HardwareProfile(name="cpu only", cpu_flops_bf16=1e11, cpu_bandwidth=1e10,
+                                               cpu_memory=64 * GiB), Workload(512, 64), "16GiB")
+
+
+def test_dense_model_that_fits_needs_no_streaming():
+    policy = search_policy("llama-3-8b", ANCHORS, Workload(256, 32, num_requests=256), "40GiB")
+    assert policy.prediction.fits and policy.bottleneck not in ("h2d", "link_duplex")
+
+
+# ----- profiles -----
+def test_profile_json_round_trip_and_validation(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = ANCHORS.save()  # default location, keyed by host and device
+    assert path.startswith(str(tmp_path)) and "H100" in path
+    assert load_profile(path) == ANCHORS
+    data = ANCHORS.to_dict()
+    data["gpu_flopz"] = 1.0
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="unknown field.*gpu_flopz"):
+        load_profile(str(bad))
+    data = ANCHORS.to_dict()
+    data["gpu_flops"] = -3
+    bad.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="gpu_flops must be a positive number"):
+        load_profile(str(bad))
+    with pytest.raises(FileNotFoundError, match="known profile"):
+        load_profile(str(tmp_path / "missing.json"))
+    t4 = ANCHORS.with_gpu("t4")
+    assert (t4.gpu_flops, t4.h2d_pinned, t4.cpu_bandwidth) == (65e12, 15.75e9, ANCHORS.cpu_bandwidth)
+    assert "spec sheet" in t4.notes["gpu_flops"] and t4.gemm_efficiency == []
+
+
+def test_profile_command_measures_cpu_terms_and_plan_uses_them(tmp_path, capsys):
+    import torch
+
+    out = tmp_path / "prof.json"
+    assert main(["profile", "--quick", "--no-progress", "--out", str(out)]) == 0
+    prof = load_profile(str(out))
+    assert prof.cpu_flops_fp32 > 0 and prof.cpu_bandwidth > 0 and prof.cpu_memory > 0 and prof.cpu_op_s > 0
+    assert {(p["batch"], p["context"]) for p in prof.cpu_attention} == {(4, 256), (32, 256), (4, 2048), (32, 2048)}
+    rate, _ = HierarchicalRoofline(dataclasses.replace(
+        prof, gpu_flops=1e14, gpu_bandwidth=1e12, h2d_pinned=1e10)).cpu_attention_rate(1024)
+    assert rate > 0
+    if not torch.cuda.is_available():
+        assert prof.gpu_flops is None and "GPU and PCIe terms not measured" in prof.notes["gpu"]
+        assert "not measured" in capsys.readouterr().out
+
+
+def test_plan_command_prints_table_and_draws_roofline(tmp_path, capsys):
+    png, out = tmp_path / "roof.png", tmp_path / "plan.json"
+    rc = main(["plan", "--model", "mixtral-8x7b", "--gpu-memory", "16GiB", "--profile", "h100-host-anchors",
+               "--prompt-len", "128,256,512", "--gen-len", "32", "--plot", str(png), "--out", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "| predicted throughput |" in text and "bottleneck" in text
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    report = json.loads(out.read_text())
+    assert report["turning_points"]["P2_link_gpu"] == pytest.approx(778e12 / 55e9)
+    assert report["policy"]["prediction"]["fits"] is True
+    assert main(["plan", "--model", "not-a-model", "--profile", "h100-host-anchors"]) == 2
+    assert "neither a built-in" in capsys.readouterr().err
+
+
+def test_plot_roofline_directly(tmp_path):
+    policy = search_policy(small_moe(), synthetic(), Workload(64, 8, num_requests=64), "1GiB", "16GiB")
+    path = plot_roofline(policy, small_moe(), HierarchicalRoofline(synthetic()), str(tmp_path / "r.png"))
+    assert (tmp_path / "r.png").stat().st_size > 20_000 and path.endswith("r.png")
+    points = {p["name"]: p for p in operating_points(policy, 10e9)}
+    assert set(points) >= {"qkv", "attention", "o_proj", "router", "ffn"}
+    for p in points.values():  # nothing runs above its roof
+        roof = 100e12 if p["device"] == "gpu" else 1e12
+        assert p["flops_per_s"] <= roof * (1 + 1e-9)
+        if "link_intensity" in p:
+            assert p["link_flops_per_s"] <= 10e9 * p["link_intensity"] * (1 + 1e-9)
