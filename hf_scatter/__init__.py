@@ -28,6 +28,10 @@ def _register_experts_backend() -> None:
 
 
 def __getattr__(name: str):
+    if name == "offload":  # the subpackage, callable: hf_scatter.offload(model, gpu_memory=...) (offload/__init__.py)
+        import importlib
+
+        return importlib.import_module(".offload", __name__)
     if name in _PUBLIC:
         from . import patching
 
@@ -36,7 +40,7 @@ def __getattr__(name: str):
 
 
 def __dir__():
-    return sorted(set(globals()) | _PUBLIC)
+    return sorted(set(globals()) | _PUBLIC | {"offload"})
 
 
 from .kernels.backend import enable_interpreter_if_no_gpu as _enable_interpreter_if_no_gpu  # noqa: E402
@@ -44,4 +48,4 @@ from .kernels.backend import enable_interpreter_if_no_gpu as _enable_interpreter
 _enable_interpreter_if_no_gpu()  # before transformers imports Triton (see kernels/backend.py)
 _register_experts_backend()
 
-__all__ = ["SCATTERMOE", "__version__", *sorted(_PUBLIC)]
+__all__ = ["SCATTERMOE", "__version__", "offload", *sorted(_PUBLIC)]

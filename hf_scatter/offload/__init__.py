@@ -1,2 +1,52 @@
 """Offloaded generation of MoE models larger than GPU memory (MoE-Lightning): HRM performance model and
-policy search, CGOPipe."""
+policy search, CGOPipe.
+
+Planning (no GPU needed)::
+
+    from hf_scatter.offload import Workload, load_profile, search_policy
+    policy = search_policy("mixtral-8x7b", load_profile("h100-host-anchors"), Workload(512, 64), "16GiB")
+    print(policy.to_markdown()); print(policy.explain())
+
+``predict(policy, model, profile, workload)`` and ``decode_layer_time(policy, model, profile, context)``
+evaluate any policy, so measured runs can be checked against the model.
+
+Running (CGOPipe)::
+
+    import hf_scatter
+    offloaded = hf_scatter.offload(model, gpu_memory="16GiB")     # this package is callable: offload.offload
+    out = offloaded.generate(input_ids, attention_mask=mask, max_new_tokens=128)
+"""
+
+import sys as _sys
+import types as _types
+
+from .cost_model import CostOptions, LayerTime, OpTime, Prediction, decode_layer_time, predict, prefill_layer_time
+from .hrm import HierarchicalRoofline, ProfileError, Roofs, TurningPoints, turning_points
+from .model_spec import BUILTIN_MODELS, ModelSpec
+from .policy import PlanError, Policy, Workload
+from .profile import GPU_SPECS, KNOWN_PROFILES, HardwareProfile, default_profile_path, load_profile, measure_profile
+from .roofline_plot import operating_points, plot_roofline
+from .search import search_policy
+from .units import format_bytes, parse_bytes
+from .batching import Batch, MicroBatch, plan_batches
+from .offloaded import GenerationResult, OffloadedModel, RequestTiming, offload
+
+__all__ = [
+    "BUILTIN_MODELS", "CostOptions", "GPU_SPECS", "HardwareProfile", "HierarchicalRoofline", "KNOWN_PROFILES",
+    "LayerTime", "ModelSpec", "OpTime", "PlanError", "Policy", "Prediction", "ProfileError", "Roofs",
+    "TurningPoints", "Workload", "decode_layer_time", "default_profile_path", "format_bytes", "load_profile",
+    "measure_profile", "operating_points", "parse_bytes", "plot_roofline", "predict", "prefill_layer_time",
+    "search_policy", "turning_points",
+    "Batch", "GenerationResult", "MicroBatch", "OffloadedModel", "RequestTiming", "offload", "plan_batches",
+]
+
+
+class _CallableModule(_types.ModuleType):
+    """``hf_scatter.offload`` is this package and, called, :func:`offload`: ``hf_scatter.offload(model, ...)``
+    and ``hf_scatter.offload.search_policy`` both work."""
+
+    def __call__(self, model, *args, **kwargs) -> OffloadedModel:
+        return offload(model, *args, **kwargs)
+
+
+_sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,265 @@
+"""Offloaded generation on Mixtral-8x7B shapes: hf-scatter's CGOPipe against HF accelerate offload, and
+against what the HRM predicts for the policy it chose.
+
+One process, one GPU budget: a Mixtral-8x7B-shaped model with ``layers`` of its 32 layers (random bf16
+weights, built on the meta device and filled from a tiled random block, so building takes seconds) is run
+
+* by HF accelerate: ``infer_auto_device_map`` + ``dispatch_model`` within the same GPU budget (what
+  ``from_pretrained(device_map="auto", max_memory=...)`` does), ``model.generate`` on a small batch with a
+  few new tokens (it is slow: every step moves the CPU layers over PCIe from pageable memory);
+* by ``hf_scatter.offload(model, gpu_memory=...)`` with the HRM's policy for the workload, on every
+  request with ``new_tokens`` new tokens each, optionally writing a Chrome trace.
+
+Prompts are MTBench-like: lengths drawn uniformly from 40..114 tokens (mean 77), random token ids.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import torch
+
+from .timing import markdown_table, run_header
+
+PROMPT_LENS = (40, 114)  # MTBench-like: mean 77 tokens
+FILL_BLOCK = (1 << 24) + 11  # elements of the random block the weights are tiled from (odd: no two experts alike)
+
+
+# ----------------------------------------------------------------------------- model and requests
+def build_model(layers: int, seed: int = 0):
+    """A ``MixtralForCausalLM`` with Mixtral-8x7B shapes and ``layers`` layers, random bf16 weights (std
+    0.02, norms 1), built without running transformers' initialisation on billions of parameters."""
+    from transformers import MixtralForCausalLM
+
+    from ..offload.model_spec import builtin_config
+
+    config = builtin_config("mixtral-8x7b")
+    config.num_hidden_layers = layers
+    with torch.device("meta"):
+        model = MixtralForCausalLM(config).to(torch.bfloat16)
+    model = model.to_empty(device="cpu").eval()
+    g = torch.Generator().manual_seed(seed)
+    block = (torch.randn(2 * FILL_BLOCK, generator=g) * 0.02).to(torch.bfloat16)
+    shift = 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.fill_(1.0)
+                continue
+            flat = p.view(-1)
+            for start in range(0, flat.numel(), FILL_BLOCK):
+                n = min(FILL_BLOCK, flat.numel() - start)
+                shift = (shift + 7919) % FILL_BLOCK
+                flat[start:start + n].copy_(block[shift:shift + n])
+    from transformers.models.mixtral.modeling_mixtral import MixtralRotaryEmbedding
+
+    model.model.rotary_emb = MixtralRotaryEmbedding(config)  # its buffers were left uninitialised by to_empty
+    return model
+
+
+def prompts(count: int, vocab: int, seed: int = 0) -> list[torch.Tensor]:
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (rng.randint(*PROMPT_LENS),), generator=g) for _ in range(count)]
+
+
+def _left_padded(requests: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    longest = max(len(r) for r in requests)
+    ids = torch.zeros(len(requests), longest, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(requests):
+        ids[i, longest - len(r):] = r
+        mask[i, longest - len(r):] = 1
+    return ids, mask
+
+
+# ----------------------------------------------------------------------------- the HF accelerate peer
+def run_accelerate(model, requests: list[torch.Tensor], gpu_budget: int, new_tokens: int) -> dict:
+    """``model.generate`` under accelerate's CPU offload within ``gpu_budget``; the model is handed back
+    on the CPU, hooks removed."""
+    from accelerate import dispatch_model, infer_auto_device_map
+    from accelerate.hooks import remove_hook_from_module
+
+    ids, mask = _left_padded(requests)
+    config = model.config
+    # HF keeps the KV cache and activations on the GPU: leave them room inside the same budget
+    kv = len(requests) * ids.shape[1] + len(requests) * new_tokens
+    kv_bytes = kv * config.num_hidden_layers * 2 * config.num_key_value_heads * 128 * 2
+    headroom = int(kv_bytes + ids.numel() * config.intermediate_size * 2 * 8 + 2**30)
+    device_map = infer_auto_device_map(model, max_memory={0: max(gpu_budget - headroom, 0), "cpu": 2**50},
+                                       no_split_module_classes=["MixtralDecoderLayer"], dtype=torch.bfloat16)
+    on_gpu = sorted(k for k, v in device_map.items() if v != "cpu")
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    dispatch_model(model, device_map)
+    try:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = model.generate(ids.to(0), attention_mask=mask.to(0), max_new_tokens=new_tokens, do_sample=False,
+                             pad_token_id=0)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        peak = torch.cuda.max_memory_allocated()
+    finally:
+        remove_hook_from_module(model, recurse=True)
+        for name in on_gpu:
+            (model.get_submodule(name) if name else model).to("cpu")
+        for attr in ("to", "cuda", "half", "float", "double", "hf_device_map"):  # accelerate's wrappers
+            model.__dict__.pop(attr, None)
+        torch.cuda.empty_cache()
+    generated = (out.shape[1] - ids.shape[1]) * len(requests)
+    return {"batch": len(requests), "new_tokens": new_tokens, "seconds": seconds,
+            "tokens_per_s": generated / seconds, "max_memory_allocated": peak, "modules_on_gpu": on_gpu,
+            "layers_on_gpu": sum(1 for k in on_gpu if ".layers." in k)}
+
+
+# ----------------------------------------------------------------------------- the run
+def run(layers: int = 12, new_tokens: int = 128, requests: int = 1024, gpu_memory: str = "16GiB",
+        peer_batch: int = 16, peer_new_tokens: int = 8, profile: str | None = None, trace: str | None = None,
+        progress: bool = True) -> dict:
+    """The whole comparison (one GPU run of a few minutes). Kernel autotuning is off unless
+    HF_SCATTER_AUTOTUNE is set: the link bounds this workload, and tuning every shape would spend minutes
+    compiling candidates."""
+    saved = os.environ.get("HF_SCATTER_AUTOTUNE")
+    os.environ.setdefault("HF_SCATTER_AUTOTUNE", "0")
+    try:
+        return _run(layers, new_tokens, requests, gpu_memory, peer_batch, peer_new_tokens, profile, trace, progress)
+    finally:
+        if saved is None:
+            os.environ.pop("HF_SCATTER_AUTOTUNE", None)
+
+
+def _run(layers, new_tokens, requests, gpu_memory, peer_batch, peer_new_tokens, profile, trace, progress) -> dict:
+    import hf_scatter
+    from ..offload import ModelSpec, Workload, load_profile, measure_profile, parse_bytes, predict
+    from ..offload.policy import Policy
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("`hf-scatter bench offload` needs a CUDA GPU")
+    header = run_header()
+    start = time.perf_counter()
+    prof = load_profile(profile) if profile else measure_profile(progress=progress)
+    profile_s = time.perf_counter() - start
+    budget = parse_bytes(gpu_memory, "gpu_memory")
+    start = time.perf_counter()
+    model = build_model(layers)
+    build_s = time.perf_counter() - start
+    reqs = prompts(requests, model.config.vocab_size)
+    lens = [len(r) for r in reqs]
+    workload = Workload.from_prompts(lens, new_tokens)
+    peer = run_accelerate(model, reqs[:peer_batch], budget, peer_new_tokens)
+
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    offloaded = hf_scatter.offload(model, gpu_memory=budget, profile=prof, workload=workload, progress=progress)
+    offload_s = time.perf_counter() - start
+    policy = offloaded.policy
+    ids, mask = _left_padded(reqs)
+    warm = min(len(reqs), policy.batch_size)
+    offloaded.generate(ids[:warm], attention_mask=mask[:warm], max_new_tokens=3, progress=False)  # kernels
+    result = offloaded.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, return_dict=True,
+                                progress=progress, trace=trace)
+    peak = torch.cuda.max_memory_allocated()
+    stats = result.stats
+    spec = ModelSpec.from_config(model.config, name=f"mixtral-8x7b ({layers} of 32 layers)")
+    realised = Policy(policy.batch_size, policy.micro_batch_size, weights_gpu_fraction=offloaded.store.layout.fraction)
+    predicted = {prof.name: predict(realised, spec, prof, workload, budget, offloaded.cpu_budget)}
+    if prof.name != "h100-host-anchors":
+        predicted["h100-host-anchors"] = predict(realised, spec, load_profile("h100-host-anchors"), workload, budget,
+                                                 offloaded.cpu_budget)
+    ours = stats["tokens_per_s"]
+    main_prediction = predicted[prof.name]  # the profile the policy was planned with
+    report = {
+        **header, "layers": layers, "gpu_budget": budget, "cpu_budget": offloaded.cpu_budget,
+        "workload": {"requests": requests, "prompt_lens": PROMPT_LENS, "mean_prompt": workload.prompt_len,
+                     "new_tokens": new_tokens},
+        "profile": prof.name, "profile_s": profile_s, "build_s": build_s, "offload_s": offload_s,
+        "policy": policy.to_dict(), "policy_markdown": offloaded.describe(),
+        "autotune": os.environ.get("HF_SCATTER_AUTOTUNE"),
+        "weights_gpu_fraction": {"policy": policy.weights_gpu_fraction, "realised": offloaded.store.layout.fraction},
+        "hf_scatter": {**{k: v for k, v in stats.items() if k != "trace"}, "max_memory_allocated": peak},
+        "trace": stats.get("trace"),
+        "accelerate": peer,
+        "predicted": {k: {"tokens_per_s": p.tokens_per_s, "bottleneck": p.decode_layer.bottleneck,
+                          "decode_layer_s": p.decode_layer.seconds, "decode_step_s": p.decode_step_s,
+                          "prefill_s": p.prefill_s, "batch_s": p.batch_s} for k, p in predicted.items()},
+        "decode_step_s": stats["decode_s"] / max(stats["decode_steps"], 1),
+        "speedup_vs_accelerate": ours / peer["tokens_per_s"],
+        "fraction_of_prediction": ours / main_prediction.tokens_per_s,
+        "within_budget": peak <= budget,
+    }
+    offloaded.close()
+    return report
+
+
+# ----------------------------------------------------------------------------- output
+def to_markdown(report: dict) -> str:
+    gib = 2**30
+    peer, ours = report["accelerate"], report["hf_scatter"]
+    rows = [
+        [f"HF accelerate offload (B={peer['batch']}, {peer['new_tokens']} new tokens, "
+         f"{peer['layers_on_gpu']}/{report['layers']} layers on GPU)", f"{peer['tokens_per_s']:,.1f}",
+         f"{peer['max_memory_allocated'] / gib:.1f}", "1.0x"],
+        [f"hf-scatter CGOPipe (N={ours['batch_size']}, mu={ours['micro_batch_size']}, "
+         f"{report['workload']['new_tokens']} new tokens)", f"{ours['tokens_per_s']:,.1f}",
+         f"{ours['max_memory_allocated'] / gib:.1f}", f"{report['speedup_vs_accelerate']:.1f}x"],
+    ]
+    for name, p in report["predicted"].items():
+        rows.append([f"HRM prediction for this policy ({name})", f"{p['tokens_per_s']:,.1f}", "", ""])
+    table = markdown_table(["system", "tokens/s", "GPU peak GiB", "vs accelerate"], rows)
+    first = next(iter(report["predicted"].values()))
+    lines = [f"Mixtral-8x7B shapes, {report['layers']} of 32 layers, GPU budget {report['gpu_budget'] / gib:.0f} GiB, "
+             f"{report['workload']['requests']} requests of {report['workload']['mean_prompt']:.0f} prompt tokens "
+             f"(mean), {report['device']}", "", table, "",
+             f"measured / predicted: {report['fraction_of_prediction']:.0%}; decode step "
+             f"{report['decode_step_s']:.3f} s measured vs {first['decode_step_s']:.3f} s predicted; prefill "
+             f"{ours['prefill_s']:.1f} s vs {first['prefill_s']:.1f} s; GPU memory within budget: "
+             f"{report['within_budget']}"]
+    trace = report.get("trace")
+    if trace and trace.get("weight_transfer_overlap") is not None:
+        lines.append(f"weight transfer overlapped with GPU or CPU compute: {trace['weight_transfer_overlap']:.0%} of "
+                     f"{trace['weight_transfer_s']:.1f} s (trace: {trace['path']})")
+    lines += ["", report["policy_markdown"]]
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: str) -> None:
+    """Throughput bars (log scale) and, with a trace, how busy each lane of the pipeline was."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    trace = report.get("trace")
+    fig, axes = plt.subplots(1, 2 if trace else 1, figsize=(11 if trace else 6, 3.6), squeeze=False)
+    ax = axes[0][0]
+    names = ["HF accelerate", "hf-scatter"] + [f"HRM ({k})" for k in report["predicted"]]
+    values = [report["accelerate"]["tokens_per_s"], report["hf_scatter"]["tokens_per_s"]] + \
+             [p["tokens_per_s"] for p in report["predicted"].values()]
+    colors = ["tab:gray", "tab:orange"] + ["tab:blue"] * len(report["predicted"])
+    ax.bar(names, values, color=colors)
+    ax.set_yscale("log")
+    ax.set_ylabel("generated tokens/s (log)")
+    for i, v in enumerate(values):
+        ax.text(i, v, f"{v:,.0f}", ha="center", va="bottom", fontsize=8)
+    ax.tick_params(axis="x", labelsize=8, rotation=15)
+    ax.set_title(f"Mixtral-8x7B shape, {report['layers']}/32 layers, {report['gpu_budget'] / 2**30:.0f} GiB GPU",
+                 fontsize=10)
+    if trace:
+        ax = axes[0][1]
+        lanes = list(trace["busy_s"])
+        span = trace["span_s"] or 1.0
+        ax.barh(lanes, [trace["busy_s"][k] / span for k in lanes], color="tab:green")
+        ax.set_xlim(0, 1)
+        ax.invert_yaxis()
+        ax.set_xlabel("busy fraction of the traced run")
+        overlap = trace.get("weight_transfer_overlap")
+        ax.set_title("pipeline lanes" + (f" (weight transfer {overlap:.0%} overlapped)" if overlap is not None else ""),
+                     fontsize=10)
+    fig.tight_layout()
+    tmp = path + ".tmp"
+    fig.savefig(tmp, dpi=110, format="png")
+    os.replace(tmp, path)
+    plt.close(fig)

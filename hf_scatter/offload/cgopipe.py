@@ -1,0 +1,385 @@
+"""CGOPipe (MoE-Lightning, section 4 and Fig. 6): one batch through prefill and decode, GPU, CPU and link
+overlapped.
+
+Decode, per step, per stage s = 0..L (stage s = post-attention of layer s-1 + pre-attention of layer s,
+see :mod:`paging`), per micro-batch j::
+
+    driver  : wait CPU attention (s-1, j) -> issue H2D of its output -> issue GPU work (s, j) -> issue D2H
+              of QKV (s, j) -> hand attention (s, j) to the CPU worker
+    GPU     : post-attention of layer s-1 and pre-attention of layer s for j   (while the CPU runs j-1 / j+1)
+    CPU     : attention of layer s for j, on the CPU KV cache                (while the GPU runs j+1)
+    link    : hidden states up and QKV down on their own streams; stage s+1's weights page by page
+              (at least one page per micro-batch, at most two queued: see paging.Pager)
+
+so with two or more micro-batches the GPU and CPU work side by side, and the next stage's weights arrive
+during the whole stage without ever holding up the small transfers. Prefill runs the same stages on the GPU
+(attention included) over chunks of whole prompts, writing each layer's keys and values to the CPU cache
+through the worker.
+
+Buffer reuse, each enforced by an event or by program order: a weight slot is refilled only after the
+compute stream has passed the last stage that read it; the pinned QKV buffer of a micro-batch is
+overwritten only after the attention that read it has returned; its pinned attention-output buffer only
+after the upload that read it has completed; its GPU landing buffer only after the post-attention that
+read it; tensors made on the compute stream and read by a copy stream are kept alive for that stream.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .batching import Batch
+from .cpu_attention import AttentionWorker, KVCache
+from .families import Family
+from .memory import HEAD_ROWS
+from .paging import WeightStreamer
+from .sampling import Sampling
+from .stopping import Stopping
+from .streams import DONE, Streams
+
+
+@dataclass
+class _MicroBatch:
+    index: int
+    requests: tuple[int, ...]
+    offset: int  # first row in the batch
+    prompt_lens: list[int]
+    positions: torch.Tensor  # [m] prompt lengths on the device
+    tokens: torch.Tensor  # [m] the token each row feeds next
+    attn_in: torch.Tensor  # [m, q] attention output landing buffer
+    qkv_host: torch.Tensor  # [m, q + 2 kv] pinned
+    out_host: torch.Tensor  # [m, q] pinned
+    x: torch.Tensor | None = None  # [m, H] residual stream
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+    pending: object = None  # Future of the CPU attention in flight
+    out_free: object = DONE  # the upload that last read out_host
+    post_done: object = DONE  # the post-attention that last read attn_in
+
+    @property
+    def rows(self) -> int:
+        return len(self.requests)
+
+
+@dataclass
+class _Chunk:
+    """Whole prompts of one micro-batch, prefilled together."""
+
+    mb: int
+    rows: list[tuple[int, int, int]]  # (row in the micro-batch, first token, end token)
+    ids: torch.Tensor
+    positions: torch.Tensor
+    last: torch.Tensor  # index of each prompt's last token
+    row_index: torch.Tensor  # rows of the micro-batch, on the device
+    x: torch.Tensor | None = None
+    attn: torch.Tensor | None = None
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+
+    @property
+    def tokens(self) -> int:
+        return self.rows[-1][2]
+
+
+@dataclass
+class BatchResult:
+    tokens: dict[int, list[int]]  # request -> new tokens (the finishing one included)
+    first_token_s: dict[int, float] = field(default_factory=dict)  # seconds since the run started
+    finish_s: dict[int, float] = field(default_factory=dict)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    steps: int = 0
+
+
+class StagingBuffers:
+    """Pinned host buffers of the pipeline, allocated once for the largest batch seen and reused."""
+
+    def __init__(self, pin: bool):
+        self.pin = pin
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        numel = 1
+        for s in shape:
+            numel *= s
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            buf = torch.empty(numel, dtype=dtype, pin_memory=self.pin)
+            self._buffers[name] = buf
+        return buf[:numel].view(shape)
+
+
+class CGOPipe:
+    """Runs batches on ``family``'s model whose layer weights ``streamer`` pages through the device."""
+
+    def __init__(self, family: Family, streamer: WeightStreamer, other: dict, rotary, streams: Streams,
+                 worker: AttentionWorker, staging: StagingBuffers, chunk_tokens: int, group_tokens: int):
+        self.family, self.streamer, self.other, self.rotary = family, streamer, other, rotary
+        self.streams, self.worker, self.staging = streams, worker, staging
+        self.dims = family.dims
+        self.chunk_tokens, self.group_tokens = chunk_tokens, group_tokens
+        self.device = streams.device
+        self.dtype = other["embed"].dtype
+        self.num_stages = self.dims.layers + 1
+
+    # ------------------------------------------------------------------ one batch
+    def run(self, batch: Batch, prompts: list[torch.Tensor], max_new_tokens: int, sampling: Sampling,
+            generator, stopping: Stopping, tracer, on_step: Callable[[], None] | None = None,
+            clock_origin: float | None = None) -> BatchResult:
+        """New tokens of every request of ``batch`` (``prompts`` is indexed by request)."""
+        self.tracer = tracer
+        self.streamer.tracer = tracer
+        self.streamer.set_pages(len(batch.micro_batches))
+        origin = clock_origin if clock_origin is not None else time.perf_counter()
+        with torch.no_grad(), self.streams.on("compute"):  # every device tensor of the run belongs to it
+            return self._run(batch, prompts, max_new_tokens, sampling, generator, stopping, on_step, origin)
+
+    def _run(self, batch, prompts, max_new_tokens, sampling, generator, stopping, on_step, origin) -> BatchResult:
+        d = self.dims
+        n = batch.size
+        qkv_host = self.staging.get("qkv", (n, d.qkv_dim), self.dtype)
+        out_host = self.staging.get("out", (n, d.q_dim), self.dtype)
+        token_host = self.staging.get("tokens", (max_new_tokens, n), torch.long)
+        mbs, offset = [], 0
+        for j, micro in enumerate(batch.micro_batches):
+            m = len(micro)
+            lens = [len(prompts[r]) for r in micro.requests]
+            mbs.append(_MicroBatch(
+                index=j, requests=micro.requests, offset=offset, prompt_lens=lens,
+                positions=torch.tensor(lens, dtype=torch.long).to(self.device),
+                tokens=torch.empty(m, dtype=torch.long, device=self.device),
+                attn_in=torch.empty(m, d.q_dim, dtype=self.dtype, device=self.device),
+                qkv_host=qkv_host[offset:offset + m], out_host=out_host[offset:offset + m]))
+            self.streams.keep_alive(mbs[-1].attn_in, "h2d")  # also written by the upload stream
+            offset += m
+        kv = KVCache([[(p, p + max_new_tokens - 1) for p in mb.prompt_lens] for mb in mbs], d.layers, d.kv_heads,
+                     d.head_dim, d.heads, self.dtype)
+        result = BatchResult(tokens={r: [] for r in batch.requests})
+        finished: set[int] = set()
+        token_events: list[list] = [[] for _ in range(max_new_tokens)]
+
+        def collect(row: int) -> None:
+            """Hand the tokens of generation row ``row`` to the requests still running."""
+            for ev in token_events[row]:
+                ev.synchronize()
+            now = time.perf_counter() - origin
+            values = token_host[row].tolist()
+            for mb in mbs:
+                for i, r in enumerate(mb.requests):
+                    if r in finished:
+                        continue
+                    toks = result.tokens[r]
+                    toks.append(values[mb.offset + i])
+                    if row == 0:
+                        result.first_token_s[r] = now
+                    if stopping.done(toks) or len(toks) == max_new_tokens:
+                        finished.add(r)
+                        result.finish_s[r] = now
+
+        start = time.perf_counter()
+        self._prefill(mbs, kv, prompts, sampling, generator, token_host, token_events)
+        collect(0)  # waits for the prefill: its time and every first token are then known
+        result.prefill_s = time.perf_counter() - start
+        if on_step:
+            on_step()
+        start = time.perf_counter()
+        produced = collected = 1
+        for t in range(max_new_tokens - 1):
+            if len(finished) == n:
+                break
+            self._decode_step(t, mbs, kv, sampling, generator, token_host, token_events)
+            produced += 1
+            result.steps += 1
+            if produced - collected > 1:  # read the tokens one step behind, so the device never drains
+                collect(collected)
+                collected += 1
+            if on_step:
+                on_step()
+        while collected < produced and len(finished) < n:
+            collect(collected)
+            collected += 1
+        result.decode_s = time.perf_counter() - start
+        return result
+
+    # ------------------------------------------------------------------ decode
+    def _decode_step(self, t: int, mbs: list[_MicroBatch], kv: KVCache, sampling: Sampling, generator,
+                     token_host: torch.Tensor, token_events: list) -> None:
+        """Feed token t of every row (position prompt + t), produce token t + 1."""
+        fam, streams, tracer, L = self.family, self.streams, self.tracer, self.dims.layers
+        for s in range(self.num_stages):
+            w = self.streamer.enter(s)
+            for mb in mbs:
+                label = f"step {t} stage {s} mb {mb.index}"
+                if s == 0:
+                    with tracer.device_span("compute", f"embed {label}"):
+                        mb.x = fam.embed(self.other, mb.tokens)
+                        cos, sin = self.rotary(mb.x, (mb.positions + t).unsqueeze(0))
+                        mb.cos, mb.sin = cos[0], sin[0]
+                else:
+                    self._upload_attention(mb, label)
+                    with tracer.device_span("compute", f"post L{s - 1} {label}"):
+                        mb.x = fam.post(w.post, w.experts, mb.x, mb.attn_in)
+                    mb.post_done = streams.record("compute")
+                if s < L:
+                    with tracer.device_span("compute", f"pre L{s} {label}"):
+                        qkv = fam.qkv(w.pre, mb.x, mb.cos, mb.sin)
+                    done = self._download(qkv, mb.qkv_host, f"qkv {label}")
+                    mb.pending = self.worker.submit(self._attend, kv, s, mb, t, done, mb.out_free)
+                else:
+                    with tracer.device_span("compute", f"head {label}"):
+                        mb.tokens = self._next_tokens(mb.x, sampling, generator)
+                    token_events[t + 1].append(
+                        self._download(mb.tokens, token_host[t + 1, mb.offset:mb.offset + mb.rows], f"tokens {label}"))
+            self.streamer.leave()
+
+    def _next_tokens(self, x: torch.Tensor, sampling: Sampling, generator) -> torch.Tensor:
+        """Final norm, LM head and the token choice, HEAD_ROWS rows at a time (bounded [rows, vocab]
+        temporaries)."""
+        return torch.cat([sampling.choose(self.family.logits(self.other, x[i:i + HEAD_ROWS]), generator)
+                          for i in range(0, x.shape[0], HEAD_ROWS)])
+
+    def _upload_attention(self, mb: _MicroBatch, label: str) -> None:
+        """Wait for the CPU attention of the previous stage and bring its output to the device."""
+        mb.pending.result()
+        streams = self.streams
+        streams.wait("h2d", mb.post_done)  # attn_in's last reader has finished
+        with streams.on("h2d"), self.tracer.device_span("h2d", f"attn out {label}"):
+            mb.attn_in.copy_(mb.out_host, non_blocking=True)
+        mb.out_free = streams.record("h2d")
+        streams.wait("compute", mb.out_free)
+
+    def _download(self, src: torch.Tensor, dst: torch.Tensor, label: str):
+        """Copy a tensor made on the compute stream into pinned ``dst`` on the D2H stream; returns the event
+        marking its arrival."""
+        streams = self.streams
+        streams.wait("d2h", streams.record("compute"))
+        with streams.on("d2h"), self.tracer.device_span("d2h", label):
+            dst.copy_(src, non_blocking=True)
+            streams.keep_alive(src, "d2h")
+        return streams.record("d2h")
+
+    def _attend(self, kv: KVCache, layer: int, mb: _MicroBatch, step: int, qkv_ready, out_free) -> None:
+        qkv_ready.synchronize()
+        out_free.synchronize()  # the upload of the previous output from out_host has completed
+        with self.tracer.host_span("CPU attention", f"step {step} L{layer} mb {mb.index}"):
+            kv.attend(layer, mb.index, step, mb.qkv_host, mb.out_host)
+
+    # ------------------------------------------------------------------ prefill
+    def _prefill(self, mbs: list[_MicroBatch], kv: KVCache, prompts: list[torch.Tensor], sampling: Sampling,
+                 generator, token_host: torch.Tensor, token_events: list) -> None:
+        fam, tracer, d = self.family, self.tracer, self.dims
+        chunks = self._chunks(mbs, prompts)
+        kv_dim = 2 * d.kv_dim
+        biggest = max(c.tokens for c in chunks)
+        staging = [self.staging.get(f"prompt_kv{i}", (biggest, kv_dim), self.dtype) for i in range(2)]
+        in_use = [None, None]  # Future of the cache write still reading each staging buffer
+        downloads = 0
+        for group in self._groups(chunks):
+            for s in range(self.num_stages):
+                w = self.streamer.enter(s)
+                for c in group:
+                    mb = mbs[c.mb]
+                    label = f"prefill stage {s} mb {c.mb} rows {c.rows[0][0]}-{c.rows[-1][0]}"
+                    with tracer.device_span("compute", label):
+                        if s == 0:
+                            c.x = fam.embed(self.other, c.ids)
+                            cos, sin = self.rotary(c.x, c.positions.unsqueeze(0))
+                            c.cos, c.sin = cos[0], sin[0]
+                        else:
+                            c.x = fam.post(w.post, w.experts, c.x, c.attn)
+                        if s < d.layers:
+                            qkv = fam.qkv(w.pre, c.x, c.cos, c.sin)
+                            c.attn = self._prompt_attention(qkv, c.rows)
+                            keys_values = qkv[:, d.q_dim:].contiguous()
+                        else:
+                            c.attn = None
+                            mb.tokens.index_copy_(0, c.row_index, self._next_tokens(c.x[c.last], sampling, generator))
+                    if s < d.layers:
+                        i = downloads % 2
+                        downloads += 1
+                        if in_use[i] is not None:
+                            in_use[i].result()
+                        buf = staging[i][:c.tokens]
+                        done = self._download(keys_values, buf, f"prompt kv {label}")
+                        in_use[i] = self.worker.submit(self._store_prompt, kv, s, c, buf, done)
+                self.streamer.leave()
+            for c in group:  # free the group's activations before the next one
+                c.x = c.attn = c.cos = c.sin = None
+        for fut in in_use:
+            if fut is not None:
+                fut.result()
+        for mb in mbs:
+            token_events[0].append(self._download(mb.tokens, token_host[0, mb.offset:mb.offset + mb.rows],
+                                                  f"tokens prefill mb {mb.index}"))
+
+    def _store_prompt(self, kv: KVCache, layer: int, c: _Chunk, buf: torch.Tensor, ready) -> None:
+        ready.synchronize()
+        with self.tracer.host_span("CPU attention", f"store prompt kv L{layer} mb {c.mb}"):
+            kv.write_prompts(layer, c.mb, c.rows, buf)
+
+    def _prompt_attention(self, qkv: torch.Tensor, rows: list[tuple[int, int, int]]) -> torch.Tensor:
+        """Causal attention within each prompt of a chunk (prompts of equal length in one call)."""
+        d = self.dims
+        T = qkv.shape[0]
+        q = qkv[:, :d.q_dim].view(T, d.heads, d.head_dim)
+        k = qkv[:, d.q_dim:d.q_dim + d.kv_dim].view(T, d.kv_heads, d.head_dim)
+        v = qkv[:, d.q_dim + d.kv_dim:].view(T, d.kv_heads, d.head_dim)
+        out = torch.empty(T, d.q_dim, dtype=qkv.dtype, device=qkv.device)
+        i = 0
+        while i < len(rows):
+            p = rows[i][2] - rows[i][1]
+            j = i
+            while j < len(rows) and rows[j][2] - rows[j][1] == p:
+                j += 1
+            a, b, g = rows[i][1], rows[j - 1][2], j - i
+            o = F.scaled_dot_product_attention(q[a:b].view(g, p, d.heads, d.head_dim).transpose(1, 2),
+                                               k[a:b].view(g, p, d.kv_heads, d.head_dim).transpose(1, 2),
+                                               v[a:b].view(g, p, d.kv_heads, d.head_dim).transpose(1, 2),
+                                               is_causal=True, enable_gqa=True)
+            out[a:b].view(g, p, d.heads, d.head_dim).copy_(o.transpose(1, 2))
+            i = j
+        return out
+
+    def _chunks(self, mbs: list[_MicroBatch], prompts: list[torch.Tensor]) -> list[_Chunk]:
+        chunks = []
+        for mb in mbs:
+            current: list[int] = []
+            tokens = 0
+            for i, p in enumerate(mb.prompt_lens):
+                if current and tokens + p > self.chunk_tokens:
+                    chunks.append(self._chunk(mb, current, prompts))
+                    current, tokens = [], 0
+                current.append(i)
+                tokens += p
+            if current:
+                chunks.append(self._chunk(mb, current, prompts))
+        return chunks
+
+    def _chunk(self, mb: _MicroBatch, rows: list[int], prompts: list[torch.Tensor]) -> _Chunk:
+        spans, a = [], 0
+        for i in rows:
+            spans.append((i, a, a + mb.prompt_lens[i]))
+            a += mb.prompt_lens[i]
+        ids = torch.cat([prompts[mb.requests[i]] for i in rows])
+        positions = torch.cat([torch.arange(mb.prompt_lens[i]) for i in rows])
+        last = torch.tensor([b - 1 for _, _, b in spans])
+        dev = self.device
+        return _Chunk(mb.index, spans, ids.to(dev), positions.to(dev), last.to(dev),
+                      torch.tensor(rows, dtype=torch.long).to(dev))
+
+    def _groups(self, chunks: list[_Chunk]) -> list[list[_Chunk]]:
+        """Consecutive chunks whose activations fit on the device together (each group streams the
+        weights once)."""
+        groups, tokens = [], 0
+        for c in chunks:
+            if groups and tokens + c.tokens <= self.group_tokens:
+                groups[-1].append(c)
+                tokens += c.tokens
+            else:
+                groups.append([c])
+                tokens = c.tokens
+        return groups

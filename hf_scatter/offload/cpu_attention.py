@@ -1,0 +1,164 @@
+"""Decode attention on the CPU over a CPU-resident KV cache, run by a worker thread beside the GPU.
+
+The KV cache of a batch lives in CPU memory in the model's dtype (bf16 for a bf16 model). Within a
+micro-batch, requests (longest first, as :mod:`batching` orders them) are grouped into *length buckets*
+whose capacities (prompt + new tokens) differ by at most ``slack``; each bucket is one
+``[requests, kv_heads, capacity, head_dim]`` tensor per layer, so a decode step is one fused SDPA call per
+bucket (:func:`decode_attention`): grouped-query attention reads each KV head once for all the query heads
+that share it (expanding K/V per query head is 10-25x slower, ANCHORS.md), and requests of very different
+lengths never pad one another.
+
+:class:`AttentionWorker` is a single thread, so tasks run in the order the pipeline submits them, whose
+intra-op thread count comes from the hardware profile (one core is left to the thread driving the GPU).
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+SLACK = 0.25  # a bucket's largest capacity is at most 1.25x its smallest
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+    """Grouped-query attention of one new token per row: ``q`` [n, heads, d] over ``k``/``v``
+    [n, kv_heads, S, d], ``mask`` [n, S] (True: attend). The heads // kv_heads query heads that share a KV
+    head become that head's query rows, so each K/V head is read once and no copy is expanded; this form
+    also stays on SDPA's fused CPU kernel in bf16, where ``enable_gqa=True`` fell back to the unfused path
+    on the CPU build we measured (torch 2.13, 10x slower)."""
+    n, H, d = q.shape
+    Hkv = k.shape[1]
+    out = F.scaled_dot_product_attention(q.reshape(n, Hkv, H // Hkv, d), k, v,
+                                         attn_mask=None if mask is None else mask.view(n, 1, 1, -1))
+    return out.reshape(n, H, d)
+
+
+def length_buckets(capacities: Sequence[int], slack: float = SLACK) -> list[tuple[int, int, int]]:
+    """``(start, end, capacity)`` row ranges over ``capacities`` (non-increasing)."""
+    if any(a < b for a, b in zip(capacities, capacities[1:])):
+        raise ValueError("capacities must be sorted longest first")
+    out, start = [], 0
+    for i in range(1, len(capacities) + 1):
+        if i == len(capacities) or capacities[start] > (1 + slack) * capacities[i]:
+            out.append((start, i, int(capacities[start])))
+            start = i
+    return out
+
+
+@dataclass
+class _Bucket:
+    start: int
+    end: int
+    capacity: int
+    k: torch.Tensor  # [layers, n, kv_heads, capacity, head_dim]
+    v: torch.Tensor
+    rows: torch.Tensor  # arange(n)
+    max_prompt: int
+    min_prompt: int
+
+
+class KVCache:
+    """KV cache of one batch. ``micro_batches[j]`` lists ``(prompt_len, capacity)`` of its rows, longest
+    first; capacity = prompt + the new tokens whose keys will be stored (max_new_tokens - 1)."""
+
+    def __init__(self, micro_batches: Sequence[Sequence[tuple[int, int]]], layers: int, kv_heads: int,
+                 head_dim: int, q_heads: int, dtype: torch.dtype, slack: float = SLACK):
+        self.layers, self.kv_heads, self.head_dim, self.q_heads = layers, kv_heads, head_dim, q_heads
+        self.dtype = dtype
+        self.prompt_lens = []
+        self.buckets: list[list[_Bucket]] = []
+        self.row_bucket: list[list[tuple[int, int]]] = []
+        for rows in micro_batches:
+            lens = torch.tensor([p for p, _ in rows], dtype=torch.long)
+            self.prompt_lens.append(lens)
+            buckets, where = [], []
+            for b, (start, end, cap) in enumerate(length_buckets([c for _, c in rows], slack)):
+                n = end - start
+                shape = (layers, n, kv_heads, cap, head_dim)
+                # zeros, not empty: masked keys get zero weight, but 0 x NaN garbage in V would still be NaN
+                k, v = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+                buckets.append(_Bucket(start, end, cap, k, v, torch.arange(n), int(lens[start:end].max()),
+                                       int(lens[start:end].min())))
+                where += [(b, i) for i in range(n)]
+            self.buckets.append(buckets)
+            self.row_bucket.append(where)
+
+    @staticmethod
+    def planned_bytes(micro_batches: Sequence[Sequence[tuple[int, int]]], layers: int, kv_heads: int, head_dim: int,
+                      dtype_bytes: int, slack: float = SLACK) -> int:
+        """Bytes the cache would take, without allocating it."""
+        per_token = 2 * layers * kv_heads * head_dim * dtype_bytes
+        return sum((end - start) * cap * per_token
+                   for rows in micro_batches for start, end, cap in length_buckets([c for _, c in rows], slack))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.k.numel() * b.k.element_size() * 2 for mb in self.buckets for b in mb)
+
+    def write_prompts(self, layer: int, mb: int, rows: Sequence[tuple[int, int, int]], kv: torch.Tensor) -> None:
+        """Prompt keys/values of layer ``layer``: ``rows`` = (row in the micro-batch, first token, end token)
+        into ``kv`` [tokens, 2 * kv_heads * head_dim] (keys, then values)."""
+        kv_dim = self.kv_heads * self.head_dim
+        for row, a, b in rows:
+            bucket, i = self.row_bucket[mb][row]
+            cache = self.buckets[mb][bucket]
+            p = b - a
+            cache.k[layer, i, :, :p].copy_(kv[a:b, :kv_dim].view(p, self.kv_heads, self.head_dim).transpose(0, 1))
+            cache.v[layer, i, :, :p].copy_(kv[a:b, kv_dim:].view(p, self.kv_heads, self.head_dim).transpose(0, 1))
+
+    def attend(self, layer: int, mb: int, step: int, qkv: torch.Tensor, out: torch.Tensor) -> None:
+        """Decode step ``step`` (0 = the first token after the prompt) of every row of micro-batch ``mb``:
+        store its new key/value at position prompt + step, attend over positions 0..prompt + step.
+        ``qkv`` [rows, q + 2 kv] (rotary applied), ``out`` [rows, q]."""
+        H, Hkv, d = self.q_heads, self.kv_heads, self.head_dim
+        qd, kvd = H * d, Hkv * d
+        positions = self.prompt_lens[mb] + step
+        for b in self.buckets[mb]:
+            a, e, n = b.start, b.end, b.end - b.start
+            k_cache, v_cache = b.k[layer], b.v[layer]
+            pos = positions[a:e]
+            k_cache[b.rows, :, pos] = qkv[a:e, qd:qd + kvd].view(n, Hkv, d)
+            v_cache[b.rows, :, pos] = qkv[a:e, qd + kvd:].view(n, Hkv, d)
+            length = b.max_prompt + step + 1
+            mask = None
+            if b.min_prompt != b.max_prompt:  # rows of different lengths: hide each row's unused tail
+                mask = torch.arange(length) <= pos[:, None]
+            o = decode_attention(qkv[a:e, :qd].view(n, H, d), k_cache[:, :, :length], v_cache[:, :, :length], mask)
+            out[a:e].view(n, H, d).copy_(o)
+
+
+def attention_threads(profile=None) -> int:
+    """Intra-op threads for CPU attention: the profile's cores (else this machine's), one left to the
+    thread that drives the GPU."""
+    cores = getattr(profile, "cpu_cores", None) or os.cpu_count() or 1
+    return max(1, int(cores) - 1)
+
+
+def _init_worker(threads: int) -> None:
+    torch.set_num_threads(threads)
+
+
+class AttentionWorker:
+    """One thread running CPU-side tasks in submission order (grad mode off)."""
+
+    def __init__(self, threads: int):
+        self.threads = threads
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-scatter-cpu-attention",
+                                        initializer=_init_worker, initargs=(threads,))
+
+    def submit(self, fn: Callable, *args) -> Future:
+        return self._pool.submit(_no_grad, fn, *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def _no_grad(fn, *args):
+    with torch.no_grad():
+        return fn(*args)

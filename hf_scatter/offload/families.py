@@ -1,0 +1,327 @@
+"""How a decoder layer of each model family splits for CGOPipe: pre-attention, attention, post-attention.
+
+The pipeline needs a layer in three pieces: *pre-attention* (input norm, fused QKV projection, rotary
+embedding) and *post-attention* (output projection, residual, norm, router, experts, residual) run on the
+GPU, attention runs on the CPU in between. A family adapter names the weights each piece reads, in the
+order they should stay on the GPU when only part of a layer can (dense tensors first), and gives the
+expert weights in a *column layout*: every expert tensor with the expert's intermediate dimension as one
+axis, so any range of intermediate columns [a, b) of all experts is itself a smaller set of experts
+(a SwiGLU MLP is a sum over its intermediate columns). That is how a fraction of every layer's experts
+stays on the GPU while the rest streams, with the ScatterMoE kernels run once per part.
+
+The math follows the vanilla transformers modules op for op (same dtypes, same order of additions), so
+greedy tokens match vanilla ``generate`` in fp32.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels.fused_ops import fused_add_layer_norm, fused_add_rms_norm, router_topk
+from ..kernels.ops import swiglu_pair
+from ..moe.mlp import expert_mlp, glu_activation, is_silu
+
+
+@dataclass(frozen=True)
+class Dims:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    experts: int
+    top_k: int
+    intermediate: int
+    vocab: int
+    layers: int
+    max_positions: int | None
+    sliding_window: int | None = None
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def qkv_dim(self) -> int:
+        return self.q_dim + 2 * self.kv_dim
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of ``x`` [T, heads, d] with ``cos``/``sin`` [T, d] (halves rotated, as in Llama)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+
+
+class Rows:
+    """Tensors stacked along dim 0 without building the stack (Mixtral's separate Q, K and V projections are
+    stored as one [q + 2 kv, H] matrix): shape and dtype for the layout, :meth:`copy_into` for the packing."""
+
+    def __init__(self, *parts: torch.Tensor):
+        self.parts = parts
+        self.shape = torch.Size((sum(p.shape[0] for p in parts), *parts[0].shape[1:]))
+        self.dtype = parts[0].dtype
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def element_size(self) -> int:
+        return self.parts[0].element_size()
+
+    def copy_into(self, dst: torch.Tensor) -> None:
+        start = 0
+        for p in self.parts:
+            dst[start:start + p.shape[0]].copy_(p)
+            start += p.shape[0]
+
+
+def copy_weight(dst: torch.Tensor, src) -> None:
+    src.copy_into(dst) if isinstance(src, Rows) else dst.copy_(src)
+
+
+class Family:
+    """Base adapter. Subclasses fill the weight lists and the per-piece math."""
+
+    model_type = ""
+    column_dims: dict[str, int] = {}  # expert tensor name -> its intermediate (column) axis
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.dims = self._dims(model.config)
+
+    # ----- structure -----
+    def layers(self) -> list[nn.Module]:
+        raise NotImplementedError
+
+    def pre_tensors(self, layer: nn.Module) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def post_tensors(self, layer: nn.Module) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def expert_tensors(self, layer: nn.Module) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def other_tensors(self) -> dict[str, torch.Tensor]:
+        """Embedding, final norm, LM head: always resident on the device."""
+        raise NotImplementedError
+
+    def rotary(self, device: torch.device) -> nn.Module:
+        return copy.deepcopy(self._rotary_module()).to(device)
+
+    # ----- math -----
+    def embed(self, other: dict, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, other["embed"])
+
+    def qkv(self, w: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Pre-attention: [T, q + 2 kv] with rotary already applied to the q and k parts."""
+        d = self.dims
+        qkv = self._project_qkv(w, x)
+        T = qkv.shape[0]
+        q = qkv[:, :d.q_dim].view(T, d.heads, d.head_dim)
+        k = qkv[:, d.q_dim:d.q_dim + d.kv_dim].view(T, d.kv_heads, d.head_dim)
+        q_rot, k_rot = rotate(q, cos, sin), rotate(k, cos, sin)
+        q.copy_(q_rot)
+        k.copy_(k_rot)
+        return qkv
+
+    def post(self, w: dict, expert_parts: list[dict], x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Post-attention: the layer's output hidden state (the next residual)."""
+        o = F.linear(attn, w["o"])
+        normed, summed = self._post_norm(w, o, x)
+        logits = F.linear(normed, w["router"])
+        gates, experts = self._route(logits)
+        out = None
+        for part in expert_parts:
+            y = self._experts(part, normed, experts, gates).to(normed.dtype)
+            out = y if out is None else out + y
+        return summed + out
+
+    def logits(self, other: dict, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self._final_norm(other, x), other["lm_head"]).float()
+
+    # ----- per family -----
+    def _dims(self, config) -> Dims:
+        raise NotImplementedError
+
+    def _rotary_module(self) -> nn.Module:
+        raise NotImplementedError
+
+    def _project_qkv(self, w: dict, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _post_norm(self, w: dict, o: torch.Tensor, x: torch.Tensor):
+        raise NotImplementedError
+
+    def _route(self, logits: torch.Tensor):
+        raise NotImplementedError
+
+    def _experts(self, part: dict, x: torch.Tensor, experts: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _final_norm(self, other: dict, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class MixtralFamily(Family):
+    model_type = "mixtral"
+    column_dims = {"gate_up": 2, "down": 2}  # gate_up as [E, 2, I, H] ([gate; up]), down [E, H, I]
+
+    def _dims(self, c) -> Dims:
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return Dims(hidden=c.hidden_size, heads=c.num_attention_heads,
+                    kv_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads, head_dim=head_dim,
+                    experts=c.num_local_experts, top_k=c.num_experts_per_tok, intermediate=c.intermediate_size,
+                    vocab=c.vocab_size, layers=c.num_hidden_layers,
+                    max_positions=getattr(c, "max_position_embeddings", None),
+                    sliding_window=getattr(c, "sliding_window", None))
+
+    def layers(self):
+        return list(self.model.model.layers)
+
+    def pre_tensors(self, layer):
+        a = layer.self_attn
+        return {"norm": layer.input_layernorm.weight, "qkv": Rows(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)}
+
+    def post_tensors(self, layer):
+        return {"o": layer.self_attn.o_proj.weight, "post_norm": layer.post_attention_layernorm.weight,
+                "router": layer.mlp.gate.weight}
+
+    def expert_tensors(self, layer):
+        experts = layer.mlp.experts
+        flags = {f: getattr(experts, f, d) for f, d in (("has_gate", True), ("has_bias", False),
+                                                         ("is_concatenated", True))}
+        if flags != {"has_gate": True, "has_bias": False, "is_concatenated": True}:
+            raise NotImplementedError(f"offloading supports Mixtral experts with a concatenated [gate; up] projection "
+                                      f"and no bias; this model's experts have {flags}")
+        gate_up, down = experts.gate_up_proj, experts.down_proj
+        if getattr(experts, "is_transposed", False):  # stored [E, H, 2I] / [E, I, H]
+            gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+        E, two_i, H = gate_up.shape
+        self._act_fn = experts.act_fn
+        return {"gate_up": gate_up.reshape(E, 2, two_i // 2, H), "down": down}
+
+    def other_tensors(self):
+        base = self.model.model
+        self._eps = (self.model.model.layers[0].input_layernorm.variance_epsilon,
+                     self.model.model.layers[0].post_attention_layernorm.variance_epsilon, base.norm.variance_epsilon)
+        return {"embed": base.embed_tokens.weight, "final_norm": base.norm.weight,
+                "lm_head": self.model.lm_head.weight}
+
+    def _rotary_module(self):
+        return self.model.model.rotary_emb
+
+    def _project_qkv(self, w, x):
+        return F.linear(fused_add_rms_norm(x, None, w["norm"], eps=self._eps[0], validate=False), w["qkv"])
+
+    def _post_norm(self, w, o, x):
+        return fused_add_rms_norm(o, x, w["post_norm"], eps=self._eps[1], return_sum=True, validate=False)
+
+    def _route(self, logits):
+        return router_topk(logits, self.dims.top_k, normalize="sum", softmax_dtype=torch.float32)
+
+    def _experts(self, part, x, experts, gates):
+        E, _, c, H = part["gate_up"].shape
+        w_in = part["gate_up"].view(E, 2 * c, H).transpose(1, 2)
+        return expert_mlp(x, (w_in,), part["down"].transpose(1, 2), experts, gates, glu_activation(self._act_fn),
+                          validate=False)
+
+    def _final_norm(self, other, x):
+        return fused_add_rms_norm(x, None, other["final_norm"], eps=self._eps[2], validate=False)
+
+
+class DbrxFamily(Family):
+    model_type = "dbrx"
+    column_dims = {"w1": 1, "v1": 1, "w2": 1}  # each [E, I, H]
+
+    def _dims(self, c) -> Dims:
+        attn, ffn = c.attn_config, c.ffn_config
+        self._clip = attn.clip_qkv
+        return Dims(hidden=c.d_model, heads=c.n_heads, kv_heads=attn.kv_n_heads, head_dim=c.d_model // c.n_heads,
+                    experts=ffn.moe_num_experts, top_k=ffn.moe_top_k, intermediate=ffn.ffn_hidden_size,
+                    vocab=c.vocab_size, layers=c.n_layers, max_positions=getattr(c, "max_seq_len", None))
+
+    def layers(self):
+        return list(self.model.transformer.blocks)
+
+    def pre_tensors(self, layer):
+        nan = layer.norm_attn_norm
+        if nan.norm_1.bias is not None or nan.norm_2.bias is not None:
+            raise NotImplementedError("offloading supports DBRX's bias-free LayerNorms only")
+        return {"norm": nan.norm_1.weight, "qkv": nan.attn.Wqkv.weight}
+
+    def post_tensors(self, layer):
+        nan = layer.norm_attn_norm
+        return {"o": nan.attn.out_proj.weight, "post_norm": nan.norm_2.weight, "router": layer.ffn.router.layer.weight}
+
+    def expert_tensors(self, layer):
+        mlp = layer.ffn.experts.mlp
+        E, I, H = self.dims.experts, self.dims.intermediate, self.dims.hidden
+        self._act_fn = mlp.activation_fn
+        self._normalize = layer.ffn.moe_normalize_expert_weights
+        return {name: getattr(mlp, name).view(E, I, H) for name in ("w1", "v1", "w2")}
+
+    def other_tensors(self):
+        t = self.model.transformer
+        nan = t.blocks[0].norm_attn_norm
+        self._eps = (nan.norm_1.eps, nan.norm_2.eps, t.norm_f.eps)
+        if t.norm_f.bias is not None:
+            raise NotImplementedError("offloading supports DBRX's bias-free LayerNorms only")
+        return {"embed": t.wte.weight, "final_norm": t.norm_f.weight, "lm_head": self.model.lm_head.weight}
+
+    def _rotary_module(self):
+        return self.model.transformer.rotary_emb
+
+    def _project_qkv(self, w, x):
+        h = fused_add_layer_norm(x, None, w["norm"], None, eps=self._eps[0], validate=False)
+        qkv = F.linear(h.to(x.dtype), w["qkv"])
+        if self._clip is not None:
+            qkv.clamp_(min=-self._clip, max=self._clip)
+        return qkv
+
+    def _post_norm(self, w, o, x):
+        normed, summed = fused_add_layer_norm(o, x, w["post_norm"], None, eps=self._eps[1], return_sum=True,
+                                              validate=False)
+        return normed.to(summed.dtype), summed
+
+    def _route(self, logits):
+        return router_topk(logits, self.dims.top_k, normalize=self._normalize, softmax_dtype=logits.dtype)
+
+    def _experts(self, part, x, experts, gates):
+        if is_silu(self._act_fn):
+            activation = lambda gate, up: swiglu_pair(gate, up, reuse_input_buffers=True)  # noqa: E731
+        else:
+            activation = lambda gate, up: self._act_fn(gate) * up  # noqa: E731
+        return expert_mlp(x, (part["w1"].transpose(1, 2), part["v1"].transpose(1, 2)), part["w2"], experts, gates,
+                          activation, validate=False)
+
+    def _final_norm(self, other, x):
+        return fused_add_layer_norm(x, None, other["final_norm"], None, eps=self._eps[2], validate=False)
+
+
+FAMILIES = {f.model_type: f for f in (MixtralFamily, DbrxFamily)}
+
+
+def family_of(model: nn.Module) -> Family:
+    """The adapter for ``model`` (a ``MixtralForCausalLM`` or ``DbrxForCausalLM``, patched or not)."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in FAMILIES:
+        raise ValueError(f"offloading supports {', '.join(sorted(FAMILIES))} causal LMs; got model_type "
+                         f"{model_type!r} ({type(model).__name__})")
+    if not hasattr(model, "lm_head"):
+        raise ValueError(f"offloading needs the causal-LM model (with lm_head), got {type(model).__name__}: load it "
+                         "with AutoModelForCausalLM")
+    family = FAMILIES[model_type](model)
+    family.other_tensors()  # reads the norms' eps
+    layers = family.layers()
+    if layers:
+        family.expert_tensors(layers[0])  # reads the activation and the router's normalisation
+    return family

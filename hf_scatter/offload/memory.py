@@ -1,0 +1,109 @@
+"""Device and host memory of a CGOPipe run, checked against the budgets before anything is allocated.
+
+The HRM policy search sizes its plan with a coarse activation model; the runtime knows its buffers
+exactly, so it re-checks: if the resident weight fraction the policy chose leaves too little device
+memory for the pipeline's activations, it keeps a little less of every layer resident (never more), and a
+request whose prompt or KV cache cannot fit at all is refused with its index and the numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .families import Dims, Family
+from .paging import Layout
+from .policy import PlanError
+from .units import format_bytes
+
+CHUNK_TOKENS = 4096  # prompt tokens per prefill chunk at most (the HRM's prefill chunk)
+MIN_CHUNK_TOKENS = 64
+HEAD_ROWS = 64  # rows through the LM head and sampling at a time: bounds the [rows, vocab] fp32 temporaries
+
+
+def other_bytes(family: Family) -> int:
+    """Embedding, final norm and LM head (a tied head counted once)."""
+    seen, total = set(), 0
+    for t in family.other_tensors().values():
+        key = t.data_ptr() if t.device.type != "meta" else id(t)
+        if key in seen:
+            continue
+        seen.add(key)
+        total += t.numel() * t.element_size()
+    return total
+
+
+def workspace_bytes(d: Dims, tokens: int, b: int) -> int:
+    """Transient device memory of ``tokens`` rows through one stage, plus one slice of the LM head and
+    sampling (upper bound: every temporary of the largest step counted as live at once)."""
+    pre = tokens * b * (d.hidden + d.qkv_dim + 3 * (d.q_dim + d.kv_dim) + d.q_dim + 2 * d.kv_dim)
+    experts = tokens * d.top_k * (3 * d.intermediate + d.hidden) * b + tokens * d.top_k * 32
+    post = tokens * b * 5 * d.hidden + tokens * d.experts * 16 + experts
+    head = min(tokens, HEAD_ROWS) * d.vocab * (b + 32)  # logits, fp32 copy, top-p sort values / indices, ...
+    return max(pre, post) + head
+
+
+def row_bytes(d: Dims, b: int) -> int:
+    """Device memory a row (a request in decode, a prompt token in prefill) holds across stages."""
+    return (d.hidden + d.q_dim + 2 * d.head_dim) * b + 16
+
+
+def decode_bytes(d: Dims, batch: int, micro: int, b: int) -> int:
+    return batch * row_bytes(d, b) + workspace_bytes(d, micro, b)
+
+
+def prefill_bytes(d: Dims, batch: int, chunk: int, group: int, b: int) -> int:
+    """A group of ``group`` prompt tokens in chunks of at most ``chunk``, with the batch's decode buffers."""
+    return group * row_bytes(d, b) + workspace_bytes(d, chunk, b) + batch * (d.q_dim * b + 16)
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    layout: Layout
+    budget: int
+    other: int
+    chunk_tokens: int
+    group_tokens: int
+
+    @property
+    def available(self) -> int:
+        """Device memory left for activations after the weights."""
+        return self.budget - self.other - self.layout.device_bytes
+
+    def breakdown(self) -> dict:
+        return {"embedding, final norm, LM head": self.other, "resident layer weights": self.layout.resident_bytes,
+                "weight double buffer": 2 * self.layout.slot_bytes, "activations (at most)": self.available}
+
+
+def plan_device(family: Family, fraction: float, budget: int, batch: int, micro: int, b: int) -> DevicePlan:
+    """The largest resident fraction <= ``fraction`` whose weights leave room for decoding ``batch``
+    requests in micro-batches of ``micro`` and for prefill chunks of at least MIN_CHUNK_TOKENS tokens."""
+    d = family.dims
+    other = other_bytes(family)
+    x = fraction
+    while True:
+        layout = Layout(family, x)
+        available = budget - other - layout.device_bytes
+        chunk = _chunk_tokens(d, batch, available, b)
+        if chunk >= MIN_CHUNK_TOKENS and decode_bytes(d, batch, micro, b) <= available:
+            per_token = row_bytes(d, b)
+            group = (available - workspace_bytes(d, chunk, b) - batch * (d.q_dim * b + 16)) // per_token
+            return DevicePlan(layout, budget, other, chunk, int(group))
+        if x <= 0:
+            need = max(decode_bytes(d, batch, micro, b), prefill_bytes(d, batch, MIN_CHUNK_TOKENS, MIN_CHUNK_TOKENS, b))
+            raise PlanError(
+                f"a GPU budget of {format_bytes(budget)} is too small: the embedding and LM head "
+                f"({format_bytes(other)}) and the double buffer for one streamed stage "
+                f"({format_bytes(2 * layout.slot_bytes)}) leave {format_bytes(max(available, 0))}, but batches of "
+                f"{batch} in micro-batches of {micro} need {format_bytes(need)} of activations: raise gpu_memory or "
+                "pass a policy with a smaller batch_size / micro_batch_size")
+        x = max(0.0, x - max(0.0025, 0.02 * x))
+
+
+def _chunk_tokens(d: Dims, batch: int, available: int, b: int) -> int:
+    """Prefill chunk size: the largest power of two up to CHUNK_TOKENS whose workspace takes at most a
+    quarter of the activation memory (the rest holds the prompt tokens of a group, and every group streams
+    the weights once more), else the largest that fits at all (0: none)."""
+    fits = [c for c in (CHUNK_TOKENS >> i for i in range(7)) if c >= MIN_CHUNK_TOKENS and
+            prefill_bytes(d, batch, c, c, b) <= available]
+    roomy = [c for c in fits if workspace_bytes(d, c, b) <= available // 4]
+    return (roomy or fits or [0])[0]

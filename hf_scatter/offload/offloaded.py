@@ -1,0 +1,386 @@
+"""``hf_scatter.offload(model, gpu_memory="16GiB")``: batch generation with a MoE model larger than the GPU.
+
+The model's decoder layers move into a :class:`~hf_scatter.offload.paging.WeightStore` (a resident part on
+the GPU, the rest in pinned CPU memory), the policy comes from the HRM search unless given, and
+:meth:`OffloadedModel.generate` runs the requests through :class:`~hf_scatter.offload.cgopipe.CGOPipe` in
+batches planned by Algorithm 2. ``device="cpu"`` runs the very same pipeline with the CPU standing in for
+the GPU (streams become no-ops), which is how it is tested without one.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from .batching import plan_batches
+from .cgopipe import CGOPipe, StagingBuffers
+from .cpu_attention import SLACK, AttentionWorker, attention_threads
+from .families import family_of
+from .memory import DevicePlan, decode_bytes, plan_device, prefill_bytes
+from .model_spec import ModelSpec
+from .paging import WeightStore, WeightStreamer
+from .policy import PlanError, Policy, Workload
+from .profile import HardwareProfile, load_profile
+from .sampling import Sampling
+from .search import search_policy
+from .stopping import Stopping
+from .streams import Streams
+from .trace import NullTracer, Tracer
+from .units import format_bytes, parse_bytes
+
+# What the policy is planned for when offload() is not told the workload: `hf-scatter plan`'s defaults.
+DEFAULT_WORKLOAD = Workload(prompt_len=512, gen_len=64)
+# device="cpu" has no GPU to plan for: a small fixed policy, every weight streamed.
+CPU_DEVICE_POLICY = Policy(batch_size=32, micro_batch_size=8)
+CGOPIPE_PLACEMENT = (False, True)  # attention on the CPU, experts on the GPU
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    """Seconds since ``generate`` started: first new token seen by the host, and the last one."""
+
+    request: int
+    batch: int
+    prompt_tokens: int
+    new_tokens: int
+    first_token_s: float
+    finish_s: float
+
+
+@dataclass
+class GenerationResult:
+    """``sequences``: HF-style [requests, input length + new tokens] (input_ids given), pad after a request
+    ends; ``tokens``: each request's new tokens (the finishing one included); ``texts``: their decoded text
+    (a tokenizer given); all in input order."""
+
+    sequences: torch.Tensor | None
+    tokens: list[list[int]]
+    texts: list[str] | None
+    timings: list[RequestTiming]
+    stats: dict = field(default_factory=dict)
+
+
+def offload(model, gpu_memory: int | float | str = "16GiB", cpu_memory: int | float | str | None = None,
+            policy: Policy | None = None, device: str | torch.device = "cuda", *, profile=None,
+            workload: Workload | None = None, release_weights: bool = True, progress: bool = True) -> "OffloadedModel":
+    """Prepare ``model`` (a Mixtral or DBRX causal LM on the CPU, or a checkpoint path loaded onto the CPU)
+    for offloaded generation within ``gpu_memory`` of device memory and ``cpu_memory`` of host memory.
+
+    ``policy``: a :class:`Policy`; default: the HRM's best for ``workload`` (default prompts of 512 tokens,
+    64 new) on ``profile`` (a :class:`HardwareProfile`, a known name or a JSON path; default this
+    machine's saved profile from ``hf-scatter profile``). ``release_weights``: move the layers' weights out
+    of ``model`` (it then holds meta tensors and cannot run by itself) instead of keeping a second copy in
+    host memory.
+    """
+    if isinstance(model, (str, os.PathLike)):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model, dtype="auto")
+    family = family_of(model)
+    device = _device(device)
+    gpu_budget = parse_bytes(gpu_memory, "gpu_memory")
+    prof = _profile(profile, device)
+    cpu_budget = parse_bytes(cpu_memory, "cpu_memory") if cpu_memory is not None else _default_cpu_budget(prof)
+    dtype_bytes = family.other_tensors()["embed"].element_size()
+    if policy is None:
+        if prof is None:
+            policy = CPU_DEVICE_POLICY
+        else:
+            spec = ModelSpec.from_config(model.config, dtype_bytes=dtype_bytes)
+            policy = search_policy(spec, prof, workload or DEFAULT_WORKLOAD, gpu_budget, cpu_budget,
+                                   placements=[CGOPIPE_PLACEMENT])
+    elif not isinstance(policy, Policy):
+        raise TypeError(f"policy must be a hf_scatter.offload.Policy, got {type(policy).__name__}")
+    if (policy.attention_on_gpu, policy.experts_on_gpu) != CGOPIPE_PLACEMENT:
+        raise ValueError(f"the offloaded runtime runs attention on the CPU and the experts on the GPU (CGOPipe); this "
+                         f"policy asks for {policy.placement()}: pass attention_on_gpu=False, experts_on_gpu=True")
+    plan = plan_device(family, policy.weights_gpu_fraction, gpu_budget, policy.batch_size,
+                       policy.micro_batch_size, dtype_bytes)
+    if plan.layout.host_bytes > cpu_budget:
+        raise PlanError(f"the streamed weights take {format_bytes(plan.layout.host_bytes)} of pinned host memory but "
+                        f"cpu_memory is {format_bytes(cpu_budget)}: raise cpu_memory or gpu_memory")
+    return OffloadedModel(model, policy, plan, device, cpu_budget, prof, release_weights, progress)
+
+
+class OffloadedModel:
+    """A model whose layers stream through the device; see :func:`offload`."""
+
+    def __init__(self, model, policy: Policy, plan: DevicePlan, device: torch.device, cpu_budget: int,
+                 profile: HardwareProfile | None, release_weights: bool, progress: bool):
+        self.model, self.config, self.policy, self.plan = model, model.config, policy, plan
+        self.device, self.cpu_budget, self.profile = device, cpu_budget, profile
+        self.family = plan.layout.family
+        self.dims = self.family.dims
+        with torch.no_grad():
+            self.store = WeightStore(plan.layout, device, release=release_weights, progress=progress)
+            self.other = _to_device(self.family.other_tensors(), device)
+            self.rotary = self.family.rotary(device)
+        if release_weights:  # the class's own .to: accelerate wraps the instance's and refuses meta
+            torch.nn.Module.to(model, "meta")
+        self.dtype = self.other["embed"].dtype
+        self.streams = Streams(device)
+        self.worker = AttentionWorker(attention_threads(profile))
+        self.streamer = WeightStreamer(self.store, self.streams, NullTracer())
+        self.pipe = CGOPipe(self.family, self.streamer, self.other, self.rotary, self.streams, self.worker,
+                            StagingBuffers(pin=device.type == "cuda"), plan.chunk_tokens, plan.group_tokens)
+        self.generation_config = getattr(model, "generation_config", None)
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, input_ids=None, attention_mask=None, *, prompts: Sequence[str] | None = None, tokenizer=None,
+                 max_new_tokens: int = 20, do_sample: bool = False, temperature: float = 1.0,
+                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                 eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
+                 stop_strings: Sequence[str] | None = None, return_dict: bool = False, progress: bool = True,
+                 trace: str | None = None):
+        """Generate for every request, in batches of the policy's size, and return in input order.
+
+        Requests: ``input_ids`` [B, S] with ``attention_mask`` (left or right padding; each row's real tokens
+        must be contiguous) as for ``model.generate``, or ``prompts`` with a ``tokenizer``. Returns the HF-style
+        sequences tensor (``input_ids`` given) or the generated texts (``prompts``), or with ``return_dict`` a
+        :class:`GenerationResult` with per-request timings. ``trace``: write a Chrome trace there.
+        """
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        requests, ids = self._requests(input_ids, attention_mask, prompts, tokenizer)
+        sampling = Sampling(do_sample, temperature, top_k, top_p, seed)
+        eos = self._eos(eos_token_id)
+        pad = pad_token_id if pad_token_id is not None else self._pad(eos)
+        stopping = Stopping(eos, stop_strings or (), tokenizer)
+        lens = [len(r) for r in requests]
+        batch_size, micro = self._fit(lens, max_new_tokens)
+        batches = plan_batches(lens, batch_size, micro)
+        tracer = Tracer(self.streams) if trace else NullTracer()
+        generator = sampling.generator(self.device)
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(batches) * max_new_tokens, desc="offloaded generate", unit="step",
+                   disable=not progress)
+        new_tokens: list[list[int]] = [[] for _ in requests]
+        timings: list[RequestTiming | None] = [None] * len(requests)
+        prefill_s = decode_s = 0.0
+        steps = 0
+        driver_threads = torch.get_num_threads()
+        if self.device.type == "cpu":  # the CPU stands in for the GPU: one core drives, the rest attend
+            torch.set_num_threads(1)
+        start = time.perf_counter()
+        try:
+            for b, batch in enumerate(batches):
+                bar.set_postfix_str(f"batch {b + 1}/{len(batches)} ({batch.size} requests)")
+                result = self.pipe.run(batch, requests, max_new_tokens, sampling, generator, stopping, tracer,
+                                       on_step=lambda: bar.update(1), clock_origin=start)
+                prefill_s += result.prefill_s
+                decode_s += result.decode_s
+                steps += result.steps
+                for r, toks in result.tokens.items():
+                    new_tokens[r] = toks
+                    timings[r] = RequestTiming(r, b, lens[r], len(toks), result.first_token_s[r], result.finish_s[r])
+            self.streams.synchronize()
+        finally:
+            bar.close()
+            torch.set_num_threads(driver_threads)
+        wall = time.perf_counter() - start
+        generated = sum(len(t) for t in new_tokens)
+        stats = {"requests": len(requests), "generated_tokens": generated, "wall_s": wall,
+                 "tokens_per_s": generated / wall if wall > 0 else float("inf"), "prefill_s": prefill_s,
+                 "decode_s": decode_s, "decode_steps": steps, "batches": len(batches), "batch_size": batch_size,
+                 "micro_batch_size": micro,
+                 "weights_gpu_fraction": self.store.layout.fraction}
+        if self.device.type == "cuda":
+            stats["max_memory_allocated"] = torch.cuda.max_memory_allocated(self.device)
+        if trace:
+            tracer.save(trace)
+            stats["trace"] = {"path": trace, **tracer.summary()}
+        sequences = texts = None
+        if ids is not None:
+            sequences = self._sequences(ids, new_tokens, pad)
+        if tokenizer is not None:
+            texts = tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
+        if return_dict:
+            return GenerationResult(sequences, new_tokens, texts, timings, stats)
+        return sequences if ids is not None else texts
+
+    # ------------------------------------------------------------------ requests in, sequences out
+    def _requests(self, input_ids, attention_mask, prompts, tokenizer):
+        if (input_ids is None) == (prompts is None):
+            raise ValueError("pass either input_ids (with attention_mask) or prompts with a tokenizer")
+        if prompts is not None:
+            if tokenizer is None:
+                raise ValueError("prompts need a tokenizer: generate(prompts=[...], tokenizer=tok)")
+            if isinstance(prompts, str):
+                prompts = [prompts]
+            encoded = [tokenizer(p)["input_ids"] for p in prompts]
+            return [torch.tensor(e, dtype=torch.long) for e in encoded], None
+        ids = torch.as_tensor(input_ids).to("cpu", torch.long)
+        if ids.dim() == 1:
+            ids = ids.unsqueeze(0)
+        if ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, length], got shape {tuple(ids.shape)}")
+        mask = torch.ones_like(ids) if attention_mask is None else torch.as_tensor(attention_mask).to("cpu")
+        if mask.shape != ids.shape:
+            raise ValueError(f"attention_mask {tuple(mask.shape)} must have input_ids' shape {tuple(ids.shape)}")
+        requests = []
+        for i, (row, keep) in enumerate(zip(ids, mask.bool())):
+            where = keep.nonzero().flatten()
+            if where.numel() == 0:
+                raise ValueError(f"request {i} has no tokens (its attention_mask row is all zeros)")
+            if where[-1] - where[0] + 1 != where.numel():
+                raise ValueError(f"request {i}: the attention_mask row has holes; each request's tokens must be "
+                                 "contiguous (left or right padding)")
+            requests.append(row[where[0]:where[-1] + 1].clone())
+        vocab = self.dims.vocab
+        for i, r in enumerate(requests):
+            if int(r.min()) < 0 or int(r.max()) >= vocab:
+                raise ValueError(f"request {i} has token ids outside the vocabulary [0, {vocab})")
+        return requests, ids
+
+    def _sequences(self, ids: torch.Tensor, new_tokens: list[list[int]], pad: int) -> torch.Tensor:
+        grown = max(len(t) for t in new_tokens)
+        out = torch.full((ids.shape[0], ids.shape[1] + grown), pad, dtype=torch.long)
+        out[:, :ids.shape[1]] = ids
+        for i, toks in enumerate(new_tokens):
+            out[i, ids.shape[1]:ids.shape[1] + len(toks)] = torch.tensor(toks, dtype=torch.long)
+        return out
+
+    def _eos(self, eos_token_id) -> list[int]:
+        if eos_token_id is None:
+            eos_token_id = getattr(self.generation_config, "eos_token_id", None)
+            if eos_token_id is None:
+                eos_token_id = getattr(self.config, "eos_token_id", None)
+        if eos_token_id is None:
+            return []
+        return [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(t) for t in eos_token_id]
+
+    def _pad(self, eos: list[int]) -> int:
+        for source in (self.generation_config, self.config):
+            pad = getattr(source, "pad_token_id", None)
+            if pad is not None:
+                return int(pad)
+        return eos[0] if eos else 0
+
+    # ------------------------------------------------------------------ budgets
+    def _fit(self, lens: list[int], max_new_tokens: int) -> tuple[int, int]:
+        """Batch and micro-batch size for these requests: the policy's, or smaller where the host memory
+        (KV cache) or the device memory (activations) would not hold them; a request that cannot run at
+        all is named."""
+        d, b = self.dims, self.dtype.itemsize
+        per_token = 2 * d.layers * d.kv_dim * b
+        host_free = self.cpu_budget - self.store.layout.host_bytes
+        caps = [p + max_new_tokens - 1 for p in lens]
+        window = d.sliding_window
+        for i, p in enumerate(lens):
+            if window is not None and caps[i] > window:
+                raise ValueError(f"request {i} spans {caps[i]} positions, beyond the model's sliding window of "
+                                 f"{window}: the offloaded runtime implements full attention only")
+            if caps[i] * per_token > host_free:
+                raise PlanError(f"request {i} ({p} prompt tokens + {max_new_tokens} new) needs "
+                                f"{format_bytes(caps[i] * per_token)} of KV cache but cpu_memory leaves "
+                                f"{format_bytes(max(host_free, 0))} after the weights: raise cpu_memory or shorten it")
+            if p > self.plan.chunk_tokens and prefill_bytes(d, 1, p, p, b) > self.plan.available:
+                raise PlanError(f"request {i} has {p} prompt tokens; its prefill needs "
+                                f"{format_bytes(prefill_bytes(d, 1, p, p, b))} of GPU memory but gpu_memory leaves "
+                                f"{format_bytes(self.plan.available)} after the weights: raise gpu_memory or shorten "
+                                "the prompt")
+        longest_first = sorted(caps, reverse=True)
+        n = min(self.policy.batch_size, len(lens))
+        while n > 1:
+            micro = min(self.policy.micro_batch_size, n)
+            kv = sum(longest_first[:n]) * per_token * (1 + SLACK)
+            staging = n * (d.qkv_dim + d.q_dim) * b + max_new_tokens * n * 8
+            if kv + staging <= host_free and decode_bytes(d, n, micro, b) <= self.plan.available and \
+                    prefill_bytes(d, n, self.plan.chunk_tokens, self.plan.chunk_tokens, b) <= self.plan.available:
+                break
+            n = (n + 1) // 2
+        return n, min(self.policy.micro_batch_size, n)
+
+    # ------------------------------------------------------------------ reporting
+    def memory(self) -> dict:
+        """Planned device and host bytes by purpose."""
+        layout = self.store.layout
+        return {"device": self.plan.breakdown(), "device_budget": self.plan.budget,
+                "host": {"streamed weights (pinned)": layout.host_bytes}, "host_budget": self.cpu_budget}
+
+    def describe(self) -> str:
+        """The policy table (with the HRM's prediction when it planned it) and what the runtime realised."""
+        from ..bench.timing import markdown_table
+
+        layout = self.store.layout
+        parts = [self.policy.to_markdown()] if self.policy.prediction is not None else []
+        rows = [["device", str(self.device)], ["layers", self.dims.layers],
+                ["batch N / micro-batch mu", f"{self.policy.batch_size} / {self.policy.micro_batch_size}"],
+                ["weights on the device (asked / realised)",
+                 f"{self.policy.weights_gpu_fraction:.1%} / {layout.fraction:.1%}"],
+                ["streamed per decode step", format_bytes(layout.host_bytes)],
+                ["prefill chunk / group (tokens)", f"{self.plan.chunk_tokens} / {self.plan.group_tokens}"],
+                ["CPU attention threads", self.worker.threads]]
+        rows += [[k, format_bytes(v)] for k, v in self.plan.breakdown().items()]
+        parts.append(markdown_table(["runtime", "value"], rows))
+        return "\n\n".join(parts)
+
+    def __repr__(self) -> str:
+        return (f"OffloadedModel({self.config.model_type}, {self.dims.layers} layers on {self.device}, "
+                f"N={self.policy.batch_size}, mu={self.policy.micro_batch_size}, "
+                f"{self.store.layout.fraction:.1%} of the weights resident, budget {format_bytes(self.plan.budget)})")
+
+    def close(self) -> None:
+        """Stop the CPU worker and free the device and pinned memory."""
+        self.worker.close()
+        self.streamer.close()
+        self.streams.synchronize()
+        self.pipe = self.streamer = self.store = self.other = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _device(device) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("device='cuda' but no CUDA GPU is available: pass device='cpu' to run the same "
+                               "pipeline on the CPU")
+        return torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+    if device.type != "cpu":
+        raise ValueError(f"device must be 'cuda' (the offloaded runtime) or 'cpu' (the same pipeline on the CPU), "
+                         f"got {device}")
+    return device
+
+
+def _profile(profile, device: torch.device) -> HardwareProfile | None:
+    if isinstance(profile, HardwareProfile):
+        return profile
+    if profile is None and device.type == "cpu":
+        return None
+    try:
+        return load_profile(profile)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{e}; or give offload() a policy=Policy(...)") from None
+
+
+def _default_cpu_budget(profile: HardwareProfile | None) -> int:
+    from .cost_model import CostOptions, default_cpu_limit
+    from .profile import _cpu_memory_bytes
+
+    if profile is not None and profile.cpu_memory:
+        return int(default_cpu_limit(profile, CostOptions()))
+    return int(CostOptions().cpu_memory_fraction * (_cpu_memory_bytes() or 16 * 2**30))
+
+
+def _to_device(tensors: dict, device: torch.device) -> dict:
+    """Copies on ``device``, a tensor shared under two names (a tied LM head) copied once."""
+    moved, out = {}, {}
+    for name, t in tensors.items():
+        key = t.data_ptr()
+        if key not in moved:
+            moved[key] = t.detach().to(device)
+        out[name] = moved[key]
+    return out
+
+
+__all__ = ["GenerationResult", "OffloadedModel", "RequestTiming", "offload"]

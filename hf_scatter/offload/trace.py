@@ -1,0 +1,130 @@
+"""Chrome trace of a pipelined run: one lane per stream and one for CPU attention, so overlap can be seen.
+
+Device work is timed with CUDA events recorded on its stream around each span and resolved once the run
+has finished (no synchronisation while it runs); host work (CPU attention, and everything on the CPU
+device) with the wall clock. Both share one time origin. Open the JSON in ``chrome://tracing`` or
+https://ui.perfetto.dev.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+
+LANES = ("GPU compute", "CPU attention", "H2D hidden", "D2H qkv", "H2D weights")
+ROLE_LANES = {"compute": "GPU compute", "h2d": "H2D hidden", "d2h": "D2H qkv", "weights": "H2D weights"}
+
+
+class NullTracer:
+    """Tracing off: spans cost nothing."""
+
+    enabled = False
+
+    def device_span(self, role: str, name: str):
+        return contextlib.nullcontext()
+
+    def host_span(self, lane: str, name: str):
+        return contextlib.nullcontext()
+
+
+class Tracer:
+    """Collects spans; :meth:`events` resolves them after the streams have been synchronised."""
+
+    enabled = True
+
+    def __init__(self, streams):
+        self.streams = streams
+        self._lock = threading.Lock()
+        self._host: list[tuple[str, str, float, float]] = []
+        self._device: list[tuple[str, str, object, object]] = []
+        self.streams.synchronize()
+        self._origin_event = streams.record("compute", timing=True)
+        self._origin = time.perf_counter()
+
+    @contextlib.contextmanager
+    def device_span(self, role: str, name: str):
+        """Work issued inside runs on ``role``'s stream."""
+        if not self.streams.cuda:  # the CPU device: the work runs now
+            with self.host_span(ROLE_LANES[role], name):
+                yield
+            return
+        start = self.streams.record(role, timing=True)
+        yield
+        end = self.streams.record(role, timing=True)
+        with self._lock:  # the pager thread records too
+            self._device.append((ROLE_LANES[role], name, start, end))
+
+    @contextlib.contextmanager
+    def host_span(self, lane: str, name: str):
+        start = time.perf_counter()
+        yield
+        end = time.perf_counter()
+        with self._lock:
+            self._host.append((lane, name, start - self._origin, end - self._origin))
+
+    def spans(self) -> list[tuple[str, str, float, float]]:
+        """(lane, name, start s, end s), every span; synchronises the device."""
+        self.streams.synchronize()
+        out = list(self._host)
+        for lane, name, start, end in self._device:
+            out.append((lane, name, self._origin_event.elapsed_time(start) / 1e3,
+                        self._origin_event.elapsed_time(end) / 1e3))
+        return sorted(out, key=lambda s: s[2])
+
+    def events(self) -> list[dict]:
+        lanes = {lane: i for i, lane in enumerate(LANES)}
+        meta = [{"ph": "M", "name": "thread_name", "pid": 0, "tid": i, "args": {"name": lane}}
+                for lane, i in lanes.items()]
+        return meta + [{"name": name, "ph": "X", "pid": 0, "tid": lanes[lane], "ts": start * 1e6,
+                        "dur": max(end - start, 0.0) * 1e6} for lane, name, start, end in self.spans()]
+
+    def save(self, path: str) -> str:
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"traceEvents": self.events(), "displayTimeUnit": "ms"}, f)
+        os.replace(tmp, path)
+        return path
+
+    def summary(self) -> dict:
+        """Busy seconds per lane and how much of the weight transfer ran while the GPU or the CPU computed."""
+        spans = self.spans()
+        busy = {lane: _union([(s, e) for la, _, s, e in spans if la == lane]) for lane in LANES}
+        weights = busy["H2D weights"]
+        compute = _union(busy["GPU compute"] + busy["CPU attention"])
+        hidden = _overlap(weights, compute)
+        total = _length(weights)
+        return {"busy_s": {lane: _length(iv) for lane, iv in busy.items()},
+                "weight_transfer_s": total, "weight_transfer_overlapped_s": hidden,
+                "weight_transfer_overlap": hidden / total if total else None,
+                "span_s": (max(e for *_, e in spans) - min(s for _, _, s, _ in spans)) if spans else 0.0}
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return [(s, e) for s, e in out]
+
+
+def _length(intervals) -> float:
+    return sum(e - s for s, e in intervals)
+
+
+def _overlap(a, b) -> float:
+    """Length of the intersection of two sorted, disjoint interval lists."""
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        total += max(0.0, hi - lo)
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total

@@ -1,0 +1,380 @@
+"""Offloaded generation (CGOPipe): the same tokens as vanilla ``generate``, on the CPU stand-in and on the GPU;
+request batching, the KV cache and CPU attention, paging, sampling, budgets, the trace, the public API."""
+
+import json
+import math
+
+import pytest
+import torch
+
+import hf_scatter
+from hf_scatter.offload import OffloadedModel, PlanError, Policy, plan_batches
+from hf_scatter.offload.cpu_attention import KVCache, length_buckets
+from hf_scatter.offload.families import family_of
+from hf_scatter.offload.paging import Layout, PageTable, WeightStore, split_layer
+from hf_scatter.tiny import tiny_dbrx, tiny_mixtral
+
+BUILDERS = {"mixtral": tiny_mixtral, "dbrx": tiny_dbrx}
+
+
+@pytest.fixture(autouse=True)
+def torch_kernels_on_cpu(request, monkeypatch):
+    """The kernels have their own interpreted tests; here the pipeline is under test, so the CPU stand-in
+    runs their torch references (GPU tests keep the Triton kernels). Tiny models run fastest on one thread
+    (several spin against each other and against the CPU attention worker on a small CI machine)."""
+    if request.node.get_closest_marker("gpu") is not None:
+        yield
+        return
+    monkeypatch.setenv("HF_SCATTER_KERNELS", "torch")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+LENS = (5, 17, 9, 30, 3, 12, 21)
+
+
+def requests(lens=LENS, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 384, (n,), generator=g) for n in lens]
+
+
+def padded(reqs, side="left"):
+    longest = max(len(r) for r in reqs)
+    ids = torch.zeros(len(reqs), longest, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(reqs):
+        sl = slice(longest - len(r), longest) if side == "left" else slice(0, len(r))
+        ids[i, sl] = r
+        mask[i, sl] = 1
+    return ids, mask
+
+
+def vanilla_new_tokens(model, reqs, max_new_tokens, **kw):
+    """Greedy tokens of each request alone (no padding anywhere): the reference."""
+    out = []
+    for r in reqs:
+        seq = model.generate(r[None], attention_mask=torch.ones(1, len(r), dtype=torch.long),
+                             max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, **kw)
+        out.append(seq[0, len(r):].tolist())
+    return out
+
+
+def strip(tokens, pad=0, eos=None):
+    """HF pads a finished row after its EOS: the generated part up to and including EOS."""
+    if eos is not None and eos in tokens:
+        return tokens[:tokens.index(eos) + 1]
+    return tokens
+
+
+# ----------------------------------------------------------------------------- equality with vanilla generate
+@pytest.mark.parametrize("family", ["mixtral", "dbrx"])
+@pytest.mark.parametrize("fraction", [0.0, 0.5])
+def test_greedy_tokens_equal_vanilla_generate_on_cpu(family, fraction):
+    model = BUILDERS[family]()
+    reqs = requests()
+    ids, mask = padded(reqs)
+    alone = vanilla_new_tokens(model, reqs, 10)
+    # an end-of-sequence token that one request produces mid-way, so rows finish at different steps
+    eos = alone[1][4]
+    batched = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0,
+                             eos_token_id=eos)
+    # 7 requests, batches of 3 in micro-batches of 2: three batches, several micro-batches, every stage paged
+    off = hf_scatter.offload(model, gpu_memory="1GiB", device="cpu",
+                             policy=Policy(3, 2, weights_gpu_fraction=fraction), progress=False)
+    assert isinstance(off, OffloadedModel)
+    if fraction:
+        assert 0 < off.store.layout.fraction <= fraction
+    out = off.generate(ids, attention_mask=mask, max_new_tokens=10, eos_token_id=eos, progress=False)
+    assert torch.equal(out, batched)  # same shape, same tokens, pad after each row's EOS
+    for i, r in enumerate(reqs):
+        assert out[i, ids.shape[1]:].tolist()[:len(strip(alone[i], eos=eos))] == strip(alone[i], eos=eos)
+    # the layers' weights moved into the store: the model keeps meta tensors only
+    assert all(p.device.type == "meta" for p in model.parameters())
+
+
+def test_padding_side_and_prompts_with_a_tokenizer(tokenizer):
+    model = tiny_mixtral(seed=3)
+    texts = ["hello world", "The quick brown fox jumps over the lazy dog.", "tokens and layers, training"]
+    reqs = [torch.tensor(tokenizer(t)["input_ids"]) for t in texts]
+    alone = vanilla_new_tokens(model, reqs, 8)
+    off = hf_scatter.offload(model, gpu_memory="1GiB", device="cpu", policy=Policy(2, 1), release_weights=False,
+                             progress=False)
+    ids, mask = padded(reqs, side="right")
+    right = off.generate(ids, attention_mask=mask, max_new_tokens=8, progress=False, eos_token_id=[])
+    assert [right[i, ids.shape[1]:].tolist() for i in range(len(reqs))] == alone  # positions ignore padding
+    result = off.generate(prompts=texts, tokenizer=tokenizer, max_new_tokens=8, return_dict=True, progress=False,
+                          eos_token_id=[])
+    assert result.tokens == alone
+    assert result.texts == tokenizer.batch_decode(alone, skip_special_tokens=True)
+    assert result.sequences is None
+    assert [t.request for t in result.timings] == [0, 1, 2]
+    assert all(0 <= t.first_token_s <= t.finish_s and t.new_tokens == 8 for t in result.timings)
+    assert result.stats["generated_tokens"] == 24 and result.stats["tokens_per_s"] > 0
+    with pytest.raises(ValueError, match="contiguous"):
+        off.generate(torch.tensor([[5, 6, 7]]), attention_mask=torch.tensor([[1, 0, 1]]), progress=False)
+    with pytest.raises(ValueError, match="either input_ids"):
+        off.generate(progress=False)
+
+
+def test_stop_strings_end_a_request(tokenizer):
+    model = tiny_mixtral(seed=3)
+    text = "The quick brown fox"
+    off = hf_scatter.offload(model, gpu_memory="1GiB", device="cpu", policy=Policy(1, 1), release_weights=False,
+                             progress=False)
+    free = off.generate(prompts=[text], tokenizer=tokenizer, max_new_tokens=12, return_dict=True, progress=False,
+                        eos_token_id=[])
+    decoded = tokenizer.decode(free.tokens[0][:6])
+    stop = decoded[-2:] if decoded[-2:].strip() else decoded[-3:]
+    stopped = off.generate(prompts=[text], tokenizer=tokenizer, max_new_tokens=12, return_dict=True,
+                           progress=False, eos_token_id=[], stop_strings=[stop])
+    n = len(stopped.tokens[0])
+    assert n < 12 and stopped.tokens[0] == free.tokens[0][:n]
+    assert stop in tokenizer.decode(stopped.tokens[0]) and stop not in tokenizer.decode(stopped.tokens[0][:-1])
+
+
+# ----------------------------------------------------------------------------- sampling
+def test_sampling_is_reproducible_with_a_seed():
+    model = tiny_dbrx(seed=1)
+    ids, mask = padded(requests())
+    off = hf_scatter.offload(model, gpu_memory="1GiB", device="cpu", policy=Policy(4, 2), release_weights=False,
+                             progress=False)
+    greedy = off.generate(ids, attention_mask=mask, max_new_tokens=12, progress=False, eos_token_id=[])
+    sample = lambda **kw: off.generate(ids, attention_mask=mask, max_new_tokens=12, progress=False,  # noqa: E731
+                                       eos_token_id=[], do_sample=True, **kw)
+    a, b, c = sample(seed=7), sample(seed=7), sample(seed=8)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c) and not torch.equal(a, greedy)
+    # processors: top-k 1, or a tiny top-p, leave only the most likely token
+    assert torch.equal(sample(seed=3, top_k=1), greedy)
+    assert torch.equal(sample(seed=3, top_p=1e-6, temperature=0.7), greedy)
+    with pytest.raises(ValueError, match="temperature"):
+        sample(seed=1, temperature=0.0)
+
+
+# ----------------------------------------------------------------------------- budgets and errors
+def test_requests_that_cannot_fit_are_refused_with_their_index():
+    model = tiny_mixtral()
+    off = hf_scatter.offload(model, gpu_memory="1GiB", cpu_memory="4MiB", device="cpu", policy=Policy(4, 2),
+                             release_weights=False, progress=False)
+    # per token the KV cache takes 2 layers x 2 (K, V) x 32 x 4 bytes = 512 B; ~3.5 MiB are left after the weights
+    reqs = [torch.randint(3, 384, (n,)) for n in (10, 20_000, 15)]
+    with pytest.raises(PlanError, match=r"request 1 \(20000 prompt tokens"):
+        off.generate(prompts=None, input_ids=padded(reqs)[0], attention_mask=padded(reqs)[1], max_new_tokens=4,
+                     progress=False)
+    with pytest.raises(PlanError, match="gpu_memory|GPU budget"):
+        hf_scatter.offload(tiny_mixtral(), gpu_memory="64KiB", device="cpu", policy=Policy(4, 2), progress=False)
+    with pytest.raises(ValueError, match="attention on the CPU"):
+        hf_scatter.offload(tiny_mixtral(), device="cpu", policy=Policy(4, 2, attention_on_gpu=True), progress=False)
+    with pytest.raises(ValueError, match="supports dbrx, mixtral"):
+        hf_scatter.offload(torch.nn.Linear(2, 2), device="cpu")
+
+
+def test_batch_shrinks_to_what_host_memory_holds():
+    model = tiny_mixtral()
+    reqs = requests((40,) * 8)
+    ids, mask = padded(reqs)
+    alone = vanilla_new_tokens(model, reqs, 4)
+    # KV of one request: (40 + 3) tokens x 512 B = 21.5 KiB; ~60 KiB of host memory left fits two at a time
+    off = hf_scatter.offload(model, gpu_memory="1GiB", device="cpu", policy=Policy(8, 4), progress=False,
+                             cpu_memory=Layout(family_of(model), 0.0).host_bytes + 60 * 1024)
+    result = off.generate(ids, attention_mask=mask, max_new_tokens=4, eos_token_id=[], return_dict=True,
+                          progress=False)
+    assert result.stats["batch_size"] < 8 and result.stats["batches"] > 1
+    assert result.tokens == alone
+
+
+# ----------------------------------------------------------------------------- the pieces
+def test_request_batching_balances_micro_batches_without_losing_requests():
+    lens = [77, 3, 120, 40, 40, 9, 300, 64, 15, 88, 1, 52, 33]
+    batches = plan_batches(lens, batch_size=6, micro_batch_size=2)
+    assert [b.size for b in batches] == [6, 6, 1]
+    seen = [r for b in batches for r in b.requests]
+    assert sorted(seen) == list(range(len(lens)))
+    # longest requests first: every request of batch 0 is at least as long as any of batch 1
+    assert min(lens[r] for r in batches[0].requests) >= max(lens[r] for r in batches[1].requests)
+    for b in batches:
+        for mb in b.micro_batches:
+            assert len(mb) <= 2 and list(mb.requests) == sorted(mb.requests, key=lambda r: -lens[r])
+            assert mb.tokens == sum(lens[r] for r in mb.requests)
+    # Algorithm 2 on one batch: 3 micro-batches of 4, tokens balanced (a plain split in sorted order: 30/14/4)
+    one = plan_batches([9, 8, 7, 6, 5, 4, 3, 2, 1, 1, 1, 1], batch_size=12, micro_batch_size=4)[0]
+    assert [len(mb) for mb in one.micro_batches] == [4, 4, 4]
+    tokens = [mb.tokens for mb in one.micro_batches]
+    assert sum(tokens) == 48 and max(tokens) - min(tokens) <= 2
+    with pytest.raises(ValueError, match="empty prompt"):
+        plan_batches([3, 0], 2, 1)
+
+
+def test_cpu_attention_over_bucketed_cache_matches_plain_attention():
+    torch.manual_seed(0)
+    H, Hkv, d, layers = 4, 2, 8, 2
+    prompts, new = [30, 29, 26, 13, 12, 4], 5  # longest first
+    cache = KVCache([[(p, p + new - 1) for p in prompts]], layers, Hkv, d, H, torch.float32)
+    assert len(cache.buckets[0]) == 3  # 34..30 | 17..16 | 8
+    keys = [torch.randn(p + new - 1, Hkv, d) for p in prompts]
+    values = [torch.randn(p + new - 1, Hkv, d) for p in prompts]
+    layer = 1
+    kv = torch.cat([torch.cat([k[:p].reshape(p, -1), v[:p].reshape(p, -1)], 1)
+                    for k, v, p in zip(keys, values, prompts)])
+    rows, a = [], 0
+    for i, p in enumerate(prompts):
+        rows.append((i, a, a + p))
+        a += p
+    cache.write_prompts(layer, 0, rows, kv)
+    for step in range(new - 1):
+        q = torch.randn(len(prompts), H, d)
+        qkv = torch.cat([q.reshape(len(prompts), -1),
+                         torch.stack([k[p + step] for k, p in zip(keys, prompts)]).reshape(len(prompts), -1),
+                         torch.stack([v[p + step] for v, p in zip(values, prompts)]).reshape(len(prompts), -1)], 1)
+        out = torch.full((len(prompts), H * d), float("nan"))
+        cache.attend(layer, 0, step, qkv, out)
+        for i, p in enumerate(prompts):  # float64, K/V expanded per query head
+            k = keys[i][:p + step + 1].double().repeat_interleave(H // Hkv, dim=1).transpose(0, 1)
+            v = values[i][:p + step + 1].double().repeat_interleave(H // Hkv, dim=1).transpose(0, 1)
+            scores = (q[i].double().unsqueeze(1) @ k.transpose(1, 2)) / math.sqrt(d)
+            ref = (scores.softmax(-1) @ v).reshape(-1)
+            torch.testing.assert_close(out[i].double(), ref, rtol=1e-5, atol=1e-5)
+    assert cache.nbytes == KVCache.planned_bytes([[(p, p + new - 1) for p in prompts]], layers, Hkv, d, 4)
+    assert length_buckets([10, 9, 8, 2]) == [(0, 3, 10), (3, 4, 2)]
+
+
+def test_resident_and_streamed_parts_rebuild_every_layer():
+    model = tiny_mixtral(intermediate=96)
+    family = family_of(model)
+    layout = Layout(family, 0.5)
+    split = layout.splits[0]
+    assert split.resident_bytes <= 0.5 * split.layer_bytes and 0 < split.columns < 96 and split.columns % 16 == 0
+    store = WeightStore(layout, torch.device("cpu"))
+    for stage in (1, 2):  # layer l = stage - 1: its post-attention part and experts, the next layer's QKV
+        l = stage - 1
+        table, start = store.stage_tables[stage], store.stage_offsets[stage]
+        store.slots[stage % 2][:table.nbytes].copy_(store.host.tensor[start:start + table.nbytes])
+        w = store.stage_weights(stage, stage % 2)
+        resident, streamed = w.experts
+        experts = model.model.layers[l].mlp.experts
+        gate_up = experts.gate_up_proj.view(4, 2, 96, 64)
+        assert torch.equal(torch.cat([resident["gate_up"], streamed["gate_up"]], dim=2), gate_up)
+        assert torch.equal(torch.cat([resident["down"], streamed["down"]], dim=2), experts.down_proj)
+        assert torch.equal(w.post["router"], model.model.layers[l].mlp.gate.weight)
+        if stage < 2:
+            attn = model.model.layers[stage].self_attn
+            qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+            assert torch.equal(w.pre["qkv"], qkv)
+    # pages: equal byte ranges that tile the stage exactly
+    table = PageTable()
+    table.add("a", (1000,), torch.float32)
+    table.add("b", (333, 3), torch.bfloat16)
+    pages = table.pages(3)
+    assert len(pages) == 3 and pages[0][0] == 0 and pages[-1][1] == table.nbytes
+    assert all(p[1] == q[0] for p, q in zip(pages, pages[1:]))
+    assert split_layer({"x": 100}, 10, 50, 0.0).resident_bytes == 0
+    assert split_layer({"x": 100}, 10, 50, 1.0).columns == 50
+
+
+def test_one_weight_page_per_micro_batch_and_the_trace(tmp_path):
+    model = tiny_mixtral(layers=3)
+    ids, mask = padded(requests((6, 9, 4, 7)))
+    off = hf_scatter.offload(model, gpu_memory="1GiB", device="cpu", policy=Policy(4, 2), progress=False)
+    path = tmp_path / "trace.json"
+    result = off.generate(ids, attention_mask=mask, max_new_tokens=3, eos_token_id=[], return_dict=True,
+                          progress=False, trace=str(path))
+    events = json.loads(path.read_text())["traceEvents"]
+    lanes = {e["args"]["name"]: e["tid"] for e in events if e["ph"] == "M"}
+    assert set(lanes) == {"GPU compute", "CPU attention", "H2D hidden", "D2H qkv", "H2D weights"}
+    spans = [e for e in events if e["ph"] == "X"]
+    by_lane = {name: [e for e in spans if e["tid"] == tid] for name, tid in lanes.items()}
+    assert all(by_lane[name] for name in lanes)
+    # 2 micro-batches: every stage arrives in 2 pages, once for the prefill and once for each of the 2 decode
+    # steps; stage 0 once more, prefetched during the last stage for the next call
+    stages = [int(e["name"].split()[1]) for e in by_lane["H2D weights"]]
+    assert [stages.count(s) for s in range(4)] == [4 * 2, 3 * 2, 3 * 2, 3 * 2]
+    assert result.stats["trace"]["weight_transfer_s"] > 0
+
+
+def test_offload_from_a_checkpoint_path(tmp_path):
+    model = tiny_dbrx(seed=2)
+    model.save_pretrained(tmp_path)
+    reqs = requests((8, 3, 14))
+    ids, mask = padded(reqs)
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    off = hf_scatter.offload(str(tmp_path), gpu_memory="1GiB", device="cpu", policy=Policy(2, 1), progress=False)
+    assert torch.equal(off.generate(ids, attention_mask=mask, max_new_tokens=6, progress=False), expected)
+
+
+def test_hf_scatter_offload_is_callable_and_still_the_subpackage():
+    assert callable(hf_scatter.offload)
+    from hf_scatter.offload import offload, search_policy
+
+    assert hf_scatter.offload.search_policy is search_policy and hf_scatter.offload.offload is offload
+    model = tiny_dbrx()
+    off = hf_scatter.offload(model, "1GiB", device="cpu", profile="h100-host-anchors", progress=False,
+                             release_weights=False)
+    assert off.policy.prediction is not None  # planned by the HRM
+    assert (off.policy.attention_on_gpu, off.policy.experts_on_gpu) == (False, True)
+    assert "weights on the device" in off.describe() and "OffloadedModel(dbrx" in repr(off)
+    off.close()
+
+
+# ----------------------------------------------------------------------------- GPU
+def _fp32_exact():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["mixtral", "dbrx"])
+def test_greedy_tokens_equal_vanilla_generate_on_gpu(family):
+    _fp32_exact()
+    model = BUILDERS[family]()
+    reqs = requests()
+    ids, mask = padded(reqs)
+    batched = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    off = hf_scatter.offload(model, gpu_memory="256MiB", device="cuda",
+                             policy=Policy(4, 2, weights_gpu_fraction=0.5), progress=False)
+    assert off.store.host.pinned and off.store.host.tensor.is_pinned()
+    out = off.generate(ids, attention_mask=mask, max_new_tokens=10, progress=False)
+    assert torch.equal(out, batched)
+    a = off.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=True, seed=5, progress=False)
+    b = off.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=True, seed=5, progress=False)
+    assert torch.equal(a, b)
+    off.close()
+
+
+@pytest.mark.gpu
+def test_gpu_memory_stays_within_the_budget_and_transfers_overlap(tmp_path):
+    """A bf16 model of ~0.4 GB in a 160 MiB budget: most of every layer streams through the double buffer."""
+    model = tiny_mixtral(hidden=512, intermediate=2048, experts=8, top_k=2, heads=8, kv_heads=2, layers=8,
+                         vocab=2048, dtype=torch.bfloat16)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    budget = 160 * 2**20
+    assert weights > 2 * budget
+    reqs = [torch.randint(3, 2048, (n,)) for n in torch.randint(20, 120, (48,)).tolist()]
+    ids, mask = padded(reqs)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    off = hf_scatter.offload(model, gpu_memory=budget, device="cuda", policy=Policy(32, 8, weights_gpu_fraction=0.1),
+                             progress=False)
+    assert 0 < off.store.layout.fraction <= 0.1
+    result = off.generate(ids, attention_mask=mask, max_new_tokens=16, return_dict=True, progress=False,
+                          trace=str(tmp_path / "trace.json"))
+    peak = torch.cuda.max_memory_allocated() - base
+    assert peak <= budget, f"peak {peak / 2**20:.1f} MiB > budget {budget / 2**20:.0f} MiB"
+    assert result.stats["batches"] == 2 and len(result.tokens) == 48
+    trace = result.stats["trace"]
+    assert trace["weight_transfer_overlap"] > 0.3, trace  # copies run while the GPU or the CPU computes
+    off.close()
+
+
+@pytest.mark.gpu
+def test_bench_offload_end_to_end_small(tmp_path):
+    from hf_scatter.cli import main
+
+    out, png, trace = tmp_path / "offload.json", tmp_path / "offload.png", tmp_path / "trace.json"
+    assert main(["bench", "offload", "--layers", "3", "--new-tokens", "4", "--requests", "64", "--gpu-memory",
+                 "8GiB", "--profile", "h100-host-anchors", "--trace", str(trace), "--out", str(out),
+                 "--plot", str(png)]) == 0
+    report = json.loads(out.read_text())
+    assert report["within_budget"] and report["accelerate"]["layers_on_gpu"] < 3
+    assert report["hf_scatter"]["tokens_per_s"] > 0 and report["accelerate"]["tokens_per_s"] > 0
+    assert png.stat().st_size > 0 and trace.stat().st_size > 0
