@@ -1,0 +1,113 @@
+"""The backends the parity harness compares, each a way to turn one checkpoint into an lm-eval model.
+
+``vanilla`` is transformers as it is (lm-eval's ``hf`` model), ``patched`` the same checkpoint through
+the ``hf-scatter`` lm-eval model, ``eager`` transformers with its eager experts loop (a noise floor). A
+new backend (the offloaded one, when ``hf_scatter.offload`` lands) is one :func:`register_backend` call
+with a function from :class:`LoadSettings` to an lm-eval model.
+BERT-family encoders are scored by pseudo-log-likelihood (``masked_lm.py``) in every backend alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class LoadSettings:
+    model: str  # checkpoint directory (absolute)
+    tokenizer: str  # tokenizer directory (absolute)
+    dtype: str  # "float32", "bfloat16", "float16" or "auto"
+    device: str
+    batch_size: int
+    max_length: int | None = None
+    encoder: bool = False  # a masked LM (BERT family): pseudo-log-likelihood scoring, no generation
+    seed: int = 0  # weights missing from the checkpoint initialise identically in every backend
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    label: str  # column header in the report
+    build: Callable[[LoadSettings], object] | None  # None: not available in this version
+    unavailable_reason: str = ""
+
+
+class BackendUnavailable(RuntimeError):
+    pass
+
+
+BACKENDS: dict[str, Backend] = {}
+
+
+def register_backend(backend: Backend) -> Backend:
+    BACKENDS[backend.name] = backend
+    return backend
+
+
+def _seeded(settings: LoadSettings):
+    import torch
+
+    torch.manual_seed(settings.seed)
+
+
+def _causal(settings: LoadSettings, patched: bool):
+    _seeded(settings)
+    if patched:
+        from .lm_model import HFScatterLM as cls
+    else:
+        from lm_eval.models.huggingface import HFLM as cls
+    # log-softmax in fp32: lm-eval's default (the model's dtype) rounds every log-probability to bf16, which
+    # would bury kernel differences under quantisation steps of up to 0.5 on a sum of -100
+    return cls(pretrained=settings.model, tokenizer=settings.tokenizer, dtype=settings.dtype, device=settings.device,
+               batch_size=settings.batch_size, max_length=settings.max_length, softmax_dtype="float32")
+
+
+def _masked(settings: LoadSettings, patched: bool):
+    from .masked_lm import MaskedLMScorer
+
+    _seeded(settings)
+    return MaskedLMScorer(settings.model, tokenizer=settings.tokenizer, dtype=settings.dtype, device=settings.device,
+                          batch_size=settings.batch_size, max_length=settings.max_length, patch=patched)
+
+
+def _build(patched: bool) -> Callable[[LoadSettings], object]:
+    return lambda s: (_masked if s.encoder else _causal)(s, patched)
+
+
+def _eager_experts(settings: LoadSettings):
+    """transformers with its own eager (per-expert loop) experts: the rounding noise between two of
+    transformers' implementations, a floor to read hf-scatter's differences against."""
+    from hf_scatter.models import is_interface_experts
+
+    if settings.encoder:
+        raise BackendUnavailable("the eager backend swaps MoE experts; this checkpoint has none")
+    lm = _causal(settings, patched=False)
+    if not any(is_interface_experts(m) for m in lm.model.modules()):
+        raise BackendUnavailable(f"the eager backend needs experts behind transformers' experts_implementation "
+                                 f"switch (Mixtral-style); {type(lm.model).__name__} has none")
+    lm.model.set_experts_implementation("eager")
+    return lm
+
+
+register_backend(Backend("vanilla", "vanilla", _build(False)))
+register_backend(Backend("patched", "hf-scatter", _build(True)))
+register_backend(Backend("eager", "hf eager experts", _eager_experts))
+register_backend(Backend(
+    "offloaded", "offloaded", None,
+    "the offloaded backend runs the model through hf_scatter.offload (MoE-Lightning CGOPipe), which this "
+    "version of hf-scatter does not have yet; leave it out of --backends (e.g. --backends vanilla,patched)"))
+
+
+def resolve(names: list[str]) -> list[Backend]:
+    """The named backends, checked before anything loads; the first is the reference."""
+    unknown = [n for n in names if n not in BACKENDS]
+    if unknown:
+        raise BackendUnavailable(f"unknown backend(s) {', '.join(unknown)}; choose from {', '.join(BACKENDS)}")
+    if len(names) < 2 or len(set(names)) != len(names):
+        raise BackendUnavailable(f"--backends needs at least two different backends (the first is the reference), "
+                                 f"got {','.join(names)}")
+    for name in names:
+        if BACKENDS[name].build is None:
+            raise BackendUnavailable(f"backend {name!r} is not available yet: {BACKENDS[name].unavailable_reason}")
+    return [BACKENDS[n] for n in names]

@@ -1,0 +1,271 @@
+"""`hf-scatter eval`: lm-eval parity of vanilla vs patched on tiny checkpoints, offline; a broken backend
+fails with the table showing where; the `hf-scatter` lm-eval model resolves through lm-eval's registry."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("lm_eval", reason="lm-eval is in the dev extra: make test installs it")
+
+import hf_scatter.eval  # noqa: E402  (registers the hf-scatter models with lm-eval)
+from hf_scatter.cli import main as cli_main  # noqa: E402
+from hf_scatter.conversion import convert  # noqa: E402
+from hf_scatter.eval.backends import BACKENDS, Backend  # noqa: E402
+from hf_scatter.eval.suite import DATA_DIR, TASKS, TASKS_DIR, generated_sums, load_data, read_rows  # noqa: E402
+from hf_scatter.tiny import tiny_dbrx, tiny_mixtral  # noqa: E402
+
+FP32 = ["--dtype", "float32", "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def mixtral_dir(tmp_path_factory, tokenizer):
+    path = tmp_path_factory.mktemp("eval") / "mixtral"
+    tiny_mixtral().save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Any outgoing connection fails the test: the harness must run fully offline."""
+    attempts = []
+
+    def refuse(self, address, *args, **kwargs):
+        attempts.append(address)
+        raise OSError(f"network access attempted: {address}")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
+    return attempts
+
+
+def _eval(args, tmp_path, capsys) -> tuple[int, dict | None, str]:
+    out = tmp_path / "report.json"
+    rc = cli_main(["eval", *args, "--out", str(out)])
+    report = json.loads(out.read_text()) if out.exists() else None
+    return rc, report, capsys.readouterr()
+
+
+def test_mixtral_converted_layout_parity_fp32_offline(mixtral_dir, tmp_path, capsys, no_network):
+    converted = tmp_path / "mixtral-hf-scatter"
+    convert(mixtral_dir, str(converted), progress=False)
+    plot = tmp_path / "parity.png"
+    rc, report, out = _eval(["--model", str(converted), *FP32, "--limit", "3", "--ll-tolerance", "1e-4",
+                             "--plot", str(plot)], tmp_path, capsys)
+    assert rc == 0, out.out + out.err
+    assert report["passed"] and not no_network
+    assert report["tasks"] == list(TASKS)
+    assert any("scattermoe" in impl for impl in report["backends"][1]["patch_report"]), report["backends"]
+    assert report["backends"][0]["patch_report"] == []
+    metrics = {(m["task"], m["metric"]) for m in report["metrics"]}
+    for task, metric in [("hfs_arithmetic", "acc"), ("hfs_facts", "acc_norm"), ("hfs_perplexity", "word_perplexity"),
+                         ("hfs_perplexity", "byte_perplexity"), ("hfs_perplexity", "bits_per_byte"),
+                         ("hfs_generation", "exact_match")]:
+        assert (task, metric) in metrics
+    summary = report["summary"]["patched"]
+    assert summary["ll_requests"] == 3 * 4 + 3 * 4 + 3 * 2 + 3  # choices of 3 docs per MC task + 3 paragraphs
+    assert summary["ll_max_abs"] <= 1e-4
+    assert summary["decisions_changed"] == 0 and summary["generations"] == 3
+    assert "PASS" in out.out and "| hfs_perplexity | bits_per_byte |" in out.out
+    assert plot.stat().st_size > 0
+
+
+def test_dbrx_parity_fp32(tmp_path, tokenizer, capsys):
+    path = tmp_path / "dbrx"
+    tiny_dbrx().save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    rc, report, out = _eval(["--model", str(path), *FP32, "--limit", "2", "--ll-tolerance", "1e-4",
+                             "--tasks", "hfs_facts,hfs_perplexity,hfs_generation"], tmp_path, capsys)
+    assert rc == 0, out.out + out.err
+    assert report["model_type"] == "dbrx" and report["summary"]["patched"]["ll_max_abs"] <= 1e-4
+    assert report["backends"][1]["patch_report"], "the patched backend must run hf-scatter's modules"
+
+
+def _perturbed(settings):
+    """vanilla with noise on the expert weights: what a broken kernel would look like from outside."""
+    lm = BACKENDS["vanilla"].build(settings)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in lm.model.named_parameters():
+            if ".experts." in name:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    return lm
+
+
+def test_broken_backend_fails_and_the_table_shows_where(mixtral_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(BACKENDS, "perturbed", Backend("perturbed", "perturbed", _perturbed))
+    rc, report, out = _eval(["--model", mixtral_dir, *FP32, "--limit", "3", "--backends", "vanilla,perturbed",
+                             "--ll-tolerance", "1e-4", "--tasks", "hfs_arithmetic,hfs_perplexity"], tmp_path, capsys)
+    assert rc == 1 and not report["passed"]
+    bad_rows = {(m["task"], m["metric"]) for m in report["metrics"] if not m["ok"]}
+    assert ("hfs_perplexity", "bits_per_byte") in bad_rows
+    assert all(not r["ok"] and r["ll_max_abs"] > 1e-4 for r in report["requests"])
+    table_row = next(line for line in out.out.splitlines() if line.startswith("| hfs_perplexity | bits_per_byte |"))
+    assert table_row.endswith("**NO** |")
+    assert "FAIL:" in out.out and "hfs_perplexity bits_per_byte: perturbed" in out.out
+
+
+def test_eager_backend_needs_interface_experts(tmp_path, tokenizer, capsys):
+    path = tmp_path / "dbrx"
+    tiny_dbrx(layers=1).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    rc, report, out = _eval(["--model", str(path), *FP32, "--backends", "eager,vanilla"], tmp_path, capsys)
+    assert rc == 2 and "experts_implementation switch" in out.err and "DbrxForCausalLM" in out.err
+
+
+def test_offloaded_backend_is_a_clear_error_before_anything_loads(mixtral_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(BACKENDS, "vanilla", Backend("vanilla", "vanilla", lambda s: pytest.fail("loaded a model")))
+    rc, report, out = _eval(["--model", mixtral_dir, *FP32, "--backends", "vanilla,patched,offloaded"], tmp_path,
+                            capsys)
+    assert rc == 2 and report is None
+    assert "not available yet" in out.err and "hf_scatter.offload" in out.err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "/nonexistent/ckpt"], "not a checkpoint directory"),
+    (["--tasks", "hfs_facts,no_such_task"], "unknown task(s) no_such_task; bundled: hfs_all, hfs_arithmetic"),
+    (["--backends", "vanilla"], "at least two different backends"),
+    ([], "give a checkpoint with --model DIR, or --random SHAPE"),
+])
+def test_bad_input_names_the_problem(mixtral_dir, tmp_path, capsys, args, message):
+    if "--model" not in args and args:
+        args = ["--model", mixtral_dir, *args]
+    rc, report, out = _eval([*args, *FP32], tmp_path, capsys)
+    assert rc == 2 and report is None
+    assert message in out.err
+
+
+def test_missing_lm_eval_says_how_to_install_it(mixtral_dir, tmp_path, capsys, monkeypatch):
+    import importlib.metadata as md
+
+    real = md.version
+
+    def version(name):
+        if name == "lm_eval":
+            raise md.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(md, "version", version)
+    rc, report, out = _eval(["--model", mixtral_dir, *FP32], tmp_path, capsys)
+    assert rc == 2 and "pip install 'hf-scatter[eval]'" in out.err
+
+
+def test_hf_scatter_model_loads_through_lm_eval_registry(mixtral_dir):
+    from lm_eval.api.registry import get_model
+    from lm_eval.models.huggingface import HFLM
+
+    from hf_scatter.eval.lm_model import HFScatterLM
+
+    cls = get_model("hf-scatter")
+    assert cls is HFScatterLM and issubclass(cls, HFLM)
+    assert get_model("hf") is HFLM, "registering hf-scatter must not hide lm-eval's own models"
+    lm = cls.create_from_arg_string(f"pretrained={mixtral_dir},dtype=float32,device=cpu,norms=False")
+    impls = set(lm.patch_report.values())
+    assert any("scattermoe" in i for i in impls) and "fused_add_norm" not in impls
+    with pytest.raises(TypeError, match="moe must be True or False"):
+        cls.create_from_arg_string(f"pretrained={mixtral_dir},device=cpu,moe=maybe")
+
+
+def test_declared_entry_points_name_the_registered_classes():
+    """lm-eval releases with plugin discovery load these entry points; they must be the registered classes."""
+    tomllib = pytest.importorskip("tomllib")
+    from importlib.metadata import EntryPoint
+
+    from lm_eval.api.registry import get_model
+
+    with open(os.path.join(os.path.dirname(__file__), "..", "pyproject.toml"), "rb") as f:
+        declared = tomllib.load(f)["project"]["entry-points"]["lm_eval.models"]
+    assert declared == hf_scatter.eval.LM_EVAL_MODELS
+    for name, target in declared.items():
+        assert EntryPoint(name=name, value=target, group="lm_eval.models").load() is get_model(name)
+
+
+def test_lm_eval_command_line_runs_the_hf_scatter_model(mixtral_dir, tmp_path):
+    env = {**os.environ, "HF_SCATTER_KERNELS": "torch"}  # the command's plumbing, not the kernels, is under test
+    cmd = [sys.executable, "-m", "hf_scatter.eval", "run", "--model", "hf-scatter", "--model_args",
+           f"pretrained={mixtral_dir},dtype=float32", "--device", "cpu", "--tasks", "hfs_arithmetic",
+           "--include_path", str(TASKS_DIR), "--limit", "2", "--output_path", str(tmp_path / "out")]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert "hfs_arithmetic" in done.stdout and "acc" in done.stdout
+
+
+def test_bert_is_scored_by_pseudo_log_likelihood_and_skips_generation(tmp_path, capsys):
+    rc, report, out = _eval(["--random", "tiny-bert", *FP32, "--limit", "2", "--ll-tolerance", "1e-4",
+                             "--tasks", "hfs_facts,hfs_generation"], tmp_path, capsys)
+    assert rc == 0, out.out + out.err
+    assert report["scoring"].startswith("pseudo-log-likelihood") and report["tasks"] == ["hfs_facts"]
+    assert "hfs_generation" in report["skipped_tasks"]
+    assert report["backends"][1]["patch_report"]
+
+
+def test_masked_lm_batching_matches_one_masked_forward_per_token(tmp_path):
+    from hf_scatter.eval.masked_lm import MaskedLMScorer
+    from hf_scatter.eval.random_checkpoint import save_random_checkpoint
+
+    save_random_checkpoint("tiny-bert", str(tmp_path / "bert"), dtype=torch.float32)
+    scorer = MaskedLMScorer(str(tmp_path / "bert"), dtype="float32", batch_size=3, patch=False)
+    pairs = [("The cat", " sat on the mat."), ("A", " b"), ("Water boils at", " 100 degrees")]
+    requests = [((c, x), scorer.tok_encode(c), scorer.tok_encode(x)) for c, x in pairs]
+    scores = scorer._loglikelihood_tokens(requests, disable_tqdm=True)
+    for (_, ctx, cont), (score, _) in zip(requests, scores):
+        ids = torch.tensor([ctx + cont])
+        expected = 0.0
+        for pos in range(len(ctx), len(ctx) + len(cont)):
+            masked = ids.clone()
+            masked[0, pos] = scorer.tokenizer.mask_token_id
+            with torch.no_grad():
+                logits = scorer.model(input_ids=masked).logits[0, pos]
+            expected += torch.log_softmax(logits, -1)[ids[0, pos]].item()
+        assert score == pytest.approx(expected, abs=1e-4)
+
+
+def test_bundled_suite_loads_from_any_directory_and_user_tasks_join(tmp_path, monkeypatch):
+    from hf_scatter.eval.runner import resolve_tasks
+
+    monkeypatch.chdir(tmp_path)  # data paths resolve against the package, not the working directory
+    assert len(load_data("facts.jsonl")["test"]) == len(read_rows("facts.jsonl"))
+    for file in ("arithmetic.jsonl", "facts.jsonl", "word_order.jsonl"):
+        rows = read_rows(file)
+        assert len(rows) >= 24 and all(0 <= r["answer"] < len(r["choices"]) for r in rows)
+    assert {p.name for p in DATA_DIR.iterdir()} >= {"paragraphs.jsonl", "generation.jsonl"}
+    sums = generated_sums()["test"]
+    assert len(sums) == 1000 and sums[:5] == generated_sums(count=5)["test"][:5]  # same seed, same documents
+    for row in sums.select(range(50)):
+        a, b = (int(w.rstrip("?")) for w in row["question"].split()[2::2])
+        assert int(row["choices"][row["answer"]]) == a + b and len(set(row["choices"])) == 4
+    user = tmp_path / "my_tasks"
+    user.mkdir()
+    (user / "rows.jsonl").write_text('{"q": "Two plus two is", "choices": [" four", " five"], "answer": 0}\n')
+    (user / "my_loader.py").write_text(
+        "import datasets, json, pathlib\n"
+        "def load(**_):\n"
+        "    rows = [json.loads(l) for l in (pathlib.Path(__file__).parent / 'rows.jsonl').open()]\n"
+        "    return datasets.DatasetDict({'test': datasets.Dataset.from_list(rows)})\n")
+    (user / "my_task.yaml").write_text(
+        "task: my_task\ncustom_dataset: !function my_loader.load\ntest_split: test\noutput_type: multiple_choice\n"
+        "doc_to_text: '{{q}}'\ndoc_to_choice: '{{choices}}'\ndoc_to_target: answer\n"
+        "metric_list:\n  - metric: acc\n")
+    leaves, manager, skipped = resolve_tasks(["my_task", "hfs_all"], [str(user)], builtin_tasks=False, encoder=False)
+    assert leaves == ["my_task", *TASKS] and not skipped
+    assert len(list(manager.load(["my_task"])["tasks"]["my_task"].test_docs())) == 1
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_parity_sits_at_transformers_own_noise_floor(tmp_path, capsys):
+    """Triton kernels in bf16: per-request differences of the order of transformers' eager vs grouped_mm."""
+    rc, report, out = _eval(["--random", "tiny-mixtral", "--dtype", "bfloat16", "--device", "cuda", "--limit", "300",
+                             "--tasks", "hfs_sums,hfs_perplexity", "--backends", "vanilla,eager,patched",
+                             "--batch-size", "32"], tmp_path, capsys)
+    assert rc in (0, 1), out.err
+    floor, ours = report["summary"]["eager"], report["summary"]["patched"]
+    assert any("scattermoe" in i for i in report["backends"][2]["patch_report"])
+    assert ours["ll_mean_abs"] <= 3 * max(floor["ll_mean_abs"], 1e-3), out.out
+    assert ours["decisions_changed"] <= max(3, 3 * floor["decisions_changed"]), out.out
