@@ -9,6 +9,16 @@ import sys
 from . import __version__
 
 
+def _write_json(path: str, report: dict) -> None:
+    """Atomically: a reader never sees half a file."""
+    import json
+
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=1, default=float)
+    os.replace(tmp, path)
+
+
 def _cmd_env(args: argparse.Namespace) -> int:
     from .env import environment_report, format_report
 
@@ -33,10 +43,21 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from .bench import norms as suite
 
         measure = lambda: suite.run(args.configs)  # noqa: E731
+    elif args.suite in ("bert", "serve"):
+        import importlib
+
+        suite = importlib.import_module(f".bench.{args.suite}", __package__)
+        measure = lambda: suite.run(args.configs)  # noqa: E731
     elif args.suite == "convert":
         from .bench import convert as suite
 
-        measure = lambda: suite.run(layers=args.layers, workdir=args.workdir)  # noqa: E731
+        measure = lambda: suite.run(layers=args.layers or 2, workdir=args.workdir)  # noqa: E731
+    elif args.suite == "offload":
+        from .bench import offload as suite
+
+        measure = lambda: suite.run(layers=args.layers or 12, new_tokens=args.new_tokens,  # noqa: E731
+                                    requests=args.requests, gpu_memory=args.gpu_memory, profile=args.profile,
+                                    trace=args.trace)
     else:
         from .bench import train as suite
 
@@ -48,10 +69,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     else:
         report = measure()
     if args.out:
-        tmp = args.out + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(report, f, indent=1)
-        os.replace(tmp, args.out)
+        _write_json(args.out, report)
     if args.plot:
         suite.plot(report, args.plot)
     print(suite.to_markdown(report))
@@ -77,6 +95,91 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     if result.max_abs_diff is not None:
         print(f"verify: max abs logits difference {result.max_abs_diff:.3g} (patched {args.dst if args.to == 'hf-scatter' else args.src} "
               f"vs vanilla {args.src if args.to == 'hf-scatter' else args.dst})")
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    import contextlib
+
+    from .eval.random_checkpoint import temporary_random_checkpoint
+    from .eval.report import plot, to_markdown
+    from .eval.runner import ParityError, run_parity
+
+    if (args.model is None) == (args.random is None):
+        print("hf-scatter eval: error: give a checkpoint with --model DIR, or --random SHAPE", file=sys.stderr)
+        return 2
+    split = lambda s: [x.strip() for x in s.split(",") if x.strip()] if s else None  # noqa: E731
+    try:
+        with contextlib.ExitStack() as stack:
+            model, described = args.model, None
+            if args.random:
+                import torch
+
+                big = args.random == "mixtral-8x7b"
+                dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if big else "float32")
+                device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+                model, described = stack.enter_context(temporary_random_checkpoint(
+                    args.random, args.random_layers, getattr(torch, dtype), device, args.workdir))
+            report = run_parity(model, tasks=split(args.tasks), backends=split(args.backends), dtype=args.dtype,
+                                device=args.device, limit=args.limit, batch_size=args.batch_size,
+                                tokenizer=args.tokenizer, include_path=args.include_path,
+                                builtin_tasks=args.builtin_tasks, tolerance=args.tolerance,
+                                ll_tolerance=args.ll_tolerance, max_length=args.max_length)
+            if described:
+                report["model"] = described
+    except ParityError as e:
+        print(f"hf-scatter eval: error: {e}", file=sys.stderr)
+        return 2
+    if args.out:
+        _write_json(args.out, report)
+    if args.plot:
+        plot(report, args.plot)
+    print(to_markdown(report))
+    return 0 if report["passed"] else 1
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    from .bench.timing import markdown_table
+    from .offload.profile import measure_profile
+
+    profile = measure_profile(quick=args.quick, progress=not args.no_progress)
+    path = profile.save(args.out)
+    print(markdown_table(["quantity", "value", "source"], profile.summary_rows()))
+    if "gpu" in profile.notes:
+        print(f"\nnote: {profile.notes['gpu']}")
+    print(f"\nsaved {path} (`hf-scatter plan` finds it for this host and device)")
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from .offload import ModelSpec, PlanError, Workload, load_profile, plot_roofline, search_policy
+    from .offload.hrm import HierarchicalRoofline
+
+    try:
+        profile = load_profile(args.profile)
+        if args.gpu:
+            profile = profile.with_gpu(args.gpu)
+        model = ModelSpec.from_config(args.model)
+        prompts = [float(p) for p in str(args.prompt_len).split(",") if p.strip()]
+        workload = Workload.from_prompts(prompts[0] if len(prompts) == 1 else prompts, args.gen_len,
+                                         args.num_requests)
+        gpu_memory = args.gpu_memory or profile.gpu_memory
+        if gpu_memory is None:
+            raise PlanError(f"profile {profile.name!r} has no GPU memory: pass --gpu-memory, e.g. 16GiB")
+        hrm = HierarchicalRoofline(profile)
+        policy = search_policy(model, hrm, workload, gpu_memory, args.cpu_memory)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"hf-scatter plan: error: {e}", file=sys.stderr)
+        return 2
+    print(model.describe() + "\n")
+    print(policy.to_markdown() + "\n")
+    print(policy.explain())
+    if args.out:
+        report = {"model": model.to_dict(), "workload": vars(workload), "profile": profile.to_dict(),
+                  "turning_points": hrm.turning_points().to_dict(), "policy": policy.to_dict()}
+        _write_json(args.out, report)
+    if args.plot:
+        print(f"\nwrote {plot_roofline(policy, model, hrm, args.plot)}")
     return 0
 
 
@@ -110,21 +213,88 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_convert)
 
+    p = sub.add_parser("eval", help="lm-eval parity: the same checkpoint vanilla vs hf-scatter, metric by metric and "
+                                    "request by request (offline; exit 1 past a tolerance)")
+    p.add_argument("--model", help="checkpoint directory: Mixtral / DBRX / BERT family, HF or hf-scatter layout")
+    p.add_argument("--random", choices=["mixtral-8x7b", "tiny-mixtral", "tiny-dbrx", "tiny-bert"],
+                   help="instead of --model: a random-weight checkpoint of this shape, saved to a temp dir first")
+    p.add_argument("--random-layers", type=int, default=2, help="--random: number of layers (default 2)")
+    p.add_argument("--tasks", help="comma-separated lm-eval tasks or groups (default: hfs_all, the bundled suite)")
+    p.add_argument("--backends", default="vanilla,patched",
+                   help="comma-separated, the first is the reference: vanilla, patched, eager (transformers' eager "
+                        "experts: a noise floor), offloaded (default vanilla,patched)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="load dtype (default: the checkpoint's)")
+    p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when present)")
+    p.add_argument("--limit", type=lambda s: float(s) if "." in s else int(s),
+                   help="documents per task (a fraction below 1: that share of each task)")
+    p.add_argument("--batch-size", type=int, default=8, help="requests per forward (default 8)")
+    p.add_argument("--max-length", type=int, help="longest sequence (default: the model's positions)")
+    p.add_argument("--tokenizer", help="tokenizer directory (default: --model)")
+    p.add_argument("--include-path", action="append", default=[], metavar="DIR",
+                   help="your own lm-eval task YAML directory (repeatable)")
+    p.add_argument("--builtin-tasks", action="store_true",
+                   help="also index lm-eval's own tasks (their datasets must already be in the local cache)")
+    p.add_argument("--tolerance", type=float, default=0.006,
+                   help="largest aggregated-metric error: absolute, relative for perplexities (default 0.006)")
+    p.add_argument("--ll-tolerance", type=float,
+                   help="largest per-request log-likelihood difference (default: reported, not enforced)")
+    p.add_argument("--workdir", help="--random: where the checkpoint is written (default: the temp dir)")
+    p.add_argument("--out", help="write the full report as JSON here")
+    p.add_argument("--plot", help="draw every request's log-likelihood difference into this PNG")
+    p.set_defaults(func=_cmd_eval)
+
     p = sub.add_parser("bench", help="GPU benchmarks against every peer in one process (JSON + Markdown)")
-    p.add_argument("suite", choices=["moe", "train", "norms", "convert"],
+    p.add_argument("suite", choices=["moe", "train", "norms", "convert", "bert", "serve", "offload"],
                    help="moe: one SMoE SwiGLU layer vs HF eager/grouped_mm/batched_mm/dense; "
                         "train: training steps of the paper's 1.5B Mixtral (and a same-shape DBRX), vanilla vs patched; "
                         "norms: fused LayerNorm/RMSNorm/softmax/router vs torch, GB/s against the copy roof, "
-                        "and BERT-base forward; convert: conversion GB/s and CPU load time, HF vs hf-scatter layout (no GPU needed)")
+                        "and BERT-base forward; convert: conversion GB/s and CPU load time, HF vs hf-scatter layout (no GPU needed); "
+                        "bert: packed BERT-base inference vs padded SDPA (latency, throughput, memory); "
+                        "serve: Poisson-arrival serving, no batching / naive / DP batching, vanilla vs packed; "
+                        "offload: Mixtral-8x7B-shaped offloaded generation, CGOPipe vs HF accelerate offload vs "
+                        "the HRM prediction")
     p.add_argument("--configs", nargs="*", help="subset of configs (moe) or implementations (train); default: all")
     p.add_argument("--steps", type=int, default=10, help="train: timed steps after 3 warm-up steps")
     p.add_argument("--no-breakdown", action="store_true", help="train: skip the per-category time breakdown")
-    p.add_argument("--layers", type=int, default=2, help="convert: layers of the Mixtral-8x7B-shaped model")
+    p.add_argument("--layers", type=int, help="convert / offload: layers of the Mixtral-8x7B-shaped model "
+                                              "(default 2 / 12)")
+    p.add_argument("--new-tokens", type=int, default=128, help="offload: tokens generated per request")
+    p.add_argument("--requests", type=int, default=1024, help="offload: number of MTBench-like requests")
+    p.add_argument("--gpu-memory", default="16GiB", help="offload: GPU memory budget of both systems")
+    p.add_argument("--profile", help="offload: hardware profile for the HRM (a known name or JSON; default: "
+                                     "measured at the start of the run)")
+    p.add_argument("--trace", help="offload: write the Chrome trace of the measured run here")
     p.add_argument("--workdir", help="convert: where the checkpoints are written (default: the temp dir)")
     p.add_argument("--out", help="write the full results as JSON here")
     p.add_argument("--plot", help="draw time and memory bars into this PNG")
     p.add_argument("--replot", metavar="JSON", help="re-render table/plot from a saved JSON instead of measuring")
     p.set_defaults(func=_cmd_bench)
+
+    p = sub.add_parser("profile", help="measure this machine's roofs for the offload planner (GPU, CPU, PCIe; "
+                                       "under a minute) and save them as JSON")
+    p.add_argument("--out", help="JSON file (default: ~/.cache/hf_scatter/profiles/<host>__<device>.json)")
+    p.add_argument("--quick", action="store_true", help="smaller sizes and fewer points (a few seconds)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_profile)
+
+    p = sub.add_parser("plan", help="offloaded generation: best policy (batch, micro-batch, placement, resident "
+                                    "fractions) from the hierarchical roofline model, as a table and a plot")
+    p.add_argument("--model", required=True,
+                   help="built-in name (mixtral-8x7b, mixtral-8x22b, dbrx, llama-3-8b), a config.json or a model "
+                        "directory")
+    p.add_argument("--gpu-memory", help="GPU memory budget, e.g. 16GiB (default: the profile's GPU memory)")
+    p.add_argument("--cpu-memory", help="CPU memory budget, e.g. 200GiB (default: 90%% of the profile's)")
+    p.add_argument("--prompt-len", default="512", help="mean prompt length, or comma-separated lengths (default 512)")
+    p.add_argument("--gen-len", type=int, default=64, help="tokens generated per request (default 64)")
+    p.add_argument("--num-requests", type=int, help="requests in the workload (caps the batch size)")
+    p.add_argument("--profile", help="profile JSON or a known name (h100-host-anchors); default: the saved profile "
+                                     "of this host and device")
+    p.add_argument("--gpu", help="plan for this GPU on the profile's host (spec-sheet peaks): t4, l4, a100-40gb, "
+                                 "h100-pcie")
+    p.add_argument("--out", help="write model, profile, turning points and policy as JSON here")
+    p.add_argument("--plot", help="draw the hierarchical roofline with the chosen operating points into this PNG")
+    p.set_defaults(func=_cmd_plan)
     return parser
 
 

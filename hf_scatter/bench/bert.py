@@ -6,7 +6,9 @@ Cases (the variable-length runtime's acceptance points):
 - ``b1s40``: one request of 40 tokens (launch-bound).
 - ``b20s128``: 20 x 128, no padding (where fused norms alone lost to vanilla: host-bound).
 - ``stream512``: 512 requests with lengths uniform in 8..512, served as 16 batches of 32 in arrival order;
-  throughput, and the peak activation memory over the stream (everything allocated beyond the weights).
+  throughput, and the peak activation memory over the stream after one warm pass (everything allocated
+  beyond the weights and inputs: for hf-scatter that includes its planned arena and graph pools, which
+  persist; one-time buffers of the first pass, such as Triton's autotuning scratch, do not count).
 Timings are CUDA-event medians of whole calls (host work included: that is what a caller waits for).
 """
 
@@ -68,12 +70,12 @@ def _latency(vanilla, patched, ids, mask) -> dict:
             "max_abs_diff": _max_abs_diff(vanilla, patched, ids, mask)}
 
 
-def _stream(model, batches, device) -> tuple[float, float]:
-    """(seconds for the whole stream, peak bytes allocated beyond what was live before it)."""
+def _stream(model, batches, device, base: int | None = None) -> tuple[float, float]:
+    """(seconds for the whole stream, peak bytes allocated beyond ``base``, default what was live before it)."""
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
+    base = torch.cuda.memory_allocated() if base is None else base
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with torch.inference_mode():
         start.record()
@@ -105,9 +107,13 @@ def _stream512(vanilla, patched_factory, device) -> dict:
     _stream(vanilla, batches, device)  # warm-up
     van_s, van_peak = min(_stream(vanilla, batches, device) for _ in range(3))
     van_sorted_s, _ = min(_stream(vanilla, sorted_batches, device) for _ in range(3))
-    patched = patched_factory()  # fresh: its planner's chunks count towards its peak
-    first_s, ours_peak = _stream(patched, batches, device)  # plans + captures every bucket on the way
-    ours_s = min(_stream(patched, batches, device)[0] for _ in range(3))
+    patched = patched_factory()
+    gc.collect()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()  # the planned arena and graph pools count towards the peak
+    first_s, _ = _stream(patched, batches, device)  # plans, captures and tunes on the way (one-time buffers)
+    ours_s, ours_peak = _stream(patched, batches, device, base=before)  # like vanilla's: after a warm pass
+    ours_s = min([ours_s] + [_stream(patched, batches, device)[0] for _ in range(2)])
     from ..turbo import Encoder
 
     encoder = Encoder(patched, scheduler=None, progress=False)  # host-packed requests: no sync per batch
