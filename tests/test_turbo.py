@@ -115,6 +115,10 @@ def test_patched_bert_inference_is_packed_and_equals_vanilla_at_real_positions(h
         if head == "base":
             assert _rel(got.pooler_output, want.pooler_output) < 1e-5
             assert (got.last_hidden_state[~mask.bool()] == 0).all(), "padded positions come back as zeros"
+            from hf_scatter.turbo.hf_forward import packed_outputs
+            with torch.inference_mode():
+                batch, rows, _ = packed_outputs(patched, ids, mask, types)
+            assert torch.equal(rows, got.last_hidden_state[mask.bool()]), "the packed rows, in row order"
     runtime = (patched.bert if head != "base" else patched).__dict__["_hf_scatter_runtime"]
     assert runtime.stats()["plans"] >= 1, "the calls ran packed, on planned memory"
 

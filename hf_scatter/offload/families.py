@@ -16,6 +16,7 @@ greedy tokens match vanilla ``generate`` in fp32.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -25,29 +26,20 @@ from torch import nn
 from ..kernels.fused_ops import fused_add_layer_norm, fused_add_rms_norm, router_topk
 from ..kernels.ops import swiglu_pair
 from ..moe.mlp import expert_mlp, glu_activation, is_silu
+from .model_spec import ModelSpec
 
 
 @dataclass(frozen=True)
-class Dims:
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    experts: int
-    top_k: int
-    intermediate: int
-    vocab: int
-    layers: int
-    max_positions: int | None
+class Dims(ModelSpec):
+    """The model's shapes as the HRM reads them from its config, plus what the runtime also needs."""
+
+    max_positions: int | None = None
     sliding_window: int | None = None
 
-    @property
-    def q_dim(self) -> int:
-        return self.heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.kv_heads * self.head_dim
+    @classmethod
+    def of(cls, config, max_positions: int | None, sliding_window: int | None = None) -> "Dims":
+        return cls(**dataclasses.asdict(ModelSpec.from_config(config)), max_positions=max_positions,
+                   sliding_window=sliding_window)
 
     @property
     def qkv_dim(self) -> int:
@@ -176,13 +168,7 @@ class MixtralFamily(Family):
     column_dims = {"gate_up": 2, "down": 2}  # gate_up as [E, 2, I, H] ([gate; up]), down [E, H, I]
 
     def _dims(self, c) -> Dims:
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        return Dims(hidden=c.hidden_size, heads=c.num_attention_heads,
-                    kv_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads, head_dim=head_dim,
-                    experts=c.num_local_experts, top_k=c.num_experts_per_tok, intermediate=c.intermediate_size,
-                    vocab=c.vocab_size, layers=c.num_hidden_layers,
-                    max_positions=getattr(c, "max_position_embeddings", None),
-                    sliding_window=getattr(c, "sliding_window", None))
+        return Dims.of(c, getattr(c, "max_position_embeddings", None), getattr(c, "sliding_window", None))
 
     def layers(self):
         return list(self.model.model.layers)
@@ -243,11 +229,9 @@ class DbrxFamily(Family):
     column_dims = {"w1": 1, "v1": 1, "w2": 1}  # each [E, I, H]
 
     def _dims(self, c) -> Dims:
-        attn, ffn = c.attn_config, c.ffn_config
+        attn = c.attn_config
         self._clip = attn.clip_qkv
-        return Dims(hidden=c.d_model, heads=c.n_heads, kv_heads=attn.kv_n_heads, head_dim=c.d_model // c.n_heads,
-                    experts=ffn.moe_num_experts, top_k=ffn.moe_top_k, intermediate=ffn.ffn_hidden_size,
-                    vocab=c.vocab_size, layers=c.n_layers, max_positions=getattr(c, "max_seq_len", None))
+        return Dims.of(c, getattr(c, "max_seq_len", None))
 
     def layers(self):
         return list(self.model.transformer.blocks)
