@@ -283,7 +283,7 @@ def test_dp_schedule_equals_brute_force(seed, padded):
     table = CostTable(lengths_grid, batches_grid, ms, padded=padded)
     scheduler = BatchScheduler(table, max_batch=rng.choice([3, 5, 64]), max_tokens=None)
     lengths = [rng.randrange(5, 500) for _ in range(rng.randrange(1, 10))]
-    groups = dp_schedule(lengths, scheduler.group_cost, scheduler.max_batch)
+    groups = dp_schedule(lengths, scheduler.group_costs, scheduler.max_batch)
     assert sorted(i for g in groups for i in g) == list(range(len(lengths))), "every request exactly once"
     ordered = sorted(lengths)
     best = min(sum(table.group_cost(ordered[sum(p[:k]):sum(p[:k + 1])]) for k in range(len(p)))
@@ -296,8 +296,8 @@ def test_scheduler_edge_cases_and_policies(tmp_path):
     from hf_scatter.turbo.scheduler import BatchScheduler, CostTable, dp_schedule
 
     table = CostTable([8, 512], [1, 8], [[1.0, 2.0], [3.0, 20.0]])
-    assert dp_schedule([], table.group_cost) == []
-    assert dp_schedule([7], table.group_cost) == [[0]]
+    assert dp_schedule([], table.group_costs) == []
+    assert dp_schedule([7], table.group_costs) == [[0]]
     path = tmp_path / "costs.json"
     table.save(path)
     assert CostTable.load(path).ms == table.ms
@@ -338,6 +338,9 @@ def test_encoder_returns_each_requests_outputs_in_request_order(head, tokenizer)
         enc.encode([[5], []])
     with pytest.raises(ValueError, match="got text"):
         enc.encode(["no tokenizer"])
+    model.train()
+    with pytest.raises(ValueError, match="training mode"):
+        enc.encode(reqs)
 
 
 def test_encoder_calibrates_saves_and_reloads_its_cost_table(tmp_path, monkeypatch):
@@ -366,11 +369,16 @@ def test_serving_simulation_advances_a_virtual_clock_by_each_batchs_real_time():
         ran.append(list(batch))
         return 2.0 * len(batch)
 
-    done = simulate(arrivals, [5, 5, 5, 5], execute, lambda queue: [[queue[0]]])  # FIFO, one at a time
+    free = lambda: 0.0  # noqa: E731  (scheduling takes no time)
+    done = simulate(arrivals, [5, 5, 5, 5], execute, lambda queue: [[queue[0]]], free)  # FIFO, one at a time
     assert done.tolist() == [2.0, 4.0, 6.0, 12.0] and ran == [[0], [1], [2], [3]]
     ran.clear()
-    done = simulate(arrivals, [5, 5, 5, 5], execute, lambda queue: [list(queue)])  # all that is queued
+    done = simulate(arrivals, [5, 5, 5, 5], execute, lambda queue: [list(queue)], free)  # all that is queued
     assert ran == [[0], [1, 2], [3]] and done.tolist() == [2.0, 6.0, 6.0, 12.0]
+    ticks = iter(range(100))
+    slow = lambda: next(ticks) * 1e-3  # noqa: E731  (every decision takes 1 ms)
+    done = simulate(arrivals, [5, 5, 5, 5], execute, lambda queue: [list(queue)], slow)
+    assert done.tolist() == [3.0, 8.0, 8.0, 13.0], "the scheduler's own time is on the clock"
 
 
 def test_ffn_runs_in_row_chunks_that_bound_the_arena(monkeypatch):

@@ -115,6 +115,8 @@ class Encoder:
     @torch.inference_mode()
     def run_batch(self, sequences: list, token_type_ids: list | None = None) -> list[dict[str, torch.Tensor]]:
         """One packed call for ``sequences`` (token-id lists); per-request outputs in their order."""
+        if self.model.training:
+            raise ValueError("Encoder: the model was put in training mode (dropout); call model.eval() first")
         batch = pack_sequences(sequences, "cpu", token_type_ids)  # the runtime stages it to the device
         hidden, pooled = self.runtime.run(batch)
         return self._outputs(batch, hidden[:batch.num_tokens], pooled)

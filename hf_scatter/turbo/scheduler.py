@@ -51,22 +51,35 @@ class CostTable:
             raise ValueError("CostTable: lengths and batches must be strictly increasing")
         self._table = table
 
+    def costs(self, lengths: np.ndarray, batches: np.ndarray) -> np.ndarray:
+        """Interpolated ms of batches, vectorised (linear in length, linear in batch; beyond the table's
+        largest batch, extrapolated along its last segment; lengths and smaller batches are clamped)."""
+        grid_l, grid_b, table = np.asarray(self.lengths, float), np.asarray(self.batches, float), self._table
+        lengths = np.clip(np.asarray(lengths, float), grid_l[0], grid_l[-1])
+        batches = np.asarray(batches, float)
+        if len(grid_l) == 1:
+            per_batch = np.broadcast_to(table[0], (len(lengths), len(grid_b)))
+        else:
+            i = np.clip(np.searchsorted(grid_l, lengths, side="right") - 1, 0, len(grid_l) - 2)
+            w = ((lengths - grid_l[i]) / (grid_l[i + 1] - grid_l[i]))[:, None]
+            per_batch = table[i] * (1 - w) + table[i + 1] * w  # [n, len(batches)]
+        rows = np.arange(len(lengths))
+        if len(grid_b) == 1:
+            return np.where(batches <= grid_b[0], per_batch[:, 0], per_batch[:, 0] * batches / grid_b[0])
+        j = np.clip(np.searchsorted(grid_b, batches, side="right") - 1, 0, len(grid_b) - 2)
+        u = np.maximum((batches - grid_b[j]) / (grid_b[j + 1] - grid_b[j]), 0.0)
+        return per_batch[rows, j] * (1 - u) + per_batch[rows, j + 1] * u
+
     def cost(self, length: float, batch: int) -> float:
-        """Interpolated ms of a batch (linear in length, linear in batch; beyond the table's largest batch,
-        extrapolated along its last segment; lengths are clamped to the table)."""
-        length = min(max(length, self.lengths[0]), self.lengths[-1])
-        per_batch = np.array([np.interp(length, self.lengths, self._table[:, j]) for j in range(len(self.batches))])
-        if batch <= self.batches[-1]:
-            return float(np.interp(batch, self.batches, per_batch))
-        if len(self.batches) == 1:
-            return float(per_batch[-1] * batch / self.batches[-1])
-        slope = (per_batch[-1] - per_batch[-2]) / (self.batches[-1] - self.batches[-2])
-        return float(per_batch[-1] + slope * (batch - self.batches[-1]))
+        return float(self.costs(np.array([length]), np.array([batch]))[0])
+
+    def group_costs(self, sizes: np.ndarray, totals: np.ndarray, longest: np.ndarray) -> np.ndarray:
+        """ms of groups given by their sizes, token totals and longest members (a padded runtime pays for
+        its longest request, the packed one for its mean length)."""
+        return self.costs(longest if self.padded else totals / sizes, sizes)
 
     def group_cost(self, sorted_lengths: Sequence[int]) -> float:
-        size = len(sorted_lengths)
-        length = sorted_lengths[-1] if self.padded else sum(sorted_lengths) / size
-        return self.cost(length, size)
+        return float(self.group_costs(*_stats(sorted_lengths))[0])
 
     # ------------------------------------------------------------------------------------ persistence
     def save(self, path: str | os.PathLike) -> None:
@@ -122,25 +135,31 @@ def cost_table_path(key: dict, root: str | os.PathLike | None = None) -> Path:
 
 
 # --------------------------------------------------------------------------------------------- the DP
-def dp_schedule(lengths: Sequence[int], group_cost: Callable[[Sequence[int]], float],
+def _stats(sorted_lengths: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return np.array([len(sorted_lengths)]), np.array([sum(sorted_lengths)]), np.array([sorted_lengths[-1]])
+
+
+def dp_schedule(lengths: Sequence[int], group_costs: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray],
                 max_batch: int | None = None) -> list[list[int]]:
-    """Algorithm 3: split the requests (any order) into batches minimising the summed ``group_cost`` of
-    consecutive runs of the length-sorted requests. Returns request indices per batch, shortest batch first."""
+    """Algorithm 3: split the requests (any order) into batches minimising the summed group cost of
+    consecutive runs of the length-sorted requests. ``group_costs(sizes, token_totals, longest)`` prices
+    many candidate groups at once. Returns request indices per batch, shortest batch first."""
     n = len(lengths)
     if n == 0:
         return []
     if max_batch is not None and max_batch < 1:
         raise ValueError(f"dp_schedule: max_batch must be >= 1, got {max_batch}")
     order = sorted(range(n), key=lambda i: (lengths[i], i))
-    sorted_lengths = [lengths[i] for i in order]
+    sorted_lengths = np.array([lengths[i] for i in order], dtype=float)
+    prefix = np.concatenate([[0.0], np.cumsum(sorted_lengths)])
     limit = n if max_batch is None else max_batch
-    best = [0.0] + [float("inf")] * n
+    best = np.zeros(n + 1)
     split = [0] * (n + 1)
     for i in range(1, n + 1):
-        for j in range(max(0, i - limit), i):
-            c = best[j] + group_cost(sorted_lengths[j:i])
-            if c < best[i]:
-                best[i], split[i] = c, j
+        j = np.arange(max(0, i - limit), i)  # the group j..i-1
+        total = best[j] + group_costs(i - j, prefix[i] - prefix[j], np.full(len(j), sorted_lengths[i - 1]))
+        k = int(np.argmin(total))  # the first minimum, like the scalar scan it replaces
+        best[i], split[i] = total[k], int(j[k])
     groups, i = [], n
     while i > 0:
         groups.append(order[split[i]:i])
@@ -151,8 +170,8 @@ def dp_schedule(lengths: Sequence[int], group_cost: Callable[[Sequence[int]], fl
 # ------------------------------------------------------------------------------------------ policies
 @dataclass
 class BatchScheduler:
-    """When to run what. ``policy='hungry'``: whenever the engine is free, schedule everything queued
-    (up to ``max_queue``). ``policy='lazy'``: wait until ``max_batch`` requests are queued, the oldest has
+    """When to run what. ``policy='hungry'``: whenever the engine is free, schedule everything queued.
+    ``policy='lazy'``: wait until ``max_batch`` requests are queued, the oldest has
     waited ``timeout_ms``, or waiting longer would break ``latency_budget_ms`` for the oldest (its wait so
     far plus the predicted time of a batch of everything queued)."""
 
@@ -162,7 +181,6 @@ class BatchScheduler:
     max_tokens: int | None = 32768
     timeout_ms: float = 5.0
     latency_budget_ms: float | None = None
-    max_queue: int = 1024
 
     def __post_init__(self):
         if self.policy not in ("hungry", "lazy"):
@@ -170,14 +188,18 @@ class BatchScheduler:
         if self.max_batch < 1 or self.timeout_ms < 0:
             raise ValueError("BatchScheduler: max_batch must be >= 1 and timeout_ms >= 0")
 
+    def group_costs(self, sizes: np.ndarray, totals: np.ndarray, longest: np.ndarray) -> np.ndarray:
+        costs = self.table.group_costs(sizes, totals, longest)
+        if self.max_tokens is not None:  # too many tokens for one call: split
+            costs = np.where((totals > self.max_tokens) & (sizes > 1), np.inf, costs)
+        return costs
+
     def group_cost(self, sorted_lengths: Sequence[int]) -> float:
-        if self.max_tokens is not None and sum(sorted_lengths) > self.max_tokens and len(sorted_lengths) > 1:
-            return float("inf")  # too many tokens for one call: split
-        return self.table.group_cost(sorted_lengths)
+        return float(self.group_costs(*_stats(sorted_lengths))[0])
 
     def schedule(self, lengths: Sequence[int]) -> list[list[int]]:
         """Batches (indices into ``lengths``) for requests that run now."""
-        return dp_schedule(lengths, self.group_cost, self.max_batch)
+        return dp_schedule(lengths, self.group_costs, self.max_batch)
 
     def ready(self, queued_lengths: Sequence[int], oldest_wait_ms: float) -> bool:
         """Whether the engine (free now) should take the queue now."""
