@@ -57,7 +57,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
         measure = lambda: suite.run(layers=args.layers or 12, new_tokens=args.new_tokens,  # noqa: E731
                                     requests=args.requests, gpu_memory=args.gpu_memory, profile=args.profile,
-                                    trace=args.trace)
+                                    trace=args.trace, validate_tokens=args.validate_tokens)
     else:
         from .bench import train as suite
 
@@ -265,6 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", help="offload: hardware profile for the HRM (a known name or JSON; default: "
                                      "measured at the start of the run)")
     p.add_argument("--trace", help="offload: write the Chrome trace of the measured run here")
+    p.add_argument("--validate-tokens", type=int, default=16,
+                   help="offload: new tokens of each HRM validation policy (per-layer decode time, predicted vs "
+                        "measured); 0 skips them")
     p.add_argument("--workdir", help="convert: where the checkpoints are written (default: the temp dir)")
     p.add_argument("--out", help="write the full results as JSON here")
     p.add_argument("--plot", help="draw time and memory bars into this PNG")

@@ -92,6 +92,14 @@ def test_calibration_terms_interpolate_measurements():
     assert hrm.cpu_attention_rate(1024)[0] == pytest.approx(math.sqrt(20e9 * 10e9), rel=1e-6)
     assert HierarchicalRoofline(synthetic()).gemm_efficiency(16) == 1.0
     assert any("gemm_efficiency" in u for u in HierarchicalRoofline(synthetic()).uncalibrated)
+    # the expert FFN of a MoE model takes the measured expert-kernel curve where there is one
+    ffn = MIXTRAL.decode_ops(64, 100)["ffn"]
+    assert ffn.moe and ffn.rows == 16
+    moe = HierarchicalRoofline(synthetic(gemm_efficiency=[[16, 0.5]], moe_efficiency=[[4, 0.2], [64, 0.4]]))
+    assert moe.gemm_efficiency(16, moe=True) == pytest.approx(0.3) and moe.gemm_efficiency(16) == 0.5
+    assert moe.gpu_seconds(ffn) == pytest.approx(moe.gpu_seconds(dataclasses.replace(ffn, moe=False)) * 0.5 / 0.3)
+    with pytest.raises(ProfileError, match="moe_efficiency"):
+        HierarchicalRoofline(synthetic(moe_efficiency=[[4, 1.5]]))
 
 
 # ----- model description -----
@@ -302,7 +310,7 @@ def test_profile_command_measures_cpu_terms_and_plan_uses_them(tmp_path, capsys)
     assert main(["profile", "--quick", "--no-progress", "--out", str(out)]) == 0
     prof = load_profile(str(out))
     assert prof.cpu_flops_fp32 > 0 and prof.cpu_bandwidth > 0 and prof.cpu_memory > 0 and prof.cpu_op_s > 0
-    assert {(p["batch"], p["context"]) for p in prof.cpu_attention} == {(4, 256), (32, 256), (4, 2048), (32, 2048)}
+    assert {(p["batch"], p["context"]) for p in prof.cpu_attention} == {(b, c) for b in (1, 4, 32) for c in (256, 2048)}
     rate, _ = HierarchicalRoofline(dataclasses.replace(
         prof, gpu_flops=1e14, gpu_bandwidth=1e12, h2d_pinned=1e10)).cpu_attention_rate(1024)
     assert rate > 0
@@ -337,3 +345,24 @@ def test_plot_roofline_directly(tmp_path):
         assert p["flops_per_s"] <= roof * (1 + 1e-9)
         if "link_intensity" in p:
             assert p["link_flops_per_s"] <= 10e9 * p["link_intensity"] * (1 + 1e-9)
+
+
+def test_cpu_attention_is_priced_per_length_bucket_as_the_runtime_splits_it():
+    from hf_scatter.offload.cost_model import attention_calls, decode_terms
+
+    spread = Workload.from_prompts(list(range(40, 115)), 16)  # MTBench-like: 40..114 tokens
+    same = Workload.from_prompts([77] * 75, 16)
+    assert attention_calls(32, same, 4096, 2.5e-4, 1 / 50e9) == ((32.0, 0.0),)
+    for call_s in (0.0, 2.5e-4, 1.0):
+        calls = attention_calls(32, spread, 4096, call_s, 1 / 50e9)
+        spreads = [d for _, d in calls]  # each call reads up to its longest prompt: above the mean first
+        assert sum(r for r, _ in calls) == pytest.approx(32) and spreads == sorted(spreads, reverse=True) > [0.0]
+    # free calls: buckets as tight as the padding bound allows; costly calls: the fewest that bound allows
+    assert len(attention_calls(32, spread, 4096, 0.0, 1 / 50e9)) > len(attention_calls(32, spread, 4096, 1.0, 1 / 50e9)) >= 2
+    prof = synthetic(cpu_attention=[dict(batch=b, context=c, q_heads=32, kv_heads=8, head_dim=128, dtype_bytes=2,
+                                         seconds=2.5e-4 + b * c * 4096 / 50e9) for b in (1, 32) for c in (64, 512)])
+    hrm = HierarchicalRoofline(prof)
+    policy = Policy(64, 32)
+    one = decode_terms(hrm, MIXTRAL, policy, 120.0).evaluate(0, 0).terms["cpu"]
+    bucketed = decode_terms(hrm, MIXTRAL, policy, 120.0, spread).evaluate(0, 0).terms["cpu"]
+    assert bucketed > one  # every extra call pays the overhead, and each bucket reads to its longest row

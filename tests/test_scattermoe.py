@@ -217,3 +217,24 @@ def test_autotuned_gpu_path(monkeypatch, device, dtype):
     monkeypatch.setenv("HF_SCATTER_AUTOTUNE", "1")
     _run_case(device, dtype, 300, 2, 8, 256, 384, "random", False, False, with_bias=True, with_gates=True)
     _run_case(device, dtype, 300, 2, 8, 256, 384, "random", True, True, with_bias=False, with_gates=False)
+
+
+def test_autotune_override_wins_over_the_environment_in_its_own_thread(monkeypatch):
+    import threading
+
+    from hf_scatter.kernels.backend import autotune_enabled, autotune_override
+
+    monkeypatch.setenv("HF_SCATTER_AUTOTUNE", "1")
+    seen = []
+    with autotune_override(False):
+        assert not autotune_enabled()
+        with autotune_override(True):
+            assert autotune_enabled()
+        assert not autotune_enabled()
+        other = threading.Thread(target=lambda: seen.append(autotune_enabled()))
+        other.start()
+        other.join()
+    assert seen == [True], "another thread keeps the environment's setting"
+    assert autotune_enabled()
+    monkeypatch.setenv("HF_SCATTER_AUTOTUNE", "0")
+    assert not autotune_enabled()

@@ -325,6 +325,8 @@ def test_encoder_returns_each_requests_outputs_in_request_order(head, tokenizer)
     reqs = [[rng.randrange(3, 380) for _ in range(n)] for n in (1, 40, 3, 64, 7, 7, 22)]
     enc = Encoder(model, max_batch=3, max_tokens=80, progress=False)
     assert enc.batches([len(r) for r in reqs]) == [[0, 2, 4], [5, 6, 1], [3]], "greedy by length, within limits"
+    assert any(p.requires_grad for p in model.parameters())  # a model straight from from_pretrained
+    assert enc.warmup() >= 0 and enc.runtime.stats()["footprint_bytes"] > 0, "the arena is planned up front"
     outs = enc.encode(reqs)
     key = "last_hidden_state" if head == "base" else "logits"
     with torch.inference_mode():

@@ -115,23 +115,77 @@ def run_accelerate(model, requests: list[torch.Tensor], gpu_budget: int, new_tok
             "layers_on_gpu": sum(1 for k in on_gpu if ".layers." in k)}
 
 
+# ----------------------------------------------------------------------------- HRM validation
+# Policies that put different resources on the critical path, each run for a short generation beside the
+# main one: (what it exercises, GPU budget: "run" = the run's, "resident" = room for every weight, policy).
+VALIDATION_POLICIES = (
+    ("every weight streamed: the CPU->GPU link", "run", (128, 32, 0.0)),
+    ("15% resident, 4 micro-batches: the link, compute overlapped", "run", (512, 128, 0.15)),
+    ("every weight resident, 4 micro-batches: CPU attention beside the GPU", "resident", (512, 128, 1.0)),
+    ("every weight resident, one micro-batch of 32: nothing overlaps", "resident", (32, 32, 1.0)),
+)
+VALIDATION_TOLERANCE = 0.25  # issue 8: predicted per-layer decode time within +-25% of the measured
+
+
+def validate_hrm(model, reqs: list[torch.Tensor], prof, spec, budget: int, new_tokens: int) -> list[dict]:
+    """Measured against predicted per-layer decode time for :data:`VALIDATION_POLICIES` (the model keeps
+    its weights: each policy gets its own weight store, freed before the next)."""
+    import hf_scatter
+    from ..offload import Workload, predict
+    from ..offload.policy import Policy
+
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    rows = []
+    for what, where, (n, micro, fraction) in VALIDATION_POLICIES:
+        gpu = budget if where == "run" else min(total - 4 * 2**30, weights + 8 * 2**30)
+        batch = reqs[:n]
+        ids, mask = _left_padded(batch)
+        off = hf_scatter.offload(model, gpu_memory=gpu, policy=Policy(n, micro, weights_gpu_fraction=fraction),
+                                 profile=prof, release_weights=False, progress=False)
+        try:
+            off.generate(ids, attention_mask=mask, max_new_tokens=2, progress=False)  # kernels, CPU cache pages
+            stats = off.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, return_dict=True,
+                                 progress=False).stats
+            realised = Policy(n, micro, weights_gpu_fraction=off.store.layout.fraction)
+            cpu_budget = off.cpu_budget
+        finally:
+            off.close()
+        workload = Workload.from_prompts([len(r) for r in batch], new_tokens)
+        rows.append(_validation_row(what, gpu, realised, stats, predict(realised, spec, prof, workload, gpu, cpu_budget),
+                                    spec.layers))
+    return rows
+
+
+def _validation_row(what: str, gpu_budget: int, policy, stats: dict, prediction, layers: int) -> dict:
+    measured = stats["decode_s"] / max(stats["decode_steps"], 1) / layers
+    predicted = prediction.decode_layer.seconds
+    return {"what": what, "gpu_budget": gpu_budget, "batch_size": policy.batch_size,
+            "micro_batch_size": policy.micro_batch_size, "weights_gpu_fraction": policy.weights_gpu_fraction,
+            "decode_steps": stats["decode_steps"], "measured_layer_s": measured, "predicted_layer_s": predicted,
+            "predicted_bottleneck": prediction.decode_layer.bottleneck, "error": predicted / measured - 1,
+            "within_tolerance": abs(predicted / measured - 1) <= VALIDATION_TOLERANCE}
+
+
 # ----------------------------------------------------------------------------- the run
 def run(layers: int = 12, new_tokens: int = 128, requests: int = 1024, gpu_memory: str = "16GiB",
         peer_batch: int = 16, peer_new_tokens: int = 8, profile: str | None = None, trace: str | None = None,
-        progress: bool = True) -> dict:
+        validate_tokens: int = 16, progress: bool = True) -> dict:
     """The whole comparison (one GPU run of a few minutes). Kernel autotuning is off unless
     HF_SCATTER_AUTOTUNE is set: the link bounds this workload, and tuning every shape would spend minutes
     compiling candidates."""
     saved = os.environ.get("HF_SCATTER_AUTOTUNE")
     os.environ.setdefault("HF_SCATTER_AUTOTUNE", "0")
     try:
-        return _run(layers, new_tokens, requests, gpu_memory, peer_batch, peer_new_tokens, profile, trace, progress)
+        return _run(layers, new_tokens, requests, gpu_memory, peer_batch, peer_new_tokens, profile, trace,
+                    validate_tokens, progress)
     finally:
         if saved is None:
             os.environ.pop("HF_SCATTER_AUTOTUNE", None)
 
 
-def _run(layers, new_tokens, requests, gpu_memory, peer_batch, peer_new_tokens, profile, trace, progress) -> dict:
+def _run(layers, new_tokens, requests, gpu_memory, peer_batch, peer_new_tokens, profile, trace, validate_tokens,
+         progress) -> dict:
     import hf_scatter
     from ..offload import ModelSpec, Workload, load_profile, measure_profile, parse_bytes, predict
     from ..offload.policy import Policy
@@ -150,6 +204,8 @@ def _run(layers, new_tokens, requests, gpu_memory, peer_batch, peer_new_tokens, 
     lens = [len(r) for r in reqs]
     workload = Workload.from_prompts(lens, new_tokens)
     peer = run_accelerate(model, reqs[:peer_batch], budget, peer_new_tokens)
+    spec = ModelSpec.from_config(model.config, name=f"mixtral-8x7b ({layers} of 32 layers)")
+    validation = validate_hrm(model, reqs, prof, spec, budget, validate_tokens) if validate_tokens else []
 
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
@@ -163,7 +219,6 @@ def _run(layers, new_tokens, requests, gpu_memory, peer_batch, peer_new_tokens, 
                                 progress=progress, trace=trace)
     peak = torch.cuda.max_memory_allocated()
     stats = result.stats
-    spec = ModelSpec.from_config(model.config, name=f"mixtral-8x7b ({layers} of 32 layers)")
     realised = Policy(policy.batch_size, policy.micro_batch_size, weights_gpu_fraction=offloaded.store.layout.fraction)
     predicted = {prof.name: predict(realised, spec, prof, workload, budget, offloaded.cpu_budget)}
     if prof.name != "h100-host-anchors":
@@ -186,6 +241,8 @@ def _run(layers, new_tokens, requests, gpu_memory, peer_batch, peer_new_tokens, 
                           "decode_layer_s": p.decode_layer.seconds, "decode_step_s": p.decode_step_s,
                           "prefill_s": p.prefill_s, "batch_s": p.batch_s} for k, p in predicted.items()},
         "decode_step_s": stats["decode_s"] / max(stats["decode_steps"], 1),
+        "hrm_validation": validation + [_validation_row(
+            "the policy the HRM chose (the run above)", budget, realised, stats, predicted[prof.name], layers)],
         "speedup_vs_accelerate": ours / peer["tokens_per_s"],
         "fraction_of_prediction": ours / main_prediction.tokens_per_s,
         "within_budget": peak <= budget,
@@ -220,9 +277,22 @@ def to_markdown(report: dict) -> str:
     trace = report.get("trace")
     if trace and trace.get("weight_transfer_overlap") is not None:
         lines.append(f"weight transfer overlapped with GPU or CPU compute: {trace['weight_transfer_overlap']:.0%} of "
-                     f"{trace['weight_transfer_s']:.1f} s (trace: {trace['path']})")
+                     f"{trace['weight_transfer_s']:.1f} s; compute under a transfer: "
+                     f"{trace.get('compute_under_transfer') or 0:.0%} of {trace.get('compute_s', 0):.1f} s; link busy "
+                     f"{trace['weight_transfer_s'] / (trace['span_s'] or 1):.0%} of the run (trace: {trace['path']})")
+    if report.get("hrm_validation"):
+        lines += ["", "HRM validation: per-layer decode time, predicted against measured", "",
+                  validation_markdown(report["hrm_validation"])]
     lines += ["", report["policy_markdown"]]
     return "\n".join(lines)
+
+
+def validation_markdown(rows: list[dict]) -> str:
+    table = [[r["what"], f"{r['batch_size']} / {r['micro_batch_size']}", f"{r['weights_gpu_fraction']:.1%}",
+              f"{r['gpu_budget'] / 2**30:.1f}", f"{r['measured_layer_s'] * 1e3:.2f}",
+              f"{r['predicted_layer_s'] * 1e3:.2f}", r["predicted_bottleneck"], f"{r['error']:+.0%}"] for r in rows]
+    return markdown_table(["policy", "N / mu", "weights on GPU", "GPU GiB", "measured ms/layer",
+                           "predicted ms/layer", "predicted bottleneck", "error"], table)
 
 
 def plot(report: dict, path: str) -> None:
@@ -233,7 +303,9 @@ def plot(report: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     trace = report.get("trace")
-    fig, axes = plt.subplots(1, 2 if trace else 1, figsize=(11 if trace else 6, 3.6), squeeze=False)
+    validation = report.get("hrm_validation")
+    panels = 1 + bool(trace) + bool(validation)
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 3.8), squeeze=False)
     ax = axes[0][0]
     names = ["HF accelerate", "hf-scatter"] + [f"HRM ({k})" for k in report["predicted"]]
     values = [report["accelerate"]["tokens_per_s"], report["hf_scatter"]["tokens_per_s"]] + \
@@ -255,9 +327,30 @@ def plot(report: dict, path: str) -> None:
         ax.set_xlim(0, 1)
         ax.invert_yaxis()
         ax.set_xlabel("busy fraction of the traced run")
-        overlap = trace.get("weight_transfer_overlap")
-        ax.set_title("pipeline lanes" + (f" (weight transfer {overlap:.0%} overlapped)" if overlap is not None else ""),
-                     fontsize=10)
+        hidden = trace.get("compute_under_transfer")
+        ax.set_title("pipeline lanes" + (f" ({hidden:.0%} of compute under a weight transfer)"
+                                         if hidden is not None else ""), fontsize=10)
+    if validation:
+        ax = axes[0][-1]
+        measured = [r["measured_layer_s"] * 1e3 for r in validation]
+        predicted = [r["predicted_layer_s"] * 1e3 for r in validation]
+        low, top = min(measured + predicted) / 1.5, max(measured + predicted) * 1.5
+        ax.fill_between([low, top], [low * 0.75, top * 0.75], [low * 1.25, top * 1.25], color="tab:blue", alpha=0.12,
+                        label="+-25%")
+        ax.plot([low, top], [low, top], color="tab:blue", lw=0.8)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.scatter(measured, predicted, color="tab:orange", zorder=3)
+        for i, (m, p) in enumerate(zip(measured, predicted)):
+            ax.annotate(f"N={validation[i]['batch_size']}/{validation[i]['micro_batch_size']}, "
+                        f"{validation[i]['weights_gpu_fraction']:.0%} res.", (m, p), fontsize=7,
+                        xytext=(4, -10), textcoords="offset points")
+        ax.set_xlim(low, top)
+        ax.set_ylim(low, top)
+        ax.set_xlabel("measured decode ms per layer")
+        ax.set_ylabel("HRM predicted ms per layer")
+        ax.set_title("HRM validation", fontsize=10)
+        ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     tmp = path + ".tmp"
     fig.savefig(tmp, dpi=110, format="png")

@@ -10,9 +10,11 @@ Kernel call sites ask :func:`use_triton`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
+import threading
 import warnings
 
 import torch
@@ -54,9 +56,29 @@ def enable_interpreter_if_no_gpu() -> bool:
     return triton_interpreted()
 
 
+_autotune_override = threading.local()  # per thread: a stack of overrides
+
+
 def autotune_enabled() -> bool:
-    """GPU kernels measure candidate block sizes per shape unless ``HF_SCATTER_AUTOTUNE=0`` (then: first config)."""
+    """GPU kernels measure candidate block sizes per shape unless ``HF_SCATTER_AUTOTUNE=0`` (then: first config)
+    or inside :func:`autotune_override`."""
+    stack = getattr(_autotune_override, "stack", None)
+    if stack:
+        return stack[-1]
     return os.environ.get("HF_SCATTER_AUTOTUNE", "1").strip().lower() not in {"0", "false", "no", "off"}
+
+
+@contextlib.contextmanager
+def autotune_override(enabled: bool):
+    """Autotuning on or off for the kernels launched inside, whatever the environment says (the offloaded
+    runtime turns it off: Triton's tuner allocates a 256 MB scratch buffer, beyond a strict GPU budget).
+    Applies to the calling thread."""
+    stack = _autotune_override.__dict__.setdefault("stack", [])
+    stack.append(bool(enabled))
+    try:
+        yield
+    finally:
+        stack.pop()
 
 
 def _forced() -> str | None:

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from .batching import Batch
-from .cpu_attention import AttentionWorker, KVCache
+from .cpu_attention import AttentionWorker, BucketCosts, KVCache
 from .families import Family
 from .memory import HEAD_ROWS
 from .paging import WeightStreamer
@@ -117,8 +117,10 @@ class CGOPipe:
     """Runs batches on ``family``'s model whose layer weights ``streamer`` pages through the device."""
 
     def __init__(self, family: Family, streamer: WeightStreamer, other: dict, rotary, streams: Streams,
-                 worker: AttentionWorker, staging: StagingBuffers, chunk_tokens: int, group_tokens: int):
+                 worker: AttentionWorker, staging: StagingBuffers, chunk_tokens: int, group_tokens: int,
+                 bucket_costs: BucketCosts = BucketCosts()):
         self.family, self.streamer, self.other, self.rotary = family, streamer, other, rotary
+        self.bucket_costs = bucket_costs
         self.streams, self.worker, self.staging = streams, worker, staging
         self.dims = family.dims
         self.chunk_tokens, self.group_tokens = chunk_tokens, group_tokens
@@ -157,7 +159,7 @@ class CGOPipe:
             self.streams.keep_alive(mbs[-1].attn_in, "h2d")  # also written by the upload stream
             offset += m
         kv = KVCache([[(p, p + max_new_tokens - 1) for p in mb.prompt_lens] for mb in mbs], d.layers, d.kv_heads,
-                     d.head_dim, d.heads, self.dtype)
+                     d.head_dim, d.heads, self.dtype, self.bucket_costs)
         result = BatchResult(tokens={r: [] for r in batch.requests})
         finished: set[int] = set()
         token_events: list[list] = [[] for _ in range(max_new_tokens)]

@@ -16,6 +16,7 @@ minimises the same expressions exactly.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 
@@ -176,8 +177,37 @@ def _link_pieces(hrm: HierarchicalRoofline, h2d: Lin, d2h: Lin, h2d_copies: floa
     }
 
 
-def decode_terms(hrm: HierarchicalRoofline, model: ModelSpec, policy: Policy, context_len: float) -> Terms:
-    """One layer of one decode step of the whole batch, every sequence attending to ``context_len`` tokens."""
+def attention_calls(size: int, workload: Workload | None, row_token_bytes: float, call_s: float, byte_s: float
+                    ) -> tuple[tuple[float, float], ...]:
+    """``(rows, longest prompt - mean prompt)`` of each CPU attention call of a micro-batch of ``size``
+    requests: the runtime's own bucketing (:func:`~hf_scatter.offload.cpu_attention.length_buckets`) of
+    prompts spread like the workload's (uniform with its mean and variance, capped at its longest)."""
+    if workload is None or workload.prompt_len_sq <= workload.prompt_len ** 2 * (1 + 1e-9) or size <= 1:
+        return ((float(size), 0.0),)
+    return _attention_calls(int(size), float(workload.prompt_len), float(workload.prompt_len_sq),
+                            float(workload.prompt_len_max), int(workload.gen_len), float(row_token_bytes),
+                            float(call_s), float(byte_s))
+
+
+@functools.lru_cache(maxsize=4096)
+def _attention_calls(size, mean, mean_sq, longest, gen_len, row_token_bytes, call_s, byte_s):
+    from .cpu_attention import SLACK, length_buckets
+
+    reps = min(size, 64)  # representative requests, each standing for size / reps of them
+    half = math.sqrt(3 * max(mean_sq - mean * mean, 0.0))
+    hi = min(mean + half, longest)
+    lo = max(2 * mean - hi, 1.0)
+    prompts = [hi - (hi - lo) * (i + 0.5) / reps for i in range(reps)]  # longest first
+    weight = size / reps
+    caps = [round(p) + gen_len - 1 for p in prompts]
+    buckets = length_buckets(caps, SLACK, call_s, byte_s * row_token_bytes * weight)
+    return tuple(((e - s) * weight, prompts[s] - mean) for s, e, _ in buckets)
+
+
+def decode_terms(hrm: HierarchicalRoofline, model: ModelSpec, policy: Policy, context_len: float,
+                 workload: Workload | None = None) -> Terms:
+    """One layer of one decode step of the whole batch, every sequence attending to ``context_len`` tokens
+    (with ``workload``: its prompts spread as the workload's, ``context_len`` their mean)."""
     b, kvb, n_seq = model.dtype_bytes, model.kv_bytes_per_token, policy.batch_size
     gpu, cpu, launches, cpu_dram = Lin(), Lin(), Lin(), Lin()
     ops: dict = {}
@@ -189,8 +219,10 @@ def decode_terms(hrm: HierarchicalRoofline, model: ModelSpec, policy: Policy, co
     for size, count in _micro_batches(policy):
         for name, op in model.decode_ops(size, context_len).items():
             if name == "attention" and not policy.attention_on_gpu:
-                seconds = Lin(count * (hrm.cpu_attention_seconds(size, context_len, kvb)
-                                       + CPU_OPS["attention"] * hrm.cpu_op_s))
+                rate, overhead = hrm.cpu_attention_rate(context_len)
+                calls = attention_calls(size, workload, kvb, overhead, 1.0 / rate)
+                seconds = Lin(count * sum(hrm.cpu_attention_seconds(rows, context_len + spread, kvb)
+                                          + CPU_OPS["attention"] * hrm.cpu_op_s for rows, spread in calls))
                 cpu += seconds
                 cpu_dram += count * op.kv_bytes
                 account(name, "cpu", count * op.flops, count * op.kv_bytes, seconds)
@@ -369,7 +401,7 @@ def objective(hrm: HierarchicalRoofline, model: ModelSpec, policy: Policy, workl
     groups = [(1.0, [p * model.layers + head_seconds(hrm, model, Policy(policy.batch_size, policy.batch_size))
                      for p in prefill.all_pieces()])]
     for steps, context in decode_contexts(workload, options.decode_samples):
-        terms = decode_terms(hrm, model, policy, context)
+        terms = decode_terms(hrm, model, policy, context, workload)
         groups.append((float(steps), [p * model.layers + head for p in terms.all_pieces()]))
     return groups
 
@@ -387,7 +419,7 @@ def predict(policy: Policy, model: ModelSpec, profile, workload: Workload, gpu_m
     head_prefill = head_seconds(hrm, model, Policy(policy.batch_size, policy.batch_size))
     prefill_s = model.layers * prefill.seconds + head_prefill
     mean_context = workload.prompt_len + (workload.gen_len + 1) / 2
-    decode = decode_terms(hrm, model, policy, mean_context).evaluate(x, y)
+    decode = decode_terms(hrm, model, policy, mean_context, workload).evaluate(x, y)
     gpu_mem, cpu_mem = memory_use(model, policy, workload, options)
     gpu_limit = float(gpu_memory if gpu_memory is not None else (prof.gpu_memory or math.inf))
     cpu_limit = float(cpu_memory if cpu_memory is not None else default_cpu_limit(prof, options))

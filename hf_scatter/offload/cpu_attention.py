@@ -1,12 +1,13 @@
 """Decode attention on the CPU over a CPU-resident KV cache, run by a worker thread beside the GPU.
 
 The KV cache of a batch lives in CPU memory in the model's dtype (bf16 for a bf16 model). Within a
-micro-batch, requests (longest first, as :mod:`batching` orders them) are grouped into *length buckets*
-whose capacities (prompt + new tokens) differ by at most ``slack``; each bucket is one
-``[requests, kv_heads, capacity, head_dim]`` tensor per layer, so a decode step is one fused SDPA call per
-bucket (:func:`decode_attention`): grouped-query attention reads each KV head once for all the query heads
-that share it (expanding K/V per query head is 10-25x slower, ANCHORS.md), and requests of very different
-lengths never pad one another.
+micro-batch, requests (longest first, as :mod:`batching` orders them) are grouped into *length buckets*;
+each bucket is one ``[requests, kv_heads, capacity, head_dim]`` tensor per layer, so a decode step is one
+fused SDPA call per bucket (:func:`decode_attention`): grouped-query attention reads each KV head once for
+all the query heads that share it (expanding K/V per query head is 10-25x slower, ANCHORS.md). The buckets
+trade the two costs of a call: a fixed one (waking the thread team; about 0.25 ms on the 16-core H100 host)
+and the padded rows it reads. :func:`length_buckets` picks them with the batch scheduler's DP, never
+padding a bucket beyond ``1 + slack`` of its real tokens (which bounds the cache's memory).
 
 :class:`AttentionWorker` is a single thread, so tasks run in the order the pipeline submits them, whose
 intra-op thread count comes from the hardware profile (one core is left to the thread driving the GPU).
@@ -19,6 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -39,16 +41,58 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     return out.reshape(n, H, d)
 
 
-def length_buckets(capacities: Sequence[int], slack: float = SLACK) -> list[tuple[int, int, int]]:
-    """``(start, end, capacity)`` row ranges over ``capacities`` (non-increasing)."""
-    if any(a < b for a, b in zip(capacities, capacities[1:])):
+# Bucketing costs where no hardware profile gives them (the profile's fit replaces both): per SDPA call,
+# and per byte of cached K/V read.
+CALL_S = 250e-6
+BYTE_S = 1 / 50e9
+
+
+@dataclass(frozen=True)
+class BucketCosts:
+    """What a CPU attention call costs: ``call_s`` fixed, ``byte_s`` per byte of K/V it reads."""
+
+    call_s: float = CALL_S
+    byte_s: float = BYTE_S
+    slack: float = SLACK
+
+    @classmethod
+    def from_profile(cls, profile, context: float = 512.0) -> "BucketCosts":
+        """The profile's fitted CPU attention (rate at ``context``, per-call overhead); defaults without one."""
+        if profile is None or not getattr(profile, "cpu_attention", None):
+            return cls()
+        from .hrm import HierarchicalRoofline
+
+        rate, overhead = HierarchicalRoofline(profile).cpu_attention_rate(context)
+        return cls(call_s=overhead, byte_s=1.0 / rate)
+
+    def buckets(self, capacities: Sequence[int], row_token_bytes: int) -> list[tuple[int, int, int]]:
+        return length_buckets(capacities, self.slack, self.call_s, self.byte_s * row_token_bytes)
+
+
+def length_buckets(capacities: Sequence[int], slack: float = SLACK, call_s: float = CALL_S,
+                   token_s: float = 0.0) -> list[tuple[int, int, int]]:
+    """``(start, end, capacity)`` row ranges over ``capacities`` (non-increasing) minimising
+    ``calls * call_s + padded row-tokens * token_s``, each range padded to at most ``1 + slack`` times its
+    real tokens. ``token_s`` 0: the fewest buckets."""
+    from ..turbo.scheduler import dp_schedule
+
+    caps = [int(c) for c in capacities]
+    if any(a < b for a, b in zip(caps, caps[1:])):
         raise ValueError("capacities must be sorted longest first")
-    out, start = [], 0
-    for i in range(1, len(capacities) + 1):
-        if i == len(capacities) or capacities[start] > (1 + slack) * capacities[i]:
-            out.append((start, i, int(capacities[start])))
-            start = i
-    return out
+    if not caps:
+        return []
+    n = len(caps)
+
+    def group_costs(sizes, totals, longest):
+        padded = sizes * longest
+        return np.where(padded <= (1 + slack) * totals + 1e-9, call_s + token_s * padded, np.inf)
+
+    # reversed, the capacities ascend, so the DP's runs are contiguous ranges of rows
+    out = []
+    for group in dp_schedule(caps[::-1], group_costs):
+        start, end = n - 1 - max(group), n - min(group)
+        out.append((start, end, caps[start]))
+    return sorted(out)
 
 
 @dataclass
@@ -68,9 +112,10 @@ class KVCache:
     first; capacity = prompt + the new tokens whose keys will be stored (max_new_tokens - 1)."""
 
     def __init__(self, micro_batches: Sequence[Sequence[tuple[int, int]]], layers: int, kv_heads: int,
-                 head_dim: int, q_heads: int, dtype: torch.dtype, slack: float = SLACK):
+                 head_dim: int, q_heads: int, dtype: torch.dtype, costs: BucketCosts = BucketCosts()):
         self.layers, self.kv_heads, self.head_dim, self.q_heads = layers, kv_heads, head_dim, q_heads
         self.dtype = dtype
+        row_token_bytes = 2 * kv_heads * head_dim * dtype.itemsize
         self.prompt_lens = []
         self.buckets: list[list[_Bucket]] = []
         self.row_bucket: list[list[tuple[int, int]]] = []
@@ -78,7 +123,7 @@ class KVCache:
             lens = torch.tensor([p for p, _ in rows], dtype=torch.long)
             self.prompt_lens.append(lens)
             buckets, where = [], []
-            for b, (start, end, cap) in enumerate(length_buckets([c for _, c in rows], slack)):
+            for b, (start, end, cap) in enumerate(costs.buckets([c for _, c in rows], row_token_bytes)):
                 n = end - start
                 shape = (layers, n, kv_heads, cap, head_dim)
                 # zeros, not empty: masked keys get zero weight, but 0 x NaN garbage in V would still be NaN
@@ -91,11 +136,11 @@ class KVCache:
 
     @staticmethod
     def planned_bytes(micro_batches: Sequence[Sequence[tuple[int, int]]], layers: int, kv_heads: int, head_dim: int,
-                      dtype_bytes: int, slack: float = SLACK) -> int:
+                      dtype_bytes: int, costs: BucketCosts = BucketCosts()) -> int:
         """Bytes the cache would take, without allocating it."""
-        per_token = 2 * layers * kv_heads * head_dim * dtype_bytes
-        return sum((end - start) * cap * per_token
-                   for rows in micro_batches for start, end, cap in length_buckets([c for _, c in rows], slack))
+        row_token_bytes = 2 * kv_heads * head_dim * dtype_bytes
+        return sum((end - start) * cap * layers * row_token_bytes for rows in micro_batches
+                   for start, end, cap in costs.buckets([c for _, c in rows], row_token_bytes))
 
     @property
     def nbytes(self) -> int:

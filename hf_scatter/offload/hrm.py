@@ -117,26 +117,24 @@ class HierarchicalRoofline:
                                         "no host-memory contention between CPU work and DMA")
         self.gpu_attention_bandwidth = term("gpu_attention_bandwidth", p.gpu_attention_bandwidth, p.gpu_bandwidth,
                                             "GPU attention at the copy bandwidth")
-        if p.gemm_efficiency:
-            pts = sorted((float(m), float(e)) for m, e in p.gemm_efficiency)
-            if any(not 0 < e <= 1.0 for _, e in pts):
-                raise ProfileError(f"profile {p.name!r}: gemm_efficiency values must be in (0, 1]")
-            self._eff_log_rows = np.log([m for m, _ in pts])
-            self._eff = np.array([e for _, e in pts])
-        else:
+        self._gemm = _efficiency_curve(p, "gemm_efficiency")
+        if self._gemm is None:
             self.uncalibrated.append("gemm_efficiency (GEMMs at the roofline: optimistic)")
-            self._eff_log_rows = None
+        self._moe = _efficiency_curve(p, "moe_efficiency")
+        if self._moe is None:
+            self.uncalibrated.append("moe_efficiency (expert GEMMs at the dense GEMM efficiency)")
         self._cpu_attention = _fit_cpu_attention(p.cpu_attention)
         if self._cpu_attention is None:
             self.uncalibrated.append("cpu_attention (CPU attention at the CPU copy bandwidth)")
 
     # ----- calibration terms -----
-    def gemm_efficiency(self, rows: float) -> float:
-        """Achieved / roofline time of a GEMM with ``rows`` rows: log-linear between measured points, flat
-        outside them."""
-        if self._eff_log_rows is None:
+    def gemm_efficiency(self, rows: float, moe: bool = False) -> float:
+        """Achieved / roofline time of a GEMM with ``rows`` rows (``moe``: of the grouped expert kernels at
+        ``rows`` per expert): log-linear between measured points, flat outside them."""
+        curve = self._moe if moe and self._moe is not None else self._gemm
+        if curve is None:
             return 1.0
-        return float(np.interp(math.log(max(rows, 1e-9)), self._eff_log_rows, self._eff))
+        return float(np.interp(math.log(max(rows, 1e-9)), *curve))
 
     def cpu_attention_rate(self, context: float) -> tuple[float, float]:
         """(KV bytes/s, seconds of overhead per call) of CPU decode attention at this context length."""
@@ -155,7 +153,7 @@ class HierarchicalRoofline:
             memory = op.kv_bytes / self.gpu_attention_bandwidth
             return max(op.flops / self.roofs.gpu_flops, memory)
         roof = max(op.flops / self.roofs.gpu_flops, op.bytes / self.roofs.gpu_bandwidth)
-        return roof / self.gemm_efficiency(op.rows)
+        return roof / self.gemm_efficiency(op.rows, op.moe)
 
     def cpu_attention_seconds(self, batch: float, context: float, kv_bytes_per_token: float) -> float:
         """One CPU decode-attention call over ``batch`` sequences of ``context`` cached tokens."""
@@ -184,6 +182,17 @@ class HierarchicalRoofline:
         streamed = (1 - weights_gpu_fraction) * model.ffn_weight_bytes  # bytes over the link per layer and step
         flops_per_sequence = 6.0 * model.top_k * model.hidden * model.intermediate
         return p2 * streamed / flops_per_sequence
+
+
+def _efficiency_curve(profile: HardwareProfile, field: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """(log rows, efficiency) of a profile's ``[[rows, achieved / roofline], ...]`` points."""
+    points = getattr(profile, field)
+    if not points:
+        return None
+    pts = sorted((float(m), float(e)) for m, e in points)
+    if any(not 0 < e <= 1.0 for _, e in pts) or any(m <= 0 for m, _ in pts):
+        raise ProfileError(f"profile {profile.name!r}: {field} needs positive rows and values in (0, 1]")
+    return np.log([m for m, _ in pts]), np.array([e for _, e in pts])
 
 
 def _fit_cpu_attention(points: list) -> tuple[np.ndarray, np.ndarray, float] | None:

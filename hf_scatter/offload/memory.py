@@ -8,6 +8,8 @@ request whose prompt or KV cache cannot fit at all is refused with its index and
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass
 
 from .families import Dims, Family
@@ -30,6 +32,28 @@ def other_bytes(family: Family) -> int:
         seen.add(key)
         total += t.numel() * t.element_size()
     return total
+
+
+def cublas_workspace_bytes(device) -> int:
+    """cuBLAS's workspace for the compute stream: PyTorch allocates it through its caching allocator at the
+    first GEMM on a stream (32 MiB on Hopper), so it counts against the budget like any tensor. Sized as
+    PyTorch sizes it: ``CUBLAS_WORKSPACE_CONFIG`` (``:KiB:count`` pairs) or its per-architecture default."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 0
+    return cublas_workspace_size(os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""),
+                                 torch.cuda.get_device_capability(device)[0])
+
+
+def cublas_workspace_size(config: str, major: int) -> int:
+    """Bytes for a ``CUBLAS_WORKSPACE_CONFIG`` value ('' for PyTorch's default) on a GPU of compute
+    capability ``major``.x."""
+    pairs = re.findall(r":(\d+):(\d+)", config)
+    if pairs:
+        return sum(int(size) * int(count) for size, count in pairs) * 1024
+    return 4096 * 8 * 1024 if major >= 9 else (4096 * 2 + 16 * 8) * 1024
 
 
 def workspace_bytes(d: Dims, tokens: int, b: int) -> int:
@@ -63,36 +87,41 @@ class DevicePlan:
     other: int
     chunk_tokens: int
     group_tokens: int
+    reserved: int = 0  # the library's own buffers (cuBLAS workspace)
 
     @property
     def available(self) -> int:
         """Device memory left for activations after the weights."""
-        return self.budget - self.other - self.layout.device_bytes
+        return self.budget - self.other - self.reserved - self.layout.device_bytes
 
     def breakdown(self) -> dict:
         return {"embedding, final norm, LM head": self.other, "resident layer weights": self.layout.resident_bytes,
-                "weight double buffer": 2 * self.layout.slot_bytes, "activations (at most)": self.available}
+                "weight double buffer": 2 * self.layout.slot_bytes, "cuBLAS workspace": self.reserved,
+                "activations (at most)": self.available}
 
 
-def plan_device(family: Family, fraction: float, budget: int, batch: int, micro: int, b: int) -> DevicePlan:
+def plan_device(family: Family, fraction: float, budget: int, batch: int, micro: int, b: int,
+                reserved: int = 0) -> DevicePlan:
     """The largest resident fraction <= ``fraction`` whose weights leave room for decoding ``batch``
-    requests in micro-batches of ``micro`` and for prefill chunks of at least MIN_CHUNK_TOKENS tokens."""
+    requests in micro-batches of ``micro`` and for prefill chunks of at least MIN_CHUNK_TOKENS tokens
+    (``reserved``: device bytes taken besides weights and activations)."""
     d = family.dims
     other = other_bytes(family)
     x = fraction
     while True:
         layout = Layout(family, x)
-        available = budget - other - layout.device_bytes
+        available = budget - other - reserved - layout.device_bytes
         chunk = _chunk_tokens(d, batch, available, b)
         if chunk >= MIN_CHUNK_TOKENS and decode_bytes(d, batch, micro, b) <= available:
             per_token = row_bytes(d, b)
             group = (available - workspace_bytes(d, chunk, b) - batch * (d.q_dim * b + 16)) // per_token
-            return DevicePlan(layout, budget, other, chunk, int(group))
+            return DevicePlan(layout, budget, other, chunk, int(group), reserved)
         if x <= 0:
             need = max(decode_bytes(d, batch, micro, b), prefill_bytes(d, batch, MIN_CHUNK_TOKENS, MIN_CHUNK_TOKENS, b))
             raise PlanError(
                 f"a GPU budget of {format_bytes(budget)} is too small: the embedding and LM head "
-                f"({format_bytes(other)}) and the double buffer for one streamed stage "
+                f"({format_bytes(other)}), cuBLAS's workspace ({format_bytes(reserved)}) and the double buffer for "
+                f"one streamed stage "
                 f"({format_bytes(2 * layout.slot_bytes)}) leave {format_bytes(max(available, 0))}, but batches of "
                 f"{batch} in micro-batches of {micro} need {format_bytes(need)} of activations: raise gpu_memory or "
                 "pass a policy with a smaller batch_size / micro_batch_size")

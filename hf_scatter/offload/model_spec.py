@@ -46,6 +46,7 @@ class OpCost:
     kv_bytes: float  # KV cache read (attention)
     rows: float  # rows per weight matrix of its GEMMs (tokens per expert for the FFN): sets GEMM efficiency
     kernels: int  # GPU launches
+    moe: bool = False  # grouped expert GEMMs (their efficiency is the profile's moe_efficiency where measured)
 
     @property
     def bytes(self) -> float:
@@ -225,7 +226,7 @@ class ModelSpec:
         active = self.active_experts(tokens)
         ops.append(OpCost("ffn", 6.0 * tokens * self.top_k * h * self.intermediate,
                           active * self.expert_weight_bytes, 0.0, tokens * self.top_k / self.experts,
-                          KERNELS["ffn"] if self.is_moe else DENSE_FFN_KERNELS))
+                          KERNELS["ffn"] if self.is_moe else DENSE_FFN_KERNELS, moe=self.is_moe))
         return {op.name: op for op in ops}
 
     def head_op(self, tokens: float) -> OpCost:

@@ -16,11 +16,12 @@ from typing import Sequence
 
 import torch
 
+from ..kernels.backend import autotune_override
 from .batching import plan_batches
 from .cgopipe import CGOPipe, StagingBuffers
-from .cpu_attention import SLACK, AttentionWorker, attention_threads
+from .cpu_attention import SLACK, AttentionWorker, BucketCosts, attention_threads
 from .families import family_of
-from .memory import DevicePlan, decode_bytes, plan_device, prefill_bytes
+from .memory import DevicePlan, cublas_workspace_bytes, decode_bytes, plan_device, prefill_bytes
 from .model_spec import ModelSpec
 from .paging import WeightStore, WeightStreamer
 from .policy import PlanError, Policy, Workload
@@ -83,7 +84,7 @@ def offload(model, gpu_memory: int | float | str = "16GiB", cpu_memory: int | fl
     family = family_of(model)
     device = _device(device)
     gpu_budget = parse_bytes(gpu_memory, "gpu_memory")
-    prof = _profile(profile, device)
+    prof = _profile(profile, device, required=policy is None)
     cpu_budget = parse_bytes(cpu_memory, "cpu_memory") if cpu_memory is not None else _default_cpu_budget(prof)
     dtype_bytes = family.other_tensors()["embed"].element_size()
     if policy is None:
@@ -99,7 +100,7 @@ def offload(model, gpu_memory: int | float | str = "16GiB", cpu_memory: int | fl
         raise ValueError(f"the offloaded runtime runs attention on the CPU and the experts on the GPU (CGOPipe); this "
                          f"policy asks for {policy.placement()}: pass attention_on_gpu=False, experts_on_gpu=True")
     plan = plan_device(family, policy.weights_gpu_fraction, gpu_budget, policy.batch_size,
-                       policy.micro_batch_size, dtype_bytes)
+                       policy.micro_batch_size, dtype_bytes, reserved=cublas_workspace_bytes(device))
     if plan.layout.host_bytes > cpu_budget:
         raise PlanError(f"the streamed weights take {format_bytes(plan.layout.host_bytes)} of pinned host memory but "
                         f"cpu_memory is {format_bytes(cpu_budget)}: raise cpu_memory or gpu_memory")
@@ -126,7 +127,8 @@ class OffloadedModel:
         self.worker = AttentionWorker(attention_threads(profile))
         self.streamer = WeightStreamer(self.store, self.streams, NullTracer())
         self.pipe = CGOPipe(self.family, self.streamer, self.other, self.rotary, self.streams, self.worker,
-                            StagingBuffers(pin=device.type == "cuda"), plan.chunk_tokens, plan.group_tokens)
+                            StagingBuffers(pin=device.type == "cuda"), plan.chunk_tokens, plan.group_tokens,
+                            BucketCosts.from_profile(profile))
         self.generation_config = getattr(model, "generation_config", None)
 
     # ------------------------------------------------------------------ generation
@@ -167,21 +169,22 @@ class OffloadedModel:
         if self.device.type == "cpu":  # the CPU stands in for the GPU: one core drives, the rest attend
             torch.set_num_threads(1)
         start = time.perf_counter()
-        try:
-            for b, batch in enumerate(batches):
-                bar.set_postfix_str(f"batch {b + 1}/{len(batches)} ({batch.size} requests)")
-                result = self.pipe.run(batch, requests, max_new_tokens, sampling, generator, stopping, tracer,
-                                       on_step=lambda: bar.update(1), clock_origin=start)
-                prefill_s += result.prefill_s
-                decode_s += result.decode_s
-                steps += result.steps
-                for r, toks in result.tokens.items():
-                    new_tokens[r] = toks
-                    timings[r] = RequestTiming(r, b, lens[r], len(toks), result.first_token_s[r], result.finish_s[r])
-            self.streams.synchronize()
-        finally:
-            bar.close()
-            torch.set_num_threads(driver_threads)
+        with autotune_override(False):  # fixed block sizes: the tuner's 256 MB scratch would break the budget
+            try:
+                for b, batch in enumerate(batches):
+                    bar.set_postfix_str(f"batch {b + 1}/{len(batches)} ({batch.size} requests)")
+                    result = self.pipe.run(batch, requests, max_new_tokens, sampling, generator, stopping, tracer,
+                                           on_step=lambda: bar.update(1), clock_origin=start)
+                    prefill_s += result.prefill_s
+                    decode_s += result.decode_s
+                    steps += result.steps
+                    for r, toks in result.tokens.items():
+                        new_tokens[r] = toks
+                        timings[r] = RequestTiming(r, b, lens[r], len(toks), result.first_token_s[r], result.finish_s[r])
+                self.streams.synchronize()
+            finally:
+                bar.close()
+                torch.set_num_threads(driver_threads)
         wall = time.perf_counter() - start
         generated = sum(len(t) for t in new_tokens)
         stats = {"requests": len(requests), "generated_tokens": generated, "wall_s": wall,
@@ -352,7 +355,9 @@ def _device(device) -> torch.device:
     return device
 
 
-def _profile(profile, device: torch.device) -> HardwareProfile | None:
+def _profile(profile, device: torch.device, required: bool) -> HardwareProfile | None:
+    """The hardware profile; None where there is none to plan with and a policy was given (then the
+    CPU budget and attention threads come from this machine)."""
     if isinstance(profile, HardwareProfile):
         return profile
     if profile is None and device.type == "cpu":
@@ -360,6 +365,8 @@ def _profile(profile, device: torch.device) -> HardwareProfile | None:
     try:
         return load_profile(profile)
     except FileNotFoundError as e:
+        if profile is None and not required:
+            return None
         raise FileNotFoundError(f"{e}; or give offload() a policy=Policy(...)") from None
 
 

@@ -10,12 +10,14 @@ a few are built in (:data:`KNOWN_PROFILES`) and a GPU from a spec sheet can be p
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import platform
 import re
 import statistics
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -43,6 +45,9 @@ class HardwareProfile:
     gpu_attention_bandwidth: float | None = None  # KV bytes/s of bf16 decode attention
     gpu_launch_s: float | None = None  # host time to issue one small GPU op (Python + dispatcher + launch)
     gemm_efficiency: list = field(default_factory=list)  # [[rows M, achieved / roofline of an [M,K]x[K,N] bf16 GEMM]]
+    # [[rows per expert, achieved / roofline]] of the offloaded runtime's SwiGLU expert kernels (Mixtral-8x7B's
+    # expert shape, block sizes as the runtime runs them): decode-sized MoE GEMMs reach less than dense ones
+    moe_efficiency: list = field(default_factory=list)
     # CPU <-> GPU link
     h2d_pinned: float | None = None
     h2d_pageable: float | None = None
@@ -81,7 +86,8 @@ class HardwareProfile:
         if "name" not in data:
             data["name"] = os.path.basename(origin)
         for key, value in data.items():
-            if key in ("gemm_efficiency", "cpu_attention", "notes", "name", "host", "device", "source", "date"):
+            if key in ("gemm_efficiency", "moe_efficiency", "cpu_attention", "notes", "name", "host", "device", "source",
+                       "date"):
                 continue
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0):
                 raise ValueError(f"{origin}: {key} must be a positive number or null, got {value!r}")
@@ -291,13 +297,52 @@ def _attention_inputs(batch, context, q_heads, kv_heads, head_dim, device="cpu")
     return q, k, torch.randn_like(k)
 
 
-def _cpu_attention_point(batch: int, context: int, q_heads=32, kv_heads=8, head_dim=128) -> dict:
-    from .cpu_attention import decode_attention  # the kernel the offloaded runtime runs
+def _cpu_attention_point(worker, batch: int, context: int, q_heads=32, kv_heads=8, head_dim=128) -> dict:
+    """One decode step of ``batch`` requests of about ``context`` cached tokens through the runtime's own
+    path: :meth:`KVCache.attend` (new K/V written, masked SDPA over one length bucket of prompts within
+    +-10% of each other) on the attention worker thread, waited for by another thread (waking that
+    thread's team is most of the per-call cost: about 0.25 ms on the H100 host)."""
+    import torch
 
-    q, k, v = _attention_inputs(batch, context, q_heads, kv_heads, head_dim)
-    seconds = _median_s(lambda: decode_attention(q[:, :, 0], k, v), budget_s=0.5)
+    from .cpu_attention import KVCache
+
+    # longest first, mean ``context``
+    lens = [round(context * (1.1 - 0.2 * i / (batch - 1))) for i in range(batch)] if batch > 1 else [context]
+    cache = KVCache([[(p, p + 1) for p in lens]], 1, kv_heads, head_dim, q_heads, torch.bfloat16)
+    qkv = torch.randn(batch, (q_heads + 2 * kv_heads) * head_dim).to(torch.bfloat16)
+    out = torch.empty(batch, q_heads * head_dim, dtype=torch.bfloat16)
+    seconds = _median_s(lambda: worker.submit(cache.attend, 0, 0, 0, qkv, out).result(), budget_s=0.5)
     return dict(batch=batch, context=context, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=2,
                 seconds=seconds)
+
+
+@contextlib.contextmanager
+def _link_traffic():
+    """Pinned host->device copies running meanwhile (as the weights stream during decode: they take host
+    memory bandwidth from the CPU's attention); nothing without a GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        yield False
+        return
+    src = torch.empty(256 * 2**20, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty_like(src, device="cuda")
+    stop = threading.Event()
+
+    def pump():
+        stream = torch.cuda.Stream()
+        while not stop.is_set():
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+            stream.synchronize()
+
+    thread = threading.Thread(target=pump, daemon=True)
+    thread.start()
+    try:
+        yield True
+    finally:
+        stop.set()
+        thread.join()
 
 
 def _cpu_op_seconds(calls: int = 2000) -> float:
@@ -349,6 +394,27 @@ def _gpu_measurements(quick: bool) -> list[tuple[str, Callable[[HardwareProfile]
             roofline = max(2.0 * m * k * n / p.gpu_flops, 2.0 * (k * n + m * k + m * n) / p.gpu_bandwidth)
             points.append([m, min(1.0, roofline / seconds)])
         p.gemm_efficiency = points
+
+    def moe_efficiency(p):
+        from ..kernels.backend import autotune_override
+        from ..moe.mlp import expert_mlp, glu_activation
+
+        E, H, inter, k = 8, 4096, (4096 if quick else 14336), 2  # Mixtral-8x7B's experts (quick: narrower)
+        w_in = torch.randn(E, 2 * inter, H, device=dev, dtype=torch.bfloat16).transpose(1, 2)
+        w_out = torch.randn(E, H, inter, device=dev, dtype=torch.bfloat16).transpose(1, 2)
+        act = glu_activation(torch.nn.functional.silu)
+        points = []
+        with torch.no_grad(), autotune_override(False):  # as the offloaded runtime runs them
+            for tokens in ((8, 128, 2048) if quick else (4, 16, 64, 256, 1024, 4096)):
+                x = torch.randn(tokens, H, device=dev, dtype=torch.bfloat16)
+                experts = torch.randint(0, E, (tokens, k), device=dev)
+                gates = torch.rand(tokens, k, device=dev, dtype=torch.bfloat16)
+                seconds = median_ms(lambda: expert_mlp(x, (w_in,), w_out, experts, gates, act, validate=False)) / 1e3
+                active = torch.unique(experts).numel()
+                flops = 6.0 * tokens * k * H * inter
+                roofline = max(flops / p.gpu_flops, 3.0 * active * H * inter * 2 / p.gpu_bandwidth)
+                points.append([tokens * k / E, min(1.0, roofline / seconds)])
+        p.moe_efficiency = points
 
     def gpu_attention(p):
         q, kk, v = _attention_inputs(64, 2048, 32, 8, 128, device=dev)
@@ -426,6 +492,7 @@ def _gpu_measurements(quick: bool) -> list[tuple[str, Callable[[HardwareProfile]
                                           f"ran {repeats * copy_bytes / elapsed / 1e9:.1f} GB/s")
 
     steps = [("GPU matmul", gpu_flops), ("GPU copy", gpu_bandwidth), ("GEMM efficiency", gemm_efficiency),
+             ("MoE kernel efficiency", moe_efficiency),
              ("GPU attention", gpu_attention), ("GPU launch", launch), ("PCIe", link), ("host DRAM", host_dram)]
     return steps
 
@@ -444,7 +511,16 @@ def measure_profile(quick: bool = False, progress: bool = True) -> HardwareProfi
     contexts = (256, 2048) if quick else (256, 1024, 4096)
 
     def attention(p):
-        p.cpu_attention = [_cpu_attention_point(b, c) for c in contexts for b in (4, 32)]
+        from .cpu_attention import AttentionWorker, attention_threads
+
+        worker = AttentionWorker(attention_threads(p))
+        try:
+            with _link_traffic() as busy:
+                p.cpu_attention = [_cpu_attention_point(worker, b, c) for c in contexts for b in (1, 4, 32)]
+        finally:
+            worker.close()
+        p.notes["cpu_attention"] = ("measured: KVCache.attend on the attention worker, one masked length bucket"
+                                    + (", pinned host->device copies running meanwhile" if busy else ""))
 
     steps = [
         ("CPU fp32 matmul", lambda p: setattr(p, "cpu_flops_fp32", _cpu_matmul_flops(torch.float32, n))),

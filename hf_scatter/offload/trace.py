@@ -89,16 +89,19 @@ class Tracer:
         return path
 
     def summary(self) -> dict:
-        """Busy seconds per lane and how much of the weight transfer ran while the GPU or the CPU computed."""
+        """Busy seconds per lane, how much of the weight transfer ran while the GPU or the CPU computed, and
+        how much of that compute ran under a transfer (in a link-bound run the second is the telling one:
+        the link cannot be hidden behind less compute than it takes, but the compute can hide under it)."""
         spans = self.spans()
         busy = {lane: _union([(s, e) for la, _, s, e in spans if la == lane]) for lane in LANES}
         weights = busy["H2D weights"]
         compute = _union(busy["GPU compute"] + busy["CPU attention"])
         hidden = _overlap(weights, compute)
-        total = _length(weights)
+        total, computing = _length(weights), _length(compute)
         return {"busy_s": {lane: _length(iv) for lane, iv in busy.items()},
                 "weight_transfer_s": total, "weight_transfer_overlapped_s": hidden,
                 "weight_transfer_overlap": hidden / total if total else None,
+                "compute_s": computing, "compute_under_transfer": hidden / computing if computing else None,
                 "span_s": (max(e for *_, e in spans) - min(s for _, _, s, _ in spans)) if spans else 0.0}
 
 

@@ -164,8 +164,8 @@ class UnpaddedRuntime:
         if len(sizes) > self.max_graphs:
             raise ValueError(f"warmup: {len(sizes)} buckets up to {max_tokens} tokens exceed max_graphs="
                              f"{self.max_graphs}; raise max_graphs or lower max_tokens")
-        self._allocator(sizes[-1])  # the one arena, at its final size
-        with torch.inference_mode():
+        with torch.inference_mode():  # parameters may require grad: out= kernels refuse autograd
+            self._allocator(sizes[-1])  # the one arena, at its final size
             for tokens in tqdm(sizes, desc="planning buckets", disable=not progress):
                 if self.graphs_enabled():
                     if tokens not in self.graphs:
