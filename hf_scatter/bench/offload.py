@@ -340,6 +340,11 @@ def plot(report: dict, path: str) -> None:
         ax.plot([low, top], [low, top], color="tab:blue", lw=0.8)
         ax.set_xscale("log")
         ax.set_yscale("log")
+        from matplotlib.ticker import FuncFormatter, NullFormatter
+
+        for axis in (ax.xaxis, ax.yaxis):
+            axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            axis.set_minor_formatter(NullFormatter())
         ax.scatter(measured, predicted, color="tab:orange", zorder=3)
         for i, (m, p) in enumerate(zip(measured, predicted)):
             ax.annotate(f"N={validation[i]['batch_size']}/{validation[i]['micro_batch_size']}, "
