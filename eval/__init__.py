@@ -1,9 +1,9 @@
 """lm-eval parity harness (``hf-scatter eval``; docs/eval.md). Installed as ``hf_scatter.eval``.
 
-Runs lm-eval once per backend (vanilla transformers, hf-scatter patched, later offloaded) on the same
+Runs lm-eval once per backend (vanilla transformers, hf-scatter patched, offloaded, ...) on the same
 checkpoint and tokenizer, and compares aggregated metrics and every request's log-likelihood. Also
-registers the ``hf-scatter`` (and ``hf-scatter-mlm``) models with lm-eval, lazily: importing this package
-imports neither torch nor the model classes.
+registers the ``hf-scatter`` (``hf-scatter-mlm``, ``hf-scatter-offloaded``) models with lm-eval, lazily:
+importing this package imports neither torch nor the model classes.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 LM_EVAL_MODELS = {
     "hf-scatter": "hf_scatter.eval.lm_model:HFScatterLM",
     "hf-scatter-mlm": "hf_scatter.eval.masked_lm:MaskedLMScorer",
+    "hf-scatter-offloaded": "hf_scatter.eval.offloaded_lm:OffloadedLM",
 }
 MIN_LM_EVAL = "0.4.10"  # the lazy model registry and TaskManager(include_defaults=...)
 
@@ -19,7 +20,7 @@ _PUBLIC = {"run_parity": "runner", "ParityError": "runner", "BACKENDS": "backend
 
 
 def register_with_lm_eval() -> bool:
-    """Make ``--model hf-scatter`` / ``hf-scatter-mlm`` resolve in lm-eval's registry; False without lm-eval.
+    """Make ``--model hf-scatter`` (``-mlm``, ``-offloaded``) resolve in lm-eval's registry; False without lm-eval.
 
     lm-eval releases with entry-point discovery find them through this package's ``lm_eval.models``
     entry points instead; both name the same classes, so they agree.

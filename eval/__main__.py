@@ -1,8 +1,8 @@
 """``python -m hf_scatter.eval ARGS``: lm-eval's own command line with the ``hf-scatter`` models registered.
 
-lm-eval releases that discover models through entry points find ``--model hf-scatter`` by themselves
-(``pip install hf-scatter`` declares it); released lm-eval up to 0.4.13 only knows models registered in
-the running process, which is what this entry point does before handing over to ``lm-eval``:
+An installed wheel makes the stock ``lm_eval`` command find ``--model hf-scatter`` (its startup hook,
+``_hf_scatter_lm_eval``); an editable install has no hook, and lm-eval only knows models registered in the
+running process, which is what this entry point does before handing over to ``lm-eval``:
 
     python -m hf_scatter.eval run --model hf-scatter --model_args pretrained=DIR,dtype=bfloat16 \\
         --tasks hfs_all --include_path "$(python -c 'import hf_scatter.eval as e; print(e.TASKS_DIR)')"

@@ -1,9 +1,10 @@
 """The backends the parity harness compares, each a way to turn one checkpoint into an lm-eval model.
 
 ``vanilla`` is transformers as it is (lm-eval's ``hf`` model), ``patched`` the same checkpoint through
-the ``hf-scatter`` lm-eval model, ``eager`` transformers with its eager experts loop (a noise floor). A
-new backend (the offloaded one, when ``hf_scatter.offload`` lands) is one :func:`register_backend` call
-with a function from :class:`LoadSettings` to an lm-eval model.
+the ``hf-scatter`` lm-eval model, ``eager`` transformers with its eager experts loop (a noise floor),
+``offloaded`` the checkpoint through :func:`hf_scatter.offload` (the ``hf-scatter-offloaded`` lm-eval
+model). A new backend is one :func:`register_backend` call with a function from :class:`LoadSettings` to
+an lm-eval model.
 BERT-family encoders are scored by pseudo-log-likelihood (``masked_lm.py``) in every backend alike.
 """
 
@@ -23,6 +24,8 @@ class LoadSettings:
     max_length: int | None = None
     encoder: bool = False  # a masked LM (BERT family): pseudo-log-likelihood scoring, no generation
     seed: int = 0  # weights missing from the checkpoint initialise identically in every backend
+    gpu_memory: str = "16GiB"  # the offloaded backend's GPU budget
+    profile: str | None = None  # the offloaded backend's hardware profile (default: this machine's saved one)
 
 
 @dataclass(frozen=True)
@@ -90,13 +93,26 @@ def _eager_experts(settings: LoadSettings):
     return lm
 
 
+def _offloaded(settings: LoadSettings):
+    """The checkpoint through hf_scatter.offload (CGOPipe) within ``settings.gpu_memory``."""
+    if settings.encoder:
+        raise BackendUnavailable("the offloaded backend runs causal MoE language models (Mixtral, DBRX); this "
+                                 "checkpoint is a masked LM")
+    _seeded(settings)
+    from .offloaded_lm import OffloadedLM
+
+    try:
+        return OffloadedLM(pretrained=settings.model, tokenizer=settings.tokenizer, dtype=settings.dtype,
+                           device=settings.device, batch_size=settings.batch_size, max_length=settings.max_length,
+                           softmax_dtype="float32", gpu_memory=settings.gpu_memory, profile=settings.profile)
+    except (FileNotFoundError, NotImplementedError) as e:  # no hardware profile; a family offload cannot run
+        raise BackendUnavailable(str(e)) from e
+
+
 register_backend(Backend("vanilla", "vanilla", _build(False)))
 register_backend(Backend("patched", "hf-scatter", _build(True)))
 register_backend(Backend("eager", "hf eager experts", _eager_experts))
-register_backend(Backend(
-    "offloaded", "offloaded", None,
-    "the offloaded backend runs the model through hf_scatter.offload (MoE-Lightning CGOPipe), which this "
-    "version of hf-scatter does not have yet; leave it out of --backends (e.g. --backends vanilla,patched)"))
+register_backend(Backend("offloaded", "offloaded", _offloaded))
 
 
 def resolve(names: list[str]) -> list[Backend]:

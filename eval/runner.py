@@ -175,7 +175,8 @@ def run_parity(model: str, tasks: list[str] | None = None, backends: list[str] |
                dtype: str = "auto", device: str | None = None, limit: int | float | None = None,
                batch_size: int = 8, tokenizer: str | None = None, include_path: list[str] | None = None,
                builtin_tasks: bool = False, tolerance: float = DEFAULT_TOLERANCE,
-               ll_tolerance: float | None = None, max_length: int | None = None, quiet: bool = False) -> dict:
+               ll_tolerance: float | None = None, max_length: int | None = None, quiet: bool = False,
+               gpu_memory: str = "16GiB", profile: str | None = None) -> dict:
     """Evaluate ``model`` (a local checkpoint directory) with each backend and compare them.
 
     Returns the report (``passed``, ``failures``, per-metric and per-request rows); raises
@@ -202,7 +203,8 @@ def run_parity(model: str, tasks: list[str] | None = None, backends: list[str] |
     except BackendUnavailable as e:
         raise ParityError(str(e)) from None
     settings = LoadSettings(model=str(model_dir), tokenizer=str(tokenizer_dir), dtype=dtype, device=device,
-                            batch_size=batch_size, max_length=max_length, encoder=encoder)
+                            batch_size=batch_size, max_length=max_length, encoder=encoder, gpu_memory=gpu_memory,
+                            profile=profile)
     with offline(), _quiet_bundled_task_hints():
         _check_tokenizer(tokenizer_dir, encoder)
         leaves, manager, skipped = resolve_tasks(tasks or [SUITE], include_path or [], builtin_tasks, encoder)

@@ -124,7 +124,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
                                 device=args.device, limit=args.limit, batch_size=args.batch_size,
                                 tokenizer=args.tokenizer, include_path=args.include_path,
                                 builtin_tasks=args.builtin_tasks, tolerance=args.tolerance,
-                                ll_tolerance=args.ll_tolerance, max_length=args.max_length)
+                                ll_tolerance=args.ll_tolerance, max_length=args.max_length,
+                                gpu_memory=args.gpu_memory, profile=args.profile)
             if described:
                 report["model"] = described
     except ParityError as e:
@@ -240,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ll-tolerance", type=float,
                    help="largest per-request log-likelihood difference (default: reported, not enforced)")
     p.add_argument("--workdir", help="--random: where the checkpoint is written (default: the temp dir)")
+    p.add_argument("--gpu-memory", default="16GiB", help="offloaded backend: GPU memory budget (default 16GiB)")
+    p.add_argument("--profile", help="offloaded backend: hardware profile, a known name or JSON (default: this "
+                                     "machine's saved one from `hf-scatter profile`)")
     p.add_argument("--out", help="write the full report as JSON here")
     p.add_argument("--plot", help="draw every request's log-likelihood difference into this PNG")
     p.set_defaults(func=_cmd_eval)

@@ -120,12 +120,21 @@ def test_eager_backend_needs_interface_experts(tmp_path, tokenizer, capsys):
     assert rc == 2 and "experts_implementation switch" in out.err and "DbrxForCausalLM" in out.err
 
 
-def test_offloaded_backend_is_a_clear_error_before_anything_loads(mixtral_dir, tmp_path, capsys, monkeypatch):
-    monkeypatch.setitem(BACKENDS, "vanilla", Backend("vanilla", "vanilla", lambda s: pytest.fail("loaded a model")))
-    rc, report, out = _eval(["--model", mixtral_dir, *FP32, "--backends", "vanilla,patched,offloaded"], tmp_path,
-                            capsys)
-    assert rc == 2 and report is None
-    assert "not available yet" in out.err and "hf_scatter.offload" in out.err
+def test_offloaded_backend_matches_vanilla_request_by_request(mixtral_dir, tmp_path, capsys):
+    """The checkpoint through hf_scatter.offload (the same pipeline on the CPU): fp32 log-likelihoods and
+    greedy generations equal transformers'."""
+    rc, report, out = _eval(["--model", mixtral_dir, *FP32, "--limit", "3", "--ll-tolerance", "1e-4",
+                             "--backends", "vanilla,offloaded"], tmp_path, capsys)
+    assert rc == 0, out.out + out.err
+    assert any(r.startswith("offloaded: OffloadedModel(mixtral") for r in report["backends"][1]["patch_report"])
+    summary = report["summary"]["offloaded"]
+    assert summary["ll_requests"] == 3 * 4 + 3 * 4 + 3 * 2 + 3 and summary["ll_max_abs"] <= 1e-4
+    assert summary["decisions_changed"] == 0 and summary["generations"] == 3 and summary["generations_changed"] == 0
+
+
+def test_offloaded_backend_refuses_a_masked_lm_before_it_loads(tmp_path, capsys):
+    rc, report, out = _eval(["--random", "tiny-bert", *FP32, "--backends", "vanilla,offloaded"], tmp_path, capsys)
+    assert rc == 2 and report is None and "causal MoE language models" in out.err
 
 
 @pytest.mark.parametrize("args, message", [

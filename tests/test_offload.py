@@ -417,3 +417,23 @@ def test_bench_offload_end_to_end_small(tmp_path):
     assert report["within_budget"] and report["accelerate"]["layers_on_gpu"] < 3
     assert report["hf_scatter"]["tokens_per_s"] > 0 and report["accelerate"]["tokens_per_s"] > 0
     assert png.stat().st_size > 0 and trace.stat().st_size > 0
+
+
+@pytest.mark.parametrize("family", ["mixtral", "dbrx"])
+def test_logits_of_every_position_equal_the_models_own(family):
+    """What a log-likelihood evaluation reads: fp32 logits through the offloaded pipeline, padded rows too."""
+    model = BUILDERS[family]()
+    reqs = requests()
+    ids, mask = padded(reqs, side="right")
+    with torch.no_grad():
+        want = [model(r.unsqueeze(0)).logits[0] for r in reqs]
+    off = hf_scatter.offload(model, gpu_memory="1GiB", device="cpu", policy=Policy(3, 2, weights_gpu_fraction=0.5),
+                             release_weights=False, progress=False)
+    got = off.logits(ids, attention_mask=mask)
+    assert got.shape == (*ids.shape, model.config.vocab_size) and got.dtype == torch.float32
+    for i, r in enumerate(reqs):
+        torch.testing.assert_close(got[i, :len(r)], want[i], rtol=1e-5, atol=1e-5)
+        assert not got[i, len(r):].any(), "padded positions stay zero"
+    # the same pipeline still generates afterwards (the weight stream's stage order is kept)
+    sequence = off.generate(ids[:1, :len(reqs[0])], max_new_tokens=3, progress=False)[0]
+    assert sequence[len(reqs[0]):].tolist() == vanilla_new_tokens(model, reqs[:1], 3)[0]

@@ -39,15 +39,19 @@ def test_wheel_layout(wheel):
     assert "hf_scatter/conversion/__init__.py" in names
     assert "hf_scatter/eval/__init__.py" in names
     top_level = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
-    assert top_level == {"hf_scatter"}, f"unexpected top-level packages: {top_level}"
+    # the package, and the lm-eval startup hook: a .pth file and the one small module it imports
+    assert top_level == {"hf_scatter", "hf_scatter_lm_eval.pth", "_hf_scatter_lm_eval.py"}, top_level
+    assert zipfile.ZipFile(wheel).read("hf_scatter_lm_eval.pth").decode().strip() == "import _hf_scatter_lm_eval"
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "hf-scatter = hf_scatter.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
 
-def test_installed_wheel_runs_version_and_demo(wheel, tmp_path):
-    # A clean venv holding only the wheel; its dependencies come from this environment through a .pth file.
+@pytest.fixture(scope="module")
+def wheel_venv(wheel, tmp_path_factory):
+    """A clean venv holding only the wheel; its dependencies come from this environment through a .pth file.
+    Returns (venv, environment for its commands)."""
     installed_before = _installed()
-    venv = tmp_path / "venv"
+    venv = tmp_path_factory.mktemp("wheel-venv") / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     vpy = venv / "bin" / "python"
     site = subprocess.run([vpy, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
@@ -58,15 +62,49 @@ def test_installed_wheel_runs_version_and_demo(wheel, tmp_path):
     # Every site directory this interpreter sees (on GPU machines that includes the host's, holding torch).
     sites = [p for p in sys.path if p.endswith(("site-packages", "dist-packages")) and Path(p).is_dir()]
     Path(site, "_deps.pth").write_text("\n".join(sites) + "\n")
+    if installed_before:
+        assert _installed(), "pip must not have replaced this environment's own hf-scatter"
     env = {k: v for k, v in os.environ.items() if k not in {"TRITON_INTERPRET", "PYTHONPATH"}}
+    return venv, env
+
+
+def test_installed_wheel_runs_version_and_demo(wheel_venv, tmp_path):
+    venv, env = wheel_venv
+    vpy = venv / "bin" / "python"
     cli = venv / "bin" / "hf-scatter"
     version = subprocess.run([cli, "--version"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     assert version.returncode == 0 and version.stdout.startswith("hf-scatter "), version.stderr
-    if installed_before:
-        assert _installed(), "pip must not have replaced this environment's own hf-scatter"
     where = subprocess.run([vpy, "-c", "import hf_scatter.conversion as c; print(c.__file__)"], capture_output=True,
                            text=True, env=env, cwd=tmp_path, timeout=120)
     assert str(venv) in where.stdout, "hf_scatter.conversion must come from the installed wheel"
     demo = subprocess.run([cli, "demo", "--quick"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
     assert demo.returncode == 0, demo.stdout + demo.stderr
     assert "checks passed" in demo.stdout
+
+
+def test_stock_lm_eval_command_resolves_hf_scatter_after_pip_install(wheel_venv, tmp_path, tokenizer):
+    """lm-eval <= 0.5.0.dev1 reads no model entry points; the wheel's startup hook registers them, so the
+    `lm_eval` console script (what it runs, in the venv's interpreter) finds --model hf-scatter."""
+    pytest.importorskip("lm_eval", reason="lm-eval is in the dev extra: make test installs it")
+    from hf_scatter.tiny import tiny_mixtral
+
+    venv, env = wheel_venv
+    ckpt = tmp_path / "mixtral"
+    tiny_mixtral().save_pretrained(ckpt)
+    tokenizer.save_pretrained(ckpt)
+    tasks = subprocess.run([venv / "bin" / "python", "-c", "import hf_scatter.eval as e; print(e.TASKS_DIR)"],
+                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120).stdout.strip()
+    assert tasks.endswith("tasks"), tasks
+    args = ["--model", "hf-scatter", "--model_args", f"pretrained={ckpt},dtype=float32", "--device", "cpu",
+            "--tasks", "hfs_arithmetic", "--include_path", tasks, "--limit", "2"]
+    lm_eval = "import sys; sys.argv[0] = 'lm_eval'; from lm_eval.__main__ import cli_evaluate; cli_evaluate()"
+    env = {**env, "HF_SCATTER_KERNELS": "torch"}  # the command's plumbing, not the kernels, is under test
+    done = subprocess.run([venv / "bin" / "python", "-c", lm_eval, *args], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert "hfs_arithmetic" in done.stdout and "acc" in done.stdout
+    # the same interpreter without site processing (no .pth files run): lm-eval does not know the model
+    bare = subprocess.run([venv / "bin" / "python", "-S", "-c", "import sys, site; sys.path[:0] = "
+                           f"{[p for p in sys.path if p.endswith(('site-packages', 'dist-packages'))]!r}; " + lm_eval,
+                           *args], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert bare.returncode != 0 and "hf-scatter" in bare.stderr

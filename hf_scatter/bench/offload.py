@@ -152,8 +152,8 @@ def validate_hrm(model, reqs: list[torch.Tensor], prof, spec, budget: int, new_t
         finally:
             off.close()
         workload = Workload.from_prompts([len(r) for r in batch], new_tokens)
-        rows.append(_validation_row(what, gpu, realised, stats, predict(realised, spec, prof, workload, gpu, cpu_budget),
-                                    spec.layers))
+        prediction = predict(realised, spec, prof, workload, gpu, cpu_budget)
+        rows.append(_validation_row(what, gpu, realised, stats, prediction, spec.layers))
     return rows
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
@@ -207,6 +208,32 @@ class CGOPipe:
         result.decode_s = time.perf_counter() - start
         return result
 
+    # ------------------------------------------------------------------ scoring
+    def logits(self, batch: Batch, prompts: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+        """fp32 logits ``[len, vocab]`` on the CPU for every position of every request of ``batch``: the
+        prefill's stages (GPU attention within each prompt, weights streamed once per group of chunks) with
+        the LM head on every token and no KV cache, as a log-likelihood needs."""
+        self.tracer = self.streamer.tracer
+        self.streamer.set_pages(len(batch.micro_batches))
+        mbs = [SimpleNamespace(index=j, requests=micro.requests, prompt_lens=[len(prompts[r]) for r in micro.requests])
+               for j, micro in enumerate(batch.micro_batches)]
+        out: dict[int, torch.Tensor] = {}
+        fam = self.family
+        with torch.no_grad(), self.streams.on("compute"):
+            for group in self._groups(self._chunks(mbs, prompts)):
+                for s in range(self.num_stages):
+                    w = self.streamer.enter(s)
+                    for c in group:
+                        if self._prompt_stage(c, s, w) is None:  # past the last layer: every token's logits
+                            rows = torch.cat([fam.logits(self.other, c.x[i:i + HEAD_ROWS]).cpu()
+                                              for i in range(0, c.tokens, HEAD_ROWS)])
+                            for row, a, b in c.rows:
+                                out[mbs[c.mb].requests[row]] = rows[a:b]
+                    self.streamer.leave()
+                for c in group:
+                    c.x = c.attn = c.cos = c.sin = None
+        return out
+
     # ------------------------------------------------------------------ decode
     def _decode_step(self, t: int, mbs: list[_MicroBatch], kv: KVCache, sampling: Sampling, generator,
                      token_host: torch.Tensor, token_events: list) -> None:
@@ -273,7 +300,7 @@ class CGOPipe:
     # ------------------------------------------------------------------ prefill
     def _prefill(self, mbs: list[_MicroBatch], kv: KVCache, prompts: list[torch.Tensor], sampling: Sampling,
                  generator, token_host: torch.Tensor, token_events: list) -> None:
-        fam, tracer, d = self.family, self.tracer, self.dims
+        tracer, d = self.tracer, self.dims
         chunks = self._chunks(mbs, prompts)
         kv_dim = 2 * d.kv_dim
         biggest = max(c.tokens for c in chunks)
@@ -287,18 +314,10 @@ class CGOPipe:
                     mb = mbs[c.mb]
                     label = f"prefill stage {s} mb {c.mb} rows {c.rows[0][0]}-{c.rows[-1][0]}"
                     with tracer.device_span("compute", label):
-                        if s == 0:
-                            c.x = fam.embed(self.other, c.ids)
-                            cos, sin = self.rotary(c.x, c.positions.unsqueeze(0))
-                            c.cos, c.sin = cos[0], sin[0]
-                        else:
-                            c.x = fam.post(w.post, w.experts, c.x, c.attn)
-                        if s < d.layers:
-                            qkv = fam.qkv(w.pre, c.x, c.cos, c.sin)
-                            c.attn = self._prompt_attention(qkv, c.rows)
+                        qkv = self._prompt_stage(c, s, w)
+                        if qkv is not None:
                             keys_values = qkv[:, d.q_dim:].contiguous()
                         else:
-                            c.attn = None
                             mb.tokens.index_copy_(0, c.row_index, self._next_tokens(c.x[c.last], sampling, generator))
                     if s < d.layers:
                         i = downloads % 2
@@ -317,6 +336,24 @@ class CGOPipe:
         for mb in mbs:
             token_events[0].append(self._download(mb.tokens, token_host[0, mb.offset:mb.offset + mb.rows],
                                                   f"tokens prefill mb {mb.index}"))
+
+    def _prompt_stage(self, c: _Chunk, s: int, w) -> torch.Tensor | None:
+        """Stage ``s`` of a chunk of whole prompts on the GPU: the embedding (s = 0) or layer s-1's
+        post-attention, then layer s's QKV and attention within each prompt; returns the QKV (None past
+        the last layer)."""
+        fam = self.family
+        if s == 0:
+            c.x = fam.embed(self.other, c.ids)
+            cos, sin = self.rotary(c.x, c.positions.unsqueeze(0))
+            c.cos, c.sin = cos[0], sin[0]
+        else:
+            c.x = fam.post(w.post, w.experts, c.x, c.attn)
+        if s == self.dims.layers:
+            c.attn = None
+            return None
+        qkv = fam.qkv(w.pre, c.x, c.cos, c.sin)
+        c.attn = self._prompt_attention(qkv, c.rows)
+        return qkv
 
     def _store_prompt(self, kv: KVCache, layer: int, c: _Chunk, buf: torch.Tensor, ready) -> None:
         ready.synchronize()

@@ -5,9 +5,10 @@ micro-batch, requests (longest first, as :mod:`batching` orders them) are groupe
 each bucket is one ``[requests, kv_heads, capacity, head_dim]`` tensor per layer, so a decode step is one
 fused SDPA call per bucket (:func:`decode_attention`): grouped-query attention reads each KV head once for
 all the query heads that share it (expanding K/V per query head is 10-25x slower, ANCHORS.md). The buckets
-trade the two costs of a call: a fixed one (waking the thread team; about 0.25 ms on the 16-core H100 host)
-and the padded rows it reads. :func:`length_buckets` picks them with the batch scheduler's DP, never
-padding a bucket beyond ``1 + slack`` of its real tokens (which bounds the cache's memory).
+trade the two costs of a call: a fixed one (the handoff to the worker and its thread team; about 0.3 ms on
+the 16-core H100 host) and the padded rows it reads. :func:`length_buckets` picks them with the batch
+scheduler's DP, never padding a bucket beyond ``1 + slack`` of its real tokens (which bounds the cache's
+memory).
 
 :class:`AttentionWorker` is a single thread, so tasks run in the order the pipeline submits them, whose
 intra-op thread count comes from the hardware profile (one core is left to the thread driving the GPU).

@@ -180,7 +180,8 @@ class OffloadedModel:
                     steps += result.steps
                     for r, toks in result.tokens.items():
                         new_tokens[r] = toks
-                        timings[r] = RequestTiming(r, b, lens[r], len(toks), result.first_token_s[r], result.finish_s[r])
+                        timings[r] = RequestTiming(r, b, lens[r], len(toks), result.first_token_s[r],
+                                                   result.finish_s[r])
                 self.streams.synchronize()
             finally:
                 bar.close()
@@ -205,6 +206,24 @@ class OffloadedModel:
         if return_dict:
             return GenerationResult(sequences, new_tokens, texts, timings, stats)
         return sequences if ids is not None else texts
+
+    def logits(self, input_ids, attention_mask=None, *, progress: bool = False) -> torch.Tensor:
+        """fp32 logits ``[batch, length, vocab]`` on the CPU, as ``model(input_ids).logits`` gives them
+        (zeros at padded positions), computed through the offloaded pipeline: what a log-likelihood
+        evaluation needs. No KV cache is kept."""
+        requests, ids = self._requests(input_ids, attention_mask, None, None)
+        lens = [len(r) for r in requests]
+        batch_size, micro = self._fit(lens, 1)
+        mask = torch.ones_like(ids) if attention_mask is None else torch.as_tensor(attention_mask).to("cpu").bool()
+        out = torch.zeros(ids.shape[0], ids.shape[1], self.dims.vocab, dtype=torch.float32)
+        from tqdm import tqdm
+
+        with autotune_override(False):
+            for batch in tqdm(plan_batches(lens, batch_size, micro), desc="offloaded logits", disable=not progress):
+                for r, rows in self.pipe.logits(batch, requests).items():
+                    out[r, mask[r].nonzero().flatten()] = rows
+            self.streams.synchronize()
+        return out
 
     # ------------------------------------------------------------------ requests in, sequences out
     def _requests(self, input_ids, attention_mask, prompts, tokenizer):
