@@ -41,6 +41,7 @@ from .paging import WeightStreamer
 from .sampling import Sampling
 from .stopping import Stopping
 from .streams import DONE, Streams
+from .trace import NullTracer
 
 
 @dataclass
@@ -213,7 +214,7 @@ class CGOPipe:
         """fp32 logits ``[len, vocab]`` on the CPU for every position of every request of ``batch``: the
         prefill's stages (GPU attention within each prompt, weights streamed once per group of chunks) with
         the LM head on every token and no KV cache, as a log-likelihood needs."""
-        self.tracer = self.streamer.tracer
+        self.tracer = self.streamer.tracer = NullTracer()  # not a traced generate's leftover
         self.streamer.set_pages(len(batch.micro_batches))
         mbs = [SimpleNamespace(index=j, requests=micro.requests, prompt_lens=[len(prompts[r]) for r in micro.requests])
                for j, micro in enumerate(batch.micro_batches)]
