@@ -9,7 +9,7 @@ import contextlib
 import pytest
 import torch
 
-from hf_scatter.kernels.ops import group, groupXTY, scatter2scatter
+from hf_scatter.kernels.ops import gate_grad, gate_mix, group, groupXTY, scatter2scatter
 from hf_scatter.moe import flatten_sort_count, parallel_linear
 from moe_reference import reference_parallel_linear
 
@@ -98,6 +98,54 @@ def test_groupxty_poisoned_and_empty_expert(device):
         assert torch.allclose(db[e].double(), dy[start:end].double().sum(0), atol=1e-4), e
         start = end
     assert torch.count_nonzero(dw[0]) == 0 and torch.count_nonzero(db[0]) == 0  # expert 0 had no rows
+
+
+@pytest.mark.parametrize("x_fan_out,dy_fan_out", [(3, 3), (3, 0), (0, 1), (0, 3)])
+def test_groupxty_reads_scattered_operands_in_place(device, x_fan_out, dy_fan_out):
+    """Backward may read X and dY where they lie (row idx[i] // fan_out): the result must equal groupXTY over
+    explicitly grouped copies."""
+    T, k, E, K, N = 23, 3, 5, 33, 70
+    idx = routing_case(T, k, E, device, "empty-expert")
+    se, ss, off = flatten_sort_count(idx, E)
+    M = T * k
+    x = torch.randn(M // x_fan_out if x_fan_out else M, K, device=device)
+    dy = torch.randn(M // dy_fan_out if dy_fan_out else M, N, device=device)
+    x_g = x[ss // x_fan_out] if x_fan_out else x
+    dy_g = dy[ss // dy_fan_out] if dy_fan_out else dy
+    dw = torch.full((E, K, N), float("nan"), device=device)
+    db = torch.full((E, N), float("nan"), device=device)
+    groupXTY(x, dy, off, dw, db, sorted_scattered_idxs=ss, x_fan_out=x_fan_out, dy_fan_out=dy_fan_out)
+    start = 0
+    for e, end in enumerate(off.tolist()):
+        ref_w = x_g[start:end].double().t() @ dy_g[start:end].double()
+        assert torch.allclose(dw[e].double(), ref_w, atol=1e-4, rtol=1e-5), e
+        assert torch.allclose(db[e].double(), dy_g[start:end].double().sum(0), atol=1e-4), e
+        start = end
+    with pytest.raises(ValueError, match="need sorted_scattered_idxs"):
+        groupXTY(x, dy, off, x_fan_out=x_fan_out or 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gate_mix_and_gate_grad_against_float64(device, dtype):
+    T, k, N = 37, 3, 300
+    y = torch.randn(T * k, N, device=device).to(dtype)
+    g = torch.rand(T, k, device=device)
+    out = torch.full((T, N), float("nan"), device=device, dtype=dtype)
+    gate_mix(y, g, out=out)
+    ref = (y.double().view(T, k, N) * g.double()[..., None]).sum(1)
+    assert rel_err(out, ref) < TOL[dtype] / 2
+    x = torch.randn(T, N, device=device).to(dtype)
+    dots = gate_grad(y, x, fan_out=k)  # slot order: dx row s against x row s // k
+    assert rel_err(dots, (y.double().view(T, k, N) * x.double()[:, None]).sum(-1).view(-1)) < TOL[dtype] / 2
+    coeff = torch.rand(T * k, device=device)
+    dx = y.clone()
+    scaled = torch.full_like(y, float("nan"))
+    dots = gate_grad(dx, y, fan_out=1, coeff=coeff, x_scaled_out=scaled)  # dots before the in-place scaling
+    assert rel_err(dots, (y.double() ** 2).sum(1)) < TOL[dtype] / 2
+    assert rel_err(dx, y.double() * coeff.double()[:, None]) < TOL[dtype] / 2
+    assert rel_err(scaled, y.double() * coeff.double()[:, None]) < TOL[dtype] / 2
+    with pytest.raises(ValueError, match="y_slots must be"):
+        gate_mix(y[:-1], g)
 
 
 # ------------------------------------------------------------------------------------ ParallelLinear

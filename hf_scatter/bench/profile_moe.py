@@ -22,7 +22,8 @@ def profile(config_names=None, steps: int = 3) -> dict:
         gates.requires_grad_(True)
         dy = torch.randn_like(x)
 
-        def step():
+        def step():  # gradients set to None first, as a training step would: no accumulation kernels
+            x.grad = gates.grad = experts.gate_up_proj.grad = experts.down_proj.grad = None
             glu_experts(x, experts.gate_up_proj, experts.down_proj, idx, gates, validate=False).backward(dy)
 
         for _ in range(2):

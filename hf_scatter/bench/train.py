@@ -37,7 +37,9 @@ class TrainConfig:
 
 PAPER_1P5B = TrainConfig()
 SMOKE = TrainConfig(hidden=64, intermediate=96, experts=4, layers=2, heads=4, kv_heads=2, vocab=384, batch=2, seq=16)
-IMPLS = ("mixtral-grouped_mm", "mixtral-eager", "mixtral-hf-scatter", "dbrx-eager", "dbrx-hf-scatter")
+IMPLS = ("mixtral-grouped_mm", "mixtral-eager", "mixtral-hf-scatter-experts", "mixtral-hf-scatter", "dbrx-eager",
+         "dbrx-hf-scatter")
+# "-experts": only the experts on hf-scatter's kernels (norms and router stay transformers' own)
 
 
 def build_model(impl: str, cfg: TrainConfig, device: torch.device, dtype: torch.dtype, seed: int = 0):
@@ -60,12 +62,13 @@ def build_model(impl: str, cfg: TrainConfig, device: torch.device, dtype: torch.
                         "moe_num_experts": cfg.experts, "moe_top_k": cfg.top_k})
     else:
         raise ValueError(f"unknown implementation {impl!r}; choose from {', '.join(IMPLS)}")
-    kwargs = {"experts_implementation": choice} if family == "mixtral" and choice != "hf-scatter" else {}
+    patched = choice.startswith("hf-scatter")
+    kwargs = {"experts_implementation": choice} if family == "mixtral" and not patched else {}
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
-    if choice == "hf-scatter":
-        patch_model(model)
+    if patched:
+        patch_model(model, **({"norms": False, "router": False} if choice.endswith("-experts") else {}))
     return model.train()
 
 

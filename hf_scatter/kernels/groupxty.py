@@ -1,8 +1,9 @@
 """``groupXTY``: per-expert ``X_e^T dY_e`` (the expert weight gradient) and ``sum dY_e`` (the bias gradient).
 
-Both inputs are in expert-sorted (grouped) order, so expert ``e`` owns the contiguous rows
-``[offsets[e-1], offsets[e])``; each program reduces over those rows for one [BLOCK_K, BLOCK_N] tile.
-Experts without rows get exact zeros.
+Expert ``e`` owns the sorted rows ``[offsets[e-1], offsets[e])``; each program reduces over those rows for
+one [BLOCK_K, BLOCK_N] tile. Either operand may be grouped (row ``i``) or read from its scattered position
+(row ``idx[i] // fan_out``), so the backward can do without a grouped copy where that copy would cost more
+memory than it saves time (see ``moe/parallel_linear.py``). Experts without rows get exact zeros.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ if kernels_enabled():
 
     @triton.jit
     def _groupxty_kernel(
-        x_ptr, dy_ptr, dw_ptr, db_ptr, expert_end_ptr,
+        x_ptr, dy_ptr, dw_ptr, db_ptr, expert_end_ptr, idx_ptr,
         K, N,
         stride_xm, stride_xk, stride_dym, stride_dyn,
         stride_dwe, stride_dwk, stride_dwn, stride_dbe, stride_dbn,
         ROWS_BUCKET,  # autotuning key only (rows per expert, power of two)
+        X_FAN: tl.constexpr, DY_FAN: tl.constexpr,  # 0: that operand is grouped
         HAS_BIAS: tl.constexpr, ALLOW_TF32: tl.constexpr, UPCAST: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_K: tl.constexpr,
     ):
@@ -44,9 +46,17 @@ if kernels_enabled():
         for m0 in range(start, end, BLOCK_M):
             rows = m0 + ms
             row_mask = rows < end
-            xt = tl.load(x_ptr + rows[None, :].to(tl.int64) * stride_xm + ks[:, None] * stride_xk,
+            x_rows = rows
+            dy_rows = rows
+            if X_FAN + DY_FAN > 0:
+                slots = tl.load(idx_ptr + rows, mask=row_mask, other=0)
+                if X_FAN > 0:
+                    x_rows = slots // X_FAN
+                if DY_FAN > 0:
+                    dy_rows = slots // DY_FAN
+            xt = tl.load(x_ptr + x_rows[None, :].to(tl.int64) * stride_xm + ks[:, None] * stride_xk,
                          mask=k_mask[:, None] & row_mask[None, :], other=0.0)
-            dy = tl.load(dy_ptr + rows[:, None].to(tl.int64) * stride_dym + ns[None, :] * stride_dyn,
+            dy = tl.load(dy_ptr + dy_rows[:, None].to(tl.int64) * stride_dym + ns[None, :] * stride_dyn,
                          mask=row_mask[:, None] & n_mask[None, :], other=0.0)
             acc = dot_accumulate(acc, xt, dy, UPCAST, ALLOW_TF32)
             if HAS_BIAS:
@@ -64,18 +74,27 @@ if kernels_enabled():
         return [triton.Config({"BLOCK_M": bm, "BLOCK_K": bk, "BLOCK_N": bn, "GROUP_K": 8}, num_warps=w,
                               num_stages=st)
                 for bm, bk, bn, w, st in [(64, 128, 128, 8, 3), (32, 128, 128, 4, 4), (64, 64, 128, 4, 4),
-                                          (128, 128, 128, 8, 3), (32, 64, 64, 4, 4)]]
+                                          (128, 128, 128, 8, 3), (32, 64, 64, 4, 4), (64, 128, 256, 8, 3)]]
 
     def _prune_gxty(configs, named_args, **kwargs):
         return fitting_configs(configs, {"BLOCK_K": named_args["K"], "BLOCK_N": named_args["N"]})
 
     _GXTY_CONFIGS = _gxty_configs()
-    _groupxty_tuned = triton.autotune(configs=_GXTY_CONFIGS, key=["K", "N", "ROWS_BUCKET", "HAS_BIAS"],
+    _groupxty_tuned = triton.autotune(configs=_GXTY_CONFIGS,
+                                      key=["K", "N", "ROWS_BUCKET", "HAS_BIAS", "X_FAN", "DY_FAN"],
                                       prune_configs_by={"early_config_prune": _prune_gxty})(_groupxty_kernel)
 
 
-def groupxty_reference(x_grouped, dy_grouped, expert_offsets, dw_out, db_out=None):
+def _sorted_rows(t, sorted_scattered_idxs, fan_out):
+    """Operand rows in expert order: ``t`` itself (fan_out 0) or ``t[idx // fan_out]``."""
+    return t if not fan_out else t.index_select(0, sorted_scattered_idxs // fan_out)
+
+
+def groupxty_reference(x, dy, expert_offsets, dw_out, db_out=None, sorted_scattered_idxs=None, x_fan_out=0,
+                       dy_fan_out=0):
     """Pure-torch definition of :func:`groupXTY` into ``dw_out`` [E, K, N] (and ``db_out`` [E, N])."""
+    x_grouped = _sorted_rows(x, sorted_scattered_idxs, x_fan_out)
+    dy_grouped = _sorted_rows(dy, sorted_scattered_idxs, dy_fan_out)
     start = 0
     for e, end in enumerate(expert_offsets.tolist()):
         xs, dys = x_grouped[start:end], dy_grouped[start:end]
@@ -86,19 +105,22 @@ def groupxty_reference(x_grouped, dy_grouped, expert_offsets, dw_out, db_out=Non
     return dw_out, db_out
 
 
-def groupxty_triton(x_grouped, dy_grouped, expert_offsets, dw_out, db_out=None, allow_tf32=False):
+def groupxty_triton(x, dy, expert_offsets, dw_out, db_out=None, allow_tf32=False, sorted_scattered_idxs=None,
+                    x_fan_out=0, dy_fan_out=0):
     """Launch the Triton kernel; inputs are assumed validated."""
     E, K, N = dw_out.shape
     if E == 0 or K == 0 or N == 0:
         return dw_out, db_out
     interpreted = triton_interpreted()
     db = db_out if db_out is not None else dw_out
-    args = (x_grouped, dy_grouped, dw_out, db, expert_offsets, K, N,
-            x_grouped.stride(0), x_grouped.stride(1), dy_grouped.stride(0), dy_grouped.stride(1),
+    idx = sorted_scattered_idxs if sorted_scattered_idxs is not None else expert_offsets
+    rows = idx.numel() if sorted_scattered_idxs is not None else x.shape[0]
+    args = (x, dy, dw_out, db, expert_offsets, idx, K, N,
+            x.stride(0), x.stride(1), dy.stride(0), dy.stride(1),
             dw_out.stride(0), dw_out.stride(1), dw_out.stride(2), db.stride(0), db.stride(-1),
-            _rows_bucket(x_grouped.shape[0], E))
-    meta = dict(HAS_BIAS=db_out is not None, ALLOW_TF32=allow_tf32,
-                UPCAST=interpreted and x_grouped.dtype == torch.bfloat16)
+            _rows_bucket(rows, E))
+    meta = dict(X_FAN=x_fan_out, DY_FAN=dy_fan_out, HAS_BIAS=db_out is not None,
+                ALLOW_TF32=allow_tf32, UPCAST=interpreted and x.dtype == torch.bfloat16)
     grid = lambda cfg: (triton.cdiv(K, cfg["BLOCK_K"]) * triton.cdiv(N, cfg["BLOCK_N"]), E)  # noqa: E731
     interpreter_blocks = dict(BLOCK_M=32, BLOCK_K=min(128, max(16, triton.next_power_of_2(K))),
                               BLOCK_N=min(128, max(16, triton.next_power_of_2(N))), GROUP_K=4)

@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from .backend import use_triton
+from .gating import gate_grad_reference, gate_grad_triton, gate_mix_reference, gate_mix_triton
 from .group import group_reference, group_triton
 from .groupxty import groupxty_reference, groupxty_triton
 from .scatter2scatter import scatter2scatter_reference, scatter2scatter_triton
@@ -92,19 +93,52 @@ def _(x, sorted_scattered_idxs, fan_out, coeff, out):
     return None
 
 
-def _groupxty_impl(x_grouped: torch.Tensor, dy_grouped: torch.Tensor, expert_offsets: torch.Tensor,
-                   dw: torch.Tensor, db: Optional[torch.Tensor], allow_tf32: bool) -> None:
-    if use_triton(x_grouped, "groupXTY") and x_grouped.dtype != torch.float64:
-        groupxty_triton(x_grouped, dy_grouped, expert_offsets, dw, db, allow_tf32)
+def _groupxty_impl(x: torch.Tensor, dy: torch.Tensor, expert_offsets: torch.Tensor, dw: torch.Tensor,
+                   db: Optional[torch.Tensor], allow_tf32: bool, sorted_scattered_idxs: Optional[torch.Tensor],
+                   x_fan_out: int, dy_fan_out: int) -> None:
+    if use_triton(x, "groupXTY") and x.dtype != torch.float64:
+        groupxty_triton(x, dy, expert_offsets, dw, db, allow_tf32, sorted_scattered_idxs, x_fan_out, dy_fan_out)
     else:
-        groupxty_reference(x_grouped, dy_grouped, expert_offsets, dw, db)
+        groupxty_reference(x, dy, expert_offsets, dw, db, sorted_scattered_idxs, x_fan_out, dy_fan_out)
 
 
 _groupxty_op = torch.library.custom_op("hf_scatter::groupxty", mutates_args=("dw", "db"))(_groupxty_impl)
 
 
 @_groupxty_op.register_fake
-def _(x_grouped, dy_grouped, expert_offsets, dw, db, allow_tf32):
+def _(x, dy, expert_offsets, dw, db, allow_tf32, sorted_scattered_idxs, x_fan_out, dy_fan_out):
+    return None
+
+
+def _gate_mix_impl(y_slots: torch.Tensor, gates: torch.Tensor, out: torch.Tensor) -> None:
+    if use_triton(y_slots, "gate_mix") and y_slots.dtype != torch.float64:
+        gate_mix_triton(y_slots, gates, out)
+    else:
+        out.copy_(gate_mix_reference(y_slots, gates))
+
+
+_gate_mix_op = torch.library.custom_op("hf_scatter::gate_mix", mutates_args=("out",))(_gate_mix_impl)
+
+
+@_gate_mix_op.register_fake
+def _(y_slots, gates, out):
+    return None
+
+
+def _gate_grad_impl(dx: torch.Tensor, x: torch.Tensor, fan_out: int, coeff: Optional[torch.Tensor],
+                    dots: torch.Tensor, x_scaled_out: Optional[torch.Tensor]) -> None:
+    if use_triton(dx, "gate_grad") and dx.dtype != torch.float64:
+        gate_grad_triton(dx, x, fan_out, coeff, dots, x_scaled_out)
+    else:
+        dots.copy_(gate_grad_reference(dx, x, fan_out, coeff, x_scaled_out))
+
+
+_gate_grad_op = torch.library.custom_op("hf_scatter::gate_grad",
+                                        mutates_args=("dx", "dots", "x_scaled_out"))(_gate_grad_impl)
+
+
+@_gate_grad_op.register_fake
+def _(dx, x, fan_out, coeff, dots, x_scaled_out):
     return None
 
 
@@ -317,19 +351,34 @@ def group(x: torch.Tensor, sorted_scattered_idxs: torch.Tensor, fan_out: int = 1
 
 
 def groupXTY(x_grouped: torch.Tensor, dy_grouped: torch.Tensor, expert_offsets: torch.Tensor,
-             dw: torch.Tensor | None = None, db: torch.Tensor | bool | None = None
+             dw: torch.Tensor | None = None, db: torch.Tensor | bool | None = None,
+             sorted_scattered_idxs: torch.Tensor | None = None, x_fan_out: int = 0, dy_fan_out: int = 0
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-expert ``dW[e] = X_e^T dY_e`` ([E, d_in, d_out]) and, with ``db`` (a buffer or True), ``db[e] = sum dY_e``.
 
     ``dw`` may be any [E, d_in, d_out] buffer, e.g. one strided like the weight it is the gradient of.
+    Operands are grouped (expert-sorted rows) by default; ``x_fan_out``/``dy_fan_out`` > 0 reads that operand's
+    sorted row ``i`` from row ``sorted_scattered_idxs[i] // fan_out`` instead, so no grouped copy is needed.
     """
     op = "groupXTY"
     _check_float(op, "x_grouped", x_grouped, 2)
     _check_float(op, "dy_grouped", dy_grouped, 2)
     _check_like(op, "dy_grouped", dy_grouped, x_grouped)
-    if x_grouped.shape[0] != dy_grouped.shape[0]:
-        _fail(op, f"x_grouped has {x_grouped.shape[0]} rows but dy_grouped has {dy_grouped.shape[0]}")
     _check_index(op, "expert_offsets", expert_offsets, None, x_grouped.device)
+    if x_fan_out < 0 or dy_fan_out < 0:
+        _fail(op, f"fan-outs must be >= 0 (0 = grouped operand), got x_fan_out={x_fan_out}, dy_fan_out={dy_fan_out}")
+    if sorted_scattered_idxs is None:
+        if x_fan_out or dy_fan_out:
+            _fail(op, "scattered operands (x_fan_out/dy_fan_out > 0) need sorted_scattered_idxs")
+        M = x_grouped.shape[0]
+    else:
+        _check_index(op, "sorted_scattered_idxs", sorted_scattered_idxs, None, x_grouped.device)
+        M = sorted_scattered_idxs.numel()
+    for name, t, fan in (("x_grouped", x_grouped, x_fan_out), ("dy_grouped", dy_grouped, dy_fan_out)):
+        rows = M // fan if fan else M
+        if t.shape[0] != rows or (fan and M % fan):
+            how = f"scattered with fan_out={fan}, that is M/fan_out" if fan else "grouped, one row per slot"
+            _fail(op, f"{name} has {t.shape[0]} rows for M={M} slots ({how})")
     E, K, N = expert_offsets.numel(), x_grouped.shape[1], dy_grouped.shape[1]
     if dw is None:
         dw = x_grouped.new_empty((E, K, N))
@@ -341,5 +390,52 @@ def groupXTY(x_grouped: torch.Tensor, dy_grouped: torch.Tensor, expert_offsets: 
         db = None
     elif db is not None:
         _check_out(op, db, (E, N), x_grouped)
-    _run(_groupxty_op, _groupxty_impl, x_grouped, dy_grouped, expert_offsets, dw, db, tf32_allowed())
+    _run(_groupxty_op, _groupxty_impl, x_grouped, dy_grouped, expert_offsets, dw, db, tf32_allowed(),
+         sorted_scattered_idxs, x_fan_out, dy_fan_out)
     return dw, db
+
+
+def gate_mix(y_slots: torch.Tensor, gates: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[t] = sum_j gates[t, j] * y_slots[t*k + j]`` (fp32 accumulation): the k expert outputs of each token,
+    in slot order, mixed by its routing gates."""
+    op = "gate_mix"
+    _check_float(op, "y_slots", y_slots, 2)
+    _check_float(op, "gates", gates, 2)
+    T, k = gates.shape
+    if y_slots.shape[0] != T * k or gates.device != y_slots.device or y_slots.stride(1) != 1:
+        _fail(op, f"y_slots must be [T*k, N] = [{T * k}, N] with contiguous rows on {gates.device}, got "
+                  f"{tuple(y_slots.shape)} strides {y_slots.stride()} on {y_slots.device}")
+    if out is None:
+        out = y_slots.new_empty((T, y_slots.shape[1]))
+    else:
+        _check_out(op, out, (T, y_slots.shape[1]), y_slots)
+        if out.stride(1) != 1:
+            _fail(op, "out must have contiguous rows")
+    _run(_gate_mix_op, _gate_mix_impl, y_slots, gates, out)
+    return out
+
+
+def gate_grad(dx: torch.Tensor, x: torch.Tensor, fan_out: int = 1, coeff: torch.Tensor | None = None,
+              x_scaled_out: torch.Tensor | None = None) -> torch.Tensor:
+    """``dots[i] = dx[i] . x[i // fan_out]`` in fp32 ([M]); with ``coeff`` [M], ``dx[i] *= coeff[i]`` in place in
+    the same pass, and ``x_scaled_out[i] = coeff[i] * x[i // fan_out]`` when that [M, N] buffer is given. With
+    ``dx = dY W^T`` these dots are the routing-gate gradients."""
+    op = "gate_grad"
+    _check_float(op, "dx", dx, 2)
+    _check_float(op, "x", x, 2)
+    _check_like(op, "x", x, dx)
+    M, N = dx.shape
+    if fan_out < 1 or x.shape[0] * fan_out != M or x.shape[1] != N or dx.stride(1) != 1 or x.stride(1) != 1:
+        _fail(op, f"dx [M, N] and x [M / fan_out, N] need contiguous rows; got dx {tuple(dx.shape)}, x "
+                  f"{tuple(x.shape)}, fan_out={fan_out}")
+    if coeff is not None and (tuple(coeff.shape) != (M,) or coeff.device != dx.device or not coeff.is_contiguous()):
+        _fail(op, f"coeff must be a contiguous [{M}] tensor on {dx.device}, got {tuple(coeff.shape)}")
+    if x_scaled_out is not None:
+        if coeff is None:
+            _fail(op, "x_scaled_out needs coeff (it receives coeff[i] * x[i // fan_out])")
+        _check_out(op, x_scaled_out, (M, N), dx)
+        if x_scaled_out.stride(1) != 1:
+            _fail(op, "x_scaled_out must have contiguous rows")
+    dots = dx.new_empty((M,), dtype=torch.promote_types(dx.dtype, torch.float32))
+    _run(_gate_grad_op, _gate_grad_impl, dx, x, fan_out, coeff, dots, x_scaled_out)
+    return dots

@@ -67,15 +67,23 @@ if kernels_enabled():
             tl.store(y_tile_ptr, acc.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
+    # Weight-streaming configs (long K steps, narrow N, deep pipelines) only matter where the tile has few
+    # rows and the GEMM is bound by reading the experts' weights: decode-sized batches.
+    _STREAMING = [(64, 256, 4, 3), (64, 128, 4, 5), (128, 128, 4, 4), (32, 256, 4, 4)]
+
     def _s2s_configs():
         configs = []
         for bn, bk, warps, stages in [(128, 64, 4, 4), (128, 64, 8, 4), (256, 64, 8, 3), (256, 64, 8, 4),
-                                      (64, 64, 4, 4), (64, 128, 4, 4), (128, 128, 8, 3)]:
+                                      (64, 64, 4, 4), (64, 128, 4, 4), (128, 128, 8, 3)] + _STREAMING:
             configs.append(triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=warps,
                                          num_stages=stages))
         return configs
 
     def _prune_s2s(configs, named_args, **kwargs):
+        if kwargs.get("BLOCK_M", 128) > 64:
+            streaming = {(bn, bk, w, st) for bn, bk, w, st in _STREAMING}
+            configs = [c for c in configs if (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps,
+                                              c.num_stages) not in streaming]
         return fitting_configs(configs, {"BLOCK_N": named_args["N"], "BLOCK_K": named_args["K"]})
 
     # GPU path: block sizes chosen per shape by measurement (BLOCK_M is set by the caller, it shapes the tiles).
@@ -118,10 +126,12 @@ def _tiles_of(expert_offsets: torch.Tensor, block_m: int, num_rows: int) -> tupl
 
 
 def _block_m(num_rows: int, num_experts: int) -> int:
-    """Rows per tile, from the mean rows per expert (16 for decode-sized batches, 128 for prefill/training)."""
+    """Rows per tile, from the mean rows per expert: 128 for prefill and training; at decode sizes a tile that
+    holds an expert's rows even when routing is uneven (twice the mean or more), because every extra tile
+    of an expert streams its whole weight again and decode is bound by exactly that traffic."""
     rows_per_expert = num_rows / max(1, num_experts)
-    for block in (16, 32, 64):
-        if rows_per_expert <= block:
+    for mean, block in ((4, 16), (12, 32), (64, 64)):
+        if rows_per_expert <= mean:
             return block
     return 128
 

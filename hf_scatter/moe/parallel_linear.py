@@ -1,16 +1,37 @@
 """ParallelLinear: the differentiable expert-parallel linear layer of ScatterMoE (paper Algorithms 1-2).
 
-Forward is one ``scatter2scatter``; with ``gates`` the k expert outputs of a token are mixed by a batched
-matmul. Backward groups dY (gate-scaled, into the buffer of the forward output) and, unless already
-grouped, X; then ``groupXTY`` gives dW/db and one more ``scatter2scatter`` with W^T gives dX, written into
-the grouped-X buffer. No grouped copy of X is kept between forward and backward.
+Forward is one ``scatter2scatter``; with ``gates`` the k expert outputs of each token are mixed by
+``gate_mix``, and they are not kept: the gate gradient is ``x . (dY W^T)``, a row dot against the input
+gradient that backward computes anyway. For dW a scattered operand is either copied into expert order
+or read in place by ``groupXTY`` (:func:`_dw_operand` says which), and dX is produced before dW is
+allocated, so the largest backward buffers are never live together.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..kernels.ops import group, groupXTY, scatter2scatter
+from ..kernels.ops import gate_grad, gate_mix, group, groupXTY, scatter2scatter
+
+
+def _copy_pays(width: int, other_width: int) -> bool:
+    """Whether a scattered dW operand is copied into expert order rather than gathered inside groupXTY.
+
+    Gathering rows in groupXTY's reduction loop ran 15-30% slower than a grouped copy plus the plain kernel
+    (H100, bf16: 19.5 vs 14.9 + 1.4 ms on the paper unit's first projection), but the copy is [T*k, width].
+    It is made when it is no wider than the other operand, whose grouped rows exist anyway, so it at most
+    doubles the operands' memory; a fine-grained MoE's [T*k, d] copy of its input (d 4096 against 2I
+    2048, k 8) is skipped.
+    """
+    return width <= other_width
+
+
+def _dw_operand(t: torch.Tensor, fan_out: int, other_width: int, sorted_scattered_idxs: torch.Tensor):
+    """``(tensor, fan_out)`` as groupXTY reads it: a grouped operand (fan_out 0) as is, a scattered one copied
+    into expert order or left in place for groupXTY to gather."""
+    if fan_out and _copy_pays(t.shape[1], other_width):
+        return group(t, sorted_scattered_idxs, fan_out), 0
+    return t, fan_out
 
 
 class _ParallelLinear(torch.autograd.Function):
@@ -18,55 +39,84 @@ class _ParallelLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, gates, k, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets,
                 grouped_in, grouped_out):
         fan_out = 1 if grouped_in else k
-        y_hat = scatter2scatter(x, weight, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, fan_out,
-                                x_grouped=grouped_in, y_grouped=grouped_out, bias=bias)
-        if gates is None:
-            y = y_hat
-        else:
-            T = gates.shape[0]
-            y = torch.bmm(gates.to(y_hat.dtype).unsqueeze(1), y_hat.view(T, k, -1)).squeeze(1)
+        y = scatter2scatter(x, weight, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, fan_out,
+                            x_grouped=grouped_in, y_grouped=grouped_out, bias=bias)
+        if gates is not None:
+            y = gate_mix(y, gates)
         ctx.k, ctx.grouped_in, ctx.grouped_out = k, grouped_in, grouped_out
-        ctx.has_bias = bias is not None
-        ctx.save_for_backward(x, weight, gates, y_hat if gates is not None else None,
-                              sorted_expert_idxs, sorted_scattered_idxs, expert_offsets)
+        ctx.save_for_backward(x, weight, bias, gates, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight, gates, y_hat, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets = ctx.saved_tensors
+        x, weight, bias, gates, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets = ctx.saved_tensors
         k, grouped_in, grouped_out = ctx.k, ctx.grouped_in, ctx.grouped_out
         need_x, need_w, need_b, need_g = ctx.needs_input_grad[:4]
+        routing = (sorted_expert_idxs, sorted_scattered_idxs, expert_offsets)
+        idx = sorted_scattered_idxs
+        d_in, d_out = weight.shape[1], weight.shape[2]
+        w_t = weight.transpose(1, 2)
         dy = dy.contiguous()
-        d_gates = None
-        if gates is not None:
-            T = gates.shape[0]
-            if need_g:
-                d_gates = torch.bmm(y_hat.view(T, k, -1), dy.unsqueeze(2)).squeeze(2).to(gates.dtype)
-            coeff = gates.reshape(-1).index_select(0, sorted_scattered_idxs).to(torch.float32)
-            # y_hat is dead once d_gates is taken: the gate-scaled, grouped dY goes into its buffer.
-            dy_grouped = group(dy, sorted_scattered_idxs, fan_out=k, coeff=coeff, out=y_hat)
-        elif grouped_out:
-            dy_grouped = dy
+        x_fan_out = 0 if grouped_in else k
+        d_x = d_gates = None
+        if gates is None:
+            # dY is grouped already, or in slot order (then sorted row i reads dY[idx[i]]).
+            dy_fan_out = 0 if grouped_out else 1
+            if need_x:
+                d_slots = scatter2scatter(dy, w_t, *routing, 1, x_grouped=grouped_out, y_grouped=grouped_in)
+                d_x = d_slots if grouped_in or k == 1 else d_slots.view(-1, k, d_in).sum(1)
+                del d_slots
+            dw_x = dw_dy = None
         else:
-            dy_grouped = group(dy, sorted_scattered_idxs, fan_out=1)
-
-        x_grouped = x if grouped_in else group(x, sorted_scattered_idxs, fan_out=k)
+            # Every slot of token t sees dY[t], scaled by its gate (coeff, in expert order).
+            coeff = gates.reshape(-1).index_select(0, idx).to(torch.float32)
+            dy_fan_out = k
+            # With X grouped and dY read in place, dW takes the gate on X's rows, written by gate_grad's pass
+            # (db needs the gate on dY's rows: with a bias, dY is copied).
+            gather_dy = grouped_in and not need_b and not _copy_pays(d_out, d_in)
+            dw_x = x.new_empty(x.shape) if (need_w or need_b) and gather_dy else None
+            if need_x or need_g or dw_x is not None:
+                # Ungated input gradient per slot, dX'[s] = dY[t] W_e^T: grouped (sorted) rows or slot order.
+                dxp = scatter2scatter(dy, w_t, *routing, k, x_grouped=False, y_grouped=grouped_in)
+                if grouped_in:
+                    dots = gate_grad(dxp, x, 1, coeff, x_scaled_out=dw_x)  # dX' scaled into dX in place
+                    d_gates = torch.empty_like(dots).index_copy_(0, idx, dots)
+                    d_x = dxp
+                else:
+                    d_gates = gate_grad(dxp, x, k)
+                    d_x = gate_mix(dxp, gates) if need_x else None
+                del dxp
+                d_gates = _with_bias_term(d_gates.view(gates.shape), dy, bias, routing) if need_g else None
+                d_gates = d_gates.to(gates.dtype) if need_g else None
+            dw_dy = None
+            if (need_w or need_b) and dw_x is None:
+                dw_dy, dy_fan_out = group(dy, idx, k, coeff=coeff), 0
         d_weight = d_bias = None
         if need_w or need_b:
+            # After dX, so dX's slot-order buffer is freed before dW and any grouped copy are allocated.
             # empty_like keeps a dense weight's strides: the gradient of a transposed view needs no copy.
-            d_weight, d_bias = groupXTY(x_grouped, dy_grouped, expert_offsets, dw=torch.empty_like(weight),
-                                        db=bool(need_b))
-        d_x = None
-        if need_x:
-            # dX rows come out grouped (grouped_in) or in slot order, reusing grouped X's buffer if it is ours.
-            out = None if grouped_in else x_grouped
-            d_slots = scatter2scatter(dy_grouped, weight.transpose(1, 2), sorted_expert_idxs, sorted_scattered_idxs,
-                                      expert_offsets, 1, x_grouped=True, y_grouped=grouped_in, out=out)
-            if grouped_in or k == 1:
-                d_x = d_slots
+            if dw_x is not None:
+                x_op, x_fan = dw_x, 0
             else:
-                d_x = d_slots.view(-1, k, d_slots.shape[1]).sum(1)
-        return d_x, (d_weight if need_w else None), d_bias, d_gates, None, None, None, None, None, None
+                x_op, x_fan = _dw_operand(x, x_fan_out, d_out, idx)
+            if dw_dy is not None:
+                dy_op = dw_dy
+            else:
+                dy_op, dy_fan_out = _dw_operand(dy, dy_fan_out, d_in, idx)
+            d_weight, d_bias = groupXTY(x_op, dy_op, expert_offsets, dw=torch.empty_like(weight), db=bool(need_b),
+                                        sorted_scattered_idxs=idx, x_fan_out=x_fan, dy_fan_out=dy_fan_out)
+        return (d_x if need_x else None), (d_weight if need_w else None), d_bias, d_gates, \
+            None, None, None, None, None, None
+
+
+def _with_bias_term(d_gates: torch.Tensor, dy: torch.Tensor, bias: torch.Tensor | None, routing) -> torch.Tensor:
+    """With a bias, slot output is ``x W_e + b_e``: its gate gradient gains ``dY[t] . b_e``."""
+    if bias is None:
+        return d_gates
+    sorted_expert_idxs, sorted_scattered_idxs, _ = routing
+    expert_of_slot = torch.empty_like(sorted_expert_idxs).index_copy_(0, sorted_scattered_idxs, sorted_expert_idxs)
+    per_expert = dy.to(d_gates.dtype) @ bias.to(d_gates.dtype).t()  # [T, E]
+    return d_gates + per_expert.gather(1, expert_of_slot.view(d_gates.shape).long())
 
 
 def _autocast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
