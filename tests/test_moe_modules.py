@@ -21,18 +21,20 @@ def _routing(T, k, E, device):
     return idx, (gates / gates.sum(-1, keepdim=True)).requires_grad_(True)
 
 
-def test_glu_mlp_matches_hf_mixtral_experts(device):
+# hidden <= I: the backward copies X and dY into expert order; hidden > 2I (fine-grained): reads both in place
+@pytest.mark.parametrize("hidden,intermediate", [(72, 100), (96, 40)])
+def test_glu_mlp_matches_hf_mixtral_experts(device, hidden, intermediate):
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
     from hf_scatter.tiny import tiny_mixtral_config
 
-    cfg = tiny_mixtral_config(hidden=72, experts=6, top_k=3, intermediate=100)
+    cfg = tiny_mixtral_config(hidden=hidden, experts=6, top_k=3, intermediate=intermediate)
     hf = MixtralExperts(cfg).to(device)
     torch.nn.init.normal_(hf.gate_up_proj, std=0.1)
     torch.nn.init.normal_(hf.down_proj, std=0.1)
-    ours = GLUMLP(6, 72, 100).to(device)
+    ours = GLUMLP(6, hidden, intermediate).to(device)
     ours.load_state_dict(hf.state_dict())
-    x = torch.randn(37, 72, device=device, requires_grad=True)
+    x = torch.randn(37, hidden, device=device, requires_grad=True)
     idx, gates = _routing(37, 3, 6, device)
     x2, gates2 = x.detach().clone().requires_grad_(True), gates.detach().clone().requires_grad_(True)
     want = hf(x, idx, gates)
@@ -45,6 +47,21 @@ def test_glu_mlp_matches_hf_mixtral_experts(device):
     assert _rel(gates2.grad, gates.grad) < 1e-5
     assert _rel(ours.gate_up_proj.grad, hf.gate_up_proj.grad) < 1e-5
     assert _rel(ours.down_proj.grad, hf.down_proj.grad) < 1e-5
+
+
+def test_swiglu_experts_backward_frees_its_activations_and_refuses_a_second_pass(device):
+    """The SMoE MLP's [T*k, 2I] and [T*k, I] activations are handed back during its backward (that is what keeps
+    its peak low); a second backward through the same graph is a clear error, not a read of freed memory."""
+    mlp = GLUMLP(4, 32, 24).to(device)
+    x = torch.randn(11, 32, device=device, requires_grad=True)
+    idx, gates = _routing(11, 2, 4, device)
+    y = glu_experts(x, mlp.gate_up_proj, mlp.down_proj, idx, gates)
+    saved = [t for t in y.grad_fn.saved_tensors if t.dim() == 2 and t.shape[0] == 22]  # the [T*k, *] ones
+    assert sorted(t.shape[1] for t in saved) == [24, 48]
+    y.sum().backward(retain_graph=True)
+    assert all(t.untyped_storage().nbytes() == 0 for t in saved)
+    with pytest.raises(RuntimeError, match="backward through the SwiGLU experts ran twice"):
+        y.sum().backward()
 
 
 def _moa_reference(moa, x, is_causal, attention_mask):

@@ -148,6 +148,53 @@ def test_gate_mix_and_gate_grad_against_float64(device, dtype):
         gate_mix(y[:-1], g)
 
 
+@pytest.mark.parametrize("counts,block_m", [([5, 0, 17, 1], 4), ([0, 0, 9], 16), ([3], 2), ([40] * 1, 64),
+                                             ([i % 7 for i in range(256)], 16)])
+def test_expert_tiles_kernel_matches_its_reference(device, counts, block_m):
+    """Every program's (expert, first row): the kernel against the torch form, empty experts and E = 256 included."""
+    from hf_scatter.kernels.scatter2scatter import expert_tiles, expert_tiles_reference
+
+    offsets = torch.tensor(counts, device=device).cumsum(0)
+    rows = int(offsets[-1])
+    got_e, got_r = expert_tiles(offsets, block_m, rows)
+    want_e, want_r = expert_tiles_reference(offsets, block_m, rows)
+    assert got_e.tolist() == want_e.tolist()
+    live = want_e < len(counts)  # rows of programs past the last tile are never read
+    assert got_r[live].tolist() == want_r[live].tolist()
+    assert int(live.sum()) == sum(-(-c // block_m) for c in counts)
+
+
+def test_tuned_config_is_reused_without_the_autotuner(monkeypatch):
+    """After Triton's autotuner picked a config for a launch key, later launches use it directly."""
+    from hf_scatter.kernels import backend
+
+    calls = []
+
+    class Config:
+        kwargs, num_warps, num_stages = {"BLOCK_N": 64}, 4, 3
+
+    class Tuned:
+        best_config = None
+
+        def __getitem__(self, grid):
+            def run(*args, **meta):
+                calls.append(("tuned", grid({"BLOCK_N": 64})))
+                self.best_config = Config()
+            return run
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **meta: calls.append(("direct", grid, meta["BLOCK_N"], meta["num_stages"]))
+
+    monkeypatch.setattr(backend, "triton_interpreted", lambda: False)
+    monkeypatch.setattr(backend, "autotune_enabled", lambda: True)
+    tuned, kernel, grid = Tuned(), Kernel(), lambda cfg: (128 // cfg["BLOCK_N"],)
+    for _ in range(3):
+        backend.launch(kernel, tuned, [], {}, grid, (), {}, {}, tune_key=("k", 1))
+    backend.launch(kernel, tuned, [], {}, grid, (), {}, {}, tune_key=("k", 2))  # a new key is tuned again
+    assert calls == [("tuned", (2,)), ("direct", (2,), 64, 3), ("direct", (2,), 64, 3), ("tuned", (2,))]
+
+
 # ------------------------------------------------------------------------------------ ParallelLinear
 CASES = [  # T, k, E, d_in, d_out, routing pattern
     (13, 2, 4, 100, 600, "random"),

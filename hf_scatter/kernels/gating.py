@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .backend import kernels_enabled
+from .backend import cdiv, kernels_enabled, next_power_of_2
 
 if kernels_enabled():
     import triton
@@ -84,8 +84,8 @@ def gate_mix_triton(y_slots, gates, out):
     N = out.shape[1]
     if T == 0 or N == 0:
         return out
-    BLOCK_T, BLOCK_N = 16, min(256, max(16, triton.next_power_of_2(N)))
-    _gate_mix_kernel[(triton.cdiv(T, BLOCK_T), triton.cdiv(N, BLOCK_N))](
+    BLOCK_T, BLOCK_N = 16, min(256, max(16, next_power_of_2(N)))
+    _gate_mix_kernel[(cdiv(T, BLOCK_T), cdiv(N, BLOCK_N))](
         y_slots, gates, out, T, N, y_slots.stride(0), gates.stride(0), gates.stride(1), out.stride(0),
         K_SLOTS=k, BLOCK_T=BLOCK_T, BLOCK_N=BLOCK_N, num_warps=4)
     return out
@@ -95,9 +95,9 @@ def gate_grad_triton(dx, x, fan_out, coeff, dots, x_scaled_out=None):
     M, N = dx.shape
     if M == 0:
         return dots
-    BLOCK_M, BLOCK_N = 16, min(256, max(16, triton.next_power_of_2(N)))
+    BLOCK_M, BLOCK_N = 16, min(256, max(16, next_power_of_2(N)))
     xs = x_scaled_out if x_scaled_out is not None else dx
-    _gate_grad_kernel[(triton.cdiv(M, BLOCK_M),)](
+    _gate_grad_kernel[(cdiv(M, BLOCK_M),)](
         dx, x, coeff if coeff is not None else dots, dots, xs, M, N, dx.stride(0), x.stride(0), xs.stride(0),
         FAN_OUT=fan_out, SCALE=coeff is not None, SCALED_X=x_scaled_out is not None, BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N, num_warps=4)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .backend import kernels_enabled
+from .backend import cdiv, kernels_enabled, next_power_of_2
 
 if kernels_enabled():
     import triton
@@ -51,8 +51,8 @@ def group_triton(x, sorted_scattered_idxs, fan_out, coeff, out):
     M, K = out.shape
     if M == 0 or K == 0:
         return out
-    BLOCK_M, BLOCK_K = 32, min(128, max(16, triton.next_power_of_2(K)))
-    _group_kernel[(triton.cdiv(M, BLOCK_M),)](
+    BLOCK_M, BLOCK_K = 32, min(128, max(16, next_power_of_2(K)))
+    _group_kernel[(cdiv(M, BLOCK_M),)](
         x, sorted_scattered_idxs, coeff if coeff is not None else x, out,
         M, K, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
         FAN_OUT=fan_out, HAS_COEFF=coeff is not None, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K,

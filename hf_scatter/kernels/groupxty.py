@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .backend import fitting_configs, launch, kernels_enabled, triton_interpreted
+from .backend import cdiv, fitting_configs, kernels_enabled, launch, next_power_of_2, triton_interpreted
 
 if kernels_enabled():
     import triton
@@ -121,11 +121,12 @@ def groupxty_triton(x, dy, expert_offsets, dw_out, db_out=None, allow_tf32=False
             _rows_bucket(rows, E))
     meta = dict(X_FAN=x_fan_out, DY_FAN=dy_fan_out, HAS_BIAS=db_out is not None,
                 ALLOW_TF32=allow_tf32, UPCAST=interpreted and x.dtype == torch.bfloat16)
-    grid = lambda cfg: (triton.cdiv(K, cfg["BLOCK_K"]) * triton.cdiv(N, cfg["BLOCK_N"]), E)  # noqa: E731
-    interpreter_blocks = dict(BLOCK_M=32, BLOCK_K=min(128, max(16, triton.next_power_of_2(K))),
-                              BLOCK_N=min(128, max(16, triton.next_power_of_2(N))), GROUP_K=4)
+    grid = lambda cfg: (cdiv(K, cfg["BLOCK_K"]) * cdiv(N, cfg["BLOCK_N"]), E)  # noqa: E731
+    interpreter_blocks = dict(BLOCK_M=32, BLOCK_K=min(128, max(16, next_power_of_2(K))),
+                              BLOCK_N=min(128, max(16, next_power_of_2(N))), GROUP_K=4)
+    tune_key = (K, N, args[-1], x_fan_out, dy_fan_out, db_out is not None, allow_tf32, x.dtype, dy.dtype, dw_out.dtype)
     launch(_groupxty_kernel, _groupxty_tuned, _GXTY_CONFIGS, {"BLOCK_K": K, "BLOCK_N": N}, grid, args, meta,
-           interpreter_blocks)
+           interpreter_blocks, tune_key)
     return dw_out, db_out
 
 

@@ -35,7 +35,7 @@ import functools
 
 import torch
 
-from .backend import kernels_enabled, triton_interpreted
+from .backend import cdiv, kernels_enabled, next_power_of_2, triton_interpreted
 
 if kernels_enabled():
     import triton
@@ -290,12 +290,12 @@ def _norm_blocks(N: int, backward: bool, interpreted: bool) -> tuple[int, int, i
     tiles of about 2048 values, several short rows to a program (2 of BERT's 768) and one long row, at about
     16 values a thread; the backward keeps at least two rows in a program and 32 to 64 values of each
     tensor a thread. Under the interpreter, whose cost is per program, tiles are larger."""
-    block_n = min(triton.next_power_of_2(N), _max_block_n())
+    block_n = min(next_power_of_2(N), _max_block_n())
     if interpreted:
-        return max(1, 16384 // block_n), block_n, triton.cdiv(N, block_n), 4
+        return max(1, 16384 // block_n), block_n, cdiv(N, block_n), 4
     block_m = max(2 if backward else 1, 2048 // block_n)
     num_warps = max(2, min(16, block_m * block_n // (2048 if backward else 512)))
-    return block_m, block_n, triton.cdiv(N, block_n), num_warps
+    return block_m, block_n, cdiv(N, block_n), num_warps
 
 
 @functools.lru_cache(maxsize=None)
@@ -307,7 +307,7 @@ def _bwd_programs(x: torch.Tensor, block_m: int, block_n: int) -> int:
     """Persistent programs for the backward, each adding one fp32 row to the partial-sum buffers: about as many
     as fit on the GPU at once (small tiles: 16 a multiprocessor, 16384-value tiles: 2). Few under the
     interpreter, where the count of programs is the cost."""
-    row_blocks = triton.cdiv(x.shape[0], block_m)
+    row_blocks = cdiv(x.shape[0], block_m)
     if x.device.type != "cuda":
         return max(1, min(row_blocks, 4))
     per_sm = max(2, 32768 // (block_m * block_n))
@@ -324,7 +324,7 @@ def add_norm_fwd_triton(x: torch.Tensor, residual: torch.Tensor | None, add_bias
     if M == 0:
         return
     block_m, block_n, chunks, warps = norm_blocks(N)
-    _add_norm_fwd_kernel[(triton.cdiv(M, block_m),)](
+    _add_norm_fwd_kernel[(cdiv(M, block_m),)](
         x, x if residual is None else residual, x if add_bias is None else add_bias, x if weight is None else weight,
         x if bias is None else bias, y, x if sum_out is None else sum_out, rstd if mean is None else mean, rstd,
         M, N, x.stride(0), 0 if residual is None else residual.stride(0), y.stride(0),

@@ -175,7 +175,7 @@ def _(gate, up, dout, dgate, dup):
     return None
 
 
-def _halves(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gate_up_halves(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     half = h.shape[1] // 2
     return h[:, :half], h[:, half:]
 
@@ -186,7 +186,7 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, reuse_input_buffer):
         out = h.new_empty((h.shape[0], h.shape[1] // 2))
-        _run(_swiglu_fwd_op, _swiglu_fwd_impl, *_halves(h), out)
+        _run(_swiglu_fwd_op, _swiglu_fwd_impl, *gate_up_halves(h), out)
         ctx.reuse_input_buffer = reuse_input_buffer
         ctx.save_for_backward(h)
         return out
@@ -196,7 +196,7 @@ class _SwiGLU(torch.autograd.Function):
         (h,) = ctx.saved_tensors
         # With reuse, h's buffer receives d[gate; up] (a second backward through it then fails loudly).
         dh = h if ctx.reuse_input_buffer else torch.empty_like(h)
-        _run(_swiglu_bwd_op, _swiglu_bwd_impl, *_halves(h), dout.contiguous(), *_halves(dh))
+        _run(_swiglu_bwd_op, _swiglu_bwd_impl, *gate_up_halves(h), dout.contiguous(), *gate_up_halves(dh))
         return dh, None
 
 
@@ -316,13 +316,10 @@ def scatter2scatter(x: torch.Tensor, weight: torch.Tensor, sorted_expert_idxs: t
         _check_like(op, "bias", bias, x)
         if tuple(bias.shape) != (E, N):
             _fail(op, f"bias must be [E, d_out] = {(E, N)}, got {tuple(bias.shape)}")
-    if out is None:
-        out = x.new_empty((M, N))
-    else:
+    if out is not None:
         _check_out(op, out, (M, N), x)
-    _run(_scatter2scatter_op, _scatter2scatter_impl, x, weight, sorted_expert_idxs, sorted_scattered_idxs,
-         expert_offsets, fan_out, x_grouped, y_grouped, bias, out, tf32_allowed())
-    return out
+    return scatter2scatter_unchecked(x, weight, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, fan_out,
+                                     x_grouped, y_grouped, bias, out)
 
 
 def group(x: torch.Tensor, sorted_scattered_idxs: torch.Tensor, fan_out: int = 1,
@@ -342,12 +339,9 @@ def group(x: torch.Tensor, sorted_scattered_idxs: torch.Tensor, fan_out: int = 1
             _fail(op, f"coeff must have shape {(M,)} on {x.device}, got {tuple(coeff.shape)} on {coeff.device}")
         if not coeff.is_contiguous():
             _fail(op, "coeff must be contiguous (call .contiguous())")
-    if out is None:
-        out = x.new_empty((M, x.shape[1]))
-    else:
+    if out is not None:
         _check_out(op, out, (M, x.shape[1]), x)
-    _run(_group_op, _group_impl, x, sorted_scattered_idxs, fan_out, coeff, out)
-    return out
+    return group_unchecked(x, sorted_scattered_idxs, fan_out, coeff, out)
 
 
 def groupXTY(x_grouped: torch.Tensor, dy_grouped: torch.Tensor, expert_offsets: torch.Tensor,
@@ -380,19 +374,12 @@ def groupXTY(x_grouped: torch.Tensor, dy_grouped: torch.Tensor, expert_offsets: 
             how = f"scattered with fan_out={fan}, that is M/fan_out" if fan else "grouped, one row per slot"
             _fail(op, f"{name} has {t.shape[0]} rows for M={M} slots ({how})")
     E, K, N = expert_offsets.numel(), x_grouped.shape[1], dy_grouped.shape[1]
-    if dw is None:
-        dw = x_grouped.new_empty((E, K, N))
-    else:
+    if dw is not None:
         _check_out(op, dw, (E, K, N), x_grouped)
-    if db is True:
-        db = x_grouped.new_empty((E, N))
-    elif db is False:
-        db = None
-    elif db is not None:
+    if isinstance(db, torch.Tensor):
         _check_out(op, db, (E, N), x_grouped)
-    _run(_groupxty_op, _groupxty_impl, x_grouped, dy_grouped, expert_offsets, dw, db, tf32_allowed(),
-         sorted_scattered_idxs, x_fan_out, dy_fan_out)
-    return dw, db
+    return groupxty_unchecked(x_grouped, dy_grouped, expert_offsets, dw, db, sorted_scattered_idxs, x_fan_out,
+                              dy_fan_out)
 
 
 def gate_mix(y_slots: torch.Tensor, gates: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -405,14 +392,11 @@ def gate_mix(y_slots: torch.Tensor, gates: torch.Tensor, out: torch.Tensor | Non
     if y_slots.shape[0] != T * k or gates.device != y_slots.device or y_slots.stride(1) != 1:
         _fail(op, f"y_slots must be [T*k, N] = [{T * k}, N] with contiguous rows on {gates.device}, got "
                   f"{tuple(y_slots.shape)} strides {y_slots.stride()} on {y_slots.device}")
-    if out is None:
-        out = y_slots.new_empty((T, y_slots.shape[1]))
-    else:
+    if out is not None:
         _check_out(op, out, (T, y_slots.shape[1]), y_slots)
         if out.stride(1) != 1:
             _fail(op, "out must have contiguous rows")
-    _run(_gate_mix_op, _gate_mix_impl, y_slots, gates, out)
-    return out
+    return gate_mix_unchecked(y_slots, gates, out)
 
 
 def gate_grad(dx: torch.Tensor, x: torch.Tensor, fan_out: int = 1, coeff: torch.Tensor | None = None,
@@ -436,6 +420,60 @@ def gate_grad(dx: torch.Tensor, x: torch.Tensor, fan_out: int = 1, coeff: torch.
         _check_out(op, x_scaled_out, (M, N), dx)
         if x_scaled_out.stride(1) != 1:
             _fail(op, "x_scaled_out must have contiguous rows")
-    dots = dx.new_empty((M,), dtype=torch.promote_types(dx.dtype, torch.float32))
+    return gate_grad_unchecked(dx, x, fan_out, coeff, x_scaled_out)
+
+
+# --------------------------------------------------------------------------------- unchecked calls
+# For callers that validated at their own boundary (parallel_linear checks its inputs once; its backward's
+# shapes follow from the forward's): the checks above cost tens of microseconds of host time per call,
+# and a training step of a 16-layer MoE makes hundreds of kernel calls.
+def scatter2scatter_unchecked(x, weight, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, fan_out=1,
+                              x_grouped=False, y_grouped=False, bias=None, out=None) -> torch.Tensor:
+    if out is None:
+        out = x.new_empty((sorted_scattered_idxs.shape[0], weight.shape[2]))
+    _run(_scatter2scatter_op, _scatter2scatter_impl, x, weight, sorted_expert_idxs, sorted_scattered_idxs,
+         expert_offsets, fan_out, x_grouped, y_grouped, bias, out, tf32_allowed())
+    return out
+
+
+def group_unchecked(x, sorted_scattered_idxs, fan_out=1, coeff=None, out=None) -> torch.Tensor:
+    if out is None:
+        out = x.new_empty((sorted_scattered_idxs.shape[0], x.shape[1]))
+    _run(_group_op, _group_impl, x, sorted_scattered_idxs, fan_out, coeff, out)
+    return out
+
+
+def groupxty_unchecked(x, dy, expert_offsets, dw=None, db=None, sorted_scattered_idxs=None, x_fan_out=0,
+                       dy_fan_out=0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    E, K, N = expert_offsets.shape[0], x.shape[1], dy.shape[1]
+    if dw is None:
+        dw = x.new_empty((E, K, N))
+    if db is True:
+        db = x.new_empty((E, N))
+    elif db is False:
+        db = None
+    _run(_groupxty_op, _groupxty_impl, x, dy, expert_offsets, dw, db, tf32_allowed(), sorted_scattered_idxs,
+         x_fan_out, dy_fan_out)
+    return dw, db
+
+
+def gate_mix_unchecked(y_slots, gates, out=None) -> torch.Tensor:
+    if out is None:
+        out = y_slots.new_empty((gates.shape[0], y_slots.shape[1]))
+    _run(_gate_mix_op, _gate_mix_impl, y_slots, gates, out)
+    return out
+
+
+def gate_grad_unchecked(dx, x, fan_out=1, coeff=None, x_scaled_out=None) -> torch.Tensor:
+    dots = dx.new_empty((dx.shape[0],), dtype=torch.promote_types(dx.dtype, torch.float32))
     _run(_gate_grad_op, _gate_grad_impl, dx, x, fan_out, coeff, dots, x_scaled_out)
     return dots
+
+
+def swiglu_fwd_unchecked(gate, up, out) -> torch.Tensor:
+    _run(_swiglu_fwd_op, _swiglu_fwd_impl, gate, up, out)
+    return out
+
+
+def swiglu_bwd_unchecked(gate, up, dout, dgate, dup) -> None:
+    _run(_swiglu_bwd_op, _swiglu_bwd_impl, gate, up, dout, dgate, dup)

@@ -30,7 +30,7 @@ import functools
 
 import torch
 
-from .backend import kernels_enabled, triton_interpreted
+from .backend import cdiv, kernels_enabled, next_power_of_2, triton_interpreted
 
 MAX_TRITON_EXPERTS = 256  # wider routers take the torch reference
 
@@ -91,7 +91,7 @@ def router_blocks(E: int) -> tuple[int, int, int]:
 def _router_blocks(E: int, interpreted: bool) -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_E, num_warps): tokens to a program so that a tile holds about 2048 keys on a GPU
     (256 tokens of Mixtral's 8 experts), more under the interpreter (its cost is per program)."""
-    block_e = triton.next_power_of_2(E)
+    block_e = next_power_of_2(E)
     tile = 16384 if interpreted else 2048
     block_t = max(1, tile // block_e)
     return block_t, block_e, 4 if block_t * block_e <= 2048 else 8
@@ -110,10 +110,10 @@ def router_topk_triton(logits: torch.Tensor, top_k: int, p: float | None, weight
     if T == 0:
         return
     block_t, block_e, warps = router_blocks(E)
-    _router_topk_kernel[(triton.cdiv(T, block_t),)](
+    _router_topk_kernel[(cdiv(T, block_t),)](
         logits, weights, indices, weights if probs is None else probs, T, E, top_k, logits.stride(0),
         1.0 if p is None else float(p), NORM=_norm_kind(p), STORE_PROBS=probs is not None, BLOCK_T=block_t,
-        BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k), num_warps=warps)
+        BLOCK_E=block_e, BLOCK_K=next_power_of_2(top_k), num_warps=warps)
 
 
 # ------------------------------------------------------------------------------------------ references

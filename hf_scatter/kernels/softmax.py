@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from .backend import kernels_enabled, triton_interpreted
+from .backend import cdiv, kernels_enabled, next_power_of_2, triton_interpreted
 
 MAX_TRITON_ROW = 16384  # longer rows take the torch reference: one block per row would spill registers
 
@@ -98,7 +98,7 @@ def _softmax_blocks(S: int, interpreted: bool) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_S, num_warps): whole rows, as many as make a tile of 1024 values, about 32 a thread
     (fastest on an H200: BERT's 128-token rows 8 to a program, 512-token rows 2 on one warp); larger tiles
     under the interpreter, whose cost is per program."""
-    block_s = triton.next_power_of_2(S)
+    block_s = next_power_of_2(S)
     if interpreted:
         return max(1, 16384 // block_s), block_s, 4
     block_m = max(1, 1024 // block_s)
@@ -120,7 +120,7 @@ def masked_softmax_fwd_triton(x4: torch.Tensor, mask4: torch.Tensor | None, scal
         return
     block_m, block_s, warps = softmax_blocks(S)
     m = x4 if mask4 is None else mask4
-    _masked_softmax_fwd_kernel[(triton.cdiv(R, block_m),)](
+    _masked_softmax_fwd_kernel[(cdiv(R, block_m),)](
         x4, m, out if y is None else y, out, R, S, D1, D2, *x4.stride()[:3], *m.stride(),
         scale, mask_min, dropout_p, _inv_keep(dropout_p), seed,
         HAS_MASK=mask4 is not None, DROPOUT=dropout_p > 0, STORE_Y=y is not None, BLOCK_M=block_m,
@@ -135,7 +135,7 @@ def masked_softmax_bwd_triton(y: torch.Tensor, dout: torch.Tensor, scale: float,
     if R == 0:
         return
     block_m, block_s, warps = softmax_blocks(S)
-    _masked_softmax_bwd_kernel[(triton.cdiv(R, block_m),)](
+    _masked_softmax_bwd_kernel[(cdiv(R, block_m),)](
         y, dout, dx, R, S, scale, dropout_p, _inv_keep(dropout_p), seed, DROPOUT=dropout_p > 0,
         BLOCK_M=block_m, BLOCK_S=block_s, num_warps=warps)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .backend import kernels_enabled, triton_interpreted
+from .backend import cdiv, kernels_enabled, next_power_of_2, triton_interpreted
 
 if kernels_enabled():
     import triton
@@ -60,15 +60,15 @@ def swiglu_backward_reference(gate: torch.Tensor, up: torch.Tensor,
 
 def _blocks(I: int) -> tuple[int, int]:
     if triton_interpreted():
-        return 16, min(256, max(16, triton.next_power_of_2(I)))
-    return 8, min(1024, max(16, triton.next_power_of_2(I)))
+        return 16, min(256, max(16, next_power_of_2(I)))
+    return 8, min(1024, max(16, next_power_of_2(I)))
 
 
 def swiglu_fwd_triton(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     M, I = out.shape
     if M and I:
         bm, bn = _blocks(I)
-        _swiglu_fwd_kernel[(triton.cdiv(M, bm), triton.cdiv(I, bn))](
+        _swiglu_fwd_kernel[(cdiv(M, bm), cdiv(I, bn))](
             gate, up, out, M, I, gate.stride(0), up.stride(0), out.stride(0), BLOCK_M=bm, BLOCK_N=bn, num_warps=4)
     return out
 
@@ -78,6 +78,6 @@ def swiglu_bwd_triton(gate: torch.Tensor, up: torch.Tensor, dout: torch.Tensor, 
     M, I = dout.shape
     if M and I:
         bm, bn = _blocks(I)
-        _swiglu_bwd_kernel[(triton.cdiv(M, bm), triton.cdiv(I, bn))](
+        _swiglu_bwd_kernel[(cdiv(M, bm), cdiv(I, bn))](
             gate, up, dout, dgate, dup, M, I, gate.stride(0), up.stride(0), dout.stride(0), dgate.stride(0),
             dup.stride(0), BLOCK_M=bm, BLOCK_N=bn, num_warps=4)

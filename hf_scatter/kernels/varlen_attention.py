@@ -19,7 +19,7 @@ import math
 import numpy as np
 import torch
 
-from .backend import kernels_enabled, launch, triton_interpreted
+from .backend import kernels_enabled, launch, next_power_of_2, triton_interpreted
 
 if kernels_enabled():
     import triton
@@ -156,8 +156,8 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b
     ieee = q.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
     args = (q, k, v, out, blocks, scale * math.log2(math.e), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             v.stride(0), v.stride(1), out.stride(0), out.stride(1), head_dim,
-            triton.next_power_of_2(programs))
-    meta = dict(BLOCK_M=block_m, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+            next_power_of_2(programs))
+    meta = dict(BLOCK_M=block_m, BLOCK_D=max(16, next_power_of_2(head_dim)),
                 UPCAST=interpreted or q.dtype == torch.float32, IEEE=ieee or interpreted)
     launch(_varlen_attention_fwd_kernel, _varlen_attention_tuned, _ATTN_CONFIGS, {}, lambda cfg: (programs, heads),
            args, meta, {"BLOCK_N": 32})

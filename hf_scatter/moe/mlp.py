@@ -16,6 +16,7 @@ from torch import nn
 from ..kernels.ops import swiglu
 from .parallel_linear import parallel_linear
 from .routing import flatten_sort_count
+from .swiglu_experts import swiglu_experts
 
 
 def is_silu(act_fn) -> bool:
@@ -39,6 +40,9 @@ def expert_mlp(x: torch.Tensor, w_in: Sequence[torch.Tensor], w_out: torch.Tenso
     E = w_out.shape[0]
     routing = flatten_sort_count(expert_idxs, E, validate)
     b_in = b_in if b_in is not None else (None,) * len(w_in)
+    if isinstance(activation, FusedSwiGLU) and len(w_in) == 1 and b_in[0] is None and b_out is None \
+            and post_norm is None and not torch.compiler.is_compiling():
+        return swiglu_experts(x, w_in[0], w_out, gates, routing)  # one autograd node: lower backward peak
     hs = [parallel_linear(x, w, k, *routing, bias=b, grouped_out=True) for w, b in zip(w_in, b_in)]
     h = activation(*hs)
     if post_norm is None:
@@ -69,11 +73,18 @@ def glu_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Te
                       glu_activation(act_fn), b_in=(gate_up_bias,), b_out=down_bias, validate=validate)
 
 
+class FusedSwiGLU:
+    """``silu(gate) * up`` over expert_mlp's own grouped [gate; up] rows (the backward may overwrite them);
+    recognised by :func:`expert_mlp`, which then runs the whole MLP as one autograd function."""
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        return swiglu(h, reuse_input_buffer=True)
+
+
 def glu_activation(act_fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
     """``act(gate) * up`` over grouped [gate; up] rows: the fused kernel for SiLU, torch ops otherwise."""
     if is_silu(act_fn):
-        # The grouped [gate; up] rows are expert_mlp's own intermediate: the backward may overwrite them.
-        return lambda h: swiglu(h, reuse_input_buffer=True)
+        return FusedSwiGLU()
 
     def act_times_up(h: torch.Tensor) -> torch.Tensor:
         gate, up = h.chunk(2, dim=-1)

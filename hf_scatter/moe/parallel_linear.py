@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.ops import gate_grad, gate_mix, group, groupXTY, scatter2scatter
+# Inputs are validated once, by the forward's checked scatter2scatter; every other call skips the checks.
+from ..kernels.ops import (gate_grad_unchecked, gate_mix_unchecked, group_unchecked, groupxty_unchecked,
+                           scatter2scatter, scatter2scatter_unchecked)
 
 
 def _copy_pays(width: int, other_width: int) -> bool:
@@ -30,7 +32,7 @@ def _dw_operand(t: torch.Tensor, fan_out: int, other_width: int, sorted_scattere
     """``(tensor, fan_out)`` as groupXTY reads it: a grouped operand (fan_out 0) as is, a scattered one copied
     into expert order or left in place for groupXTY to gather."""
     if fan_out and _copy_pays(t.shape[1], other_width):
-        return group(t, sorted_scattered_idxs, fan_out), 0
+        return group_unchecked(t, sorted_scattered_idxs, fan_out), 0
     return t, fan_out
 
 
@@ -42,7 +44,7 @@ class _ParallelLinear(torch.autograd.Function):
         y = scatter2scatter(x, weight, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, fan_out,
                             x_grouped=grouped_in, y_grouped=grouped_out, bias=bias)
         if gates is not None:
-            y = gate_mix(y, gates)
+            y = gate_mix_unchecked(y, gates)
         ctx.k, ctx.grouped_in, ctx.grouped_out = k, grouped_in, grouped_out
         ctx.save_for_backward(x, weight, bias, gates, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets)
         return y
@@ -63,7 +65,7 @@ class _ParallelLinear(torch.autograd.Function):
             # dY is grouped already, or in slot order (then sorted row i reads dY[idx[i]]).
             dy_fan_out = 0 if grouped_out else 1
             if need_x:
-                d_slots = scatter2scatter(dy, w_t, *routing, 1, x_grouped=grouped_out, y_grouped=grouped_in)
+                d_slots = scatter2scatter_unchecked(dy, w_t, *routing, 1, x_grouped=grouped_out, y_grouped=grouped_in)
                 d_x = d_slots if grouped_in or k == 1 else d_slots.view(-1, k, d_in).sum(1)
                 del d_slots
             dw_x = dw_dy = None
@@ -77,20 +79,20 @@ class _ParallelLinear(torch.autograd.Function):
             dw_x = x.new_empty(x.shape) if (need_w or need_b) and gather_dy else None
             if need_x or need_g or dw_x is not None:
                 # Ungated input gradient per slot, dX'[s] = dY[t] W_e^T: grouped (sorted) rows or slot order.
-                dxp = scatter2scatter(dy, w_t, *routing, k, x_grouped=False, y_grouped=grouped_in)
+                dxp = scatter2scatter_unchecked(dy, w_t, *routing, k, x_grouped=False, y_grouped=grouped_in)
                 if grouped_in:
-                    dots = gate_grad(dxp, x, 1, coeff, x_scaled_out=dw_x)  # dX' scaled into dX in place
+                    dots = gate_grad_unchecked(dxp, x, 1, coeff, x_scaled_out=dw_x)  # dX' scaled into dX in place
                     d_gates = torch.empty_like(dots).index_copy_(0, idx, dots)
                     d_x = dxp
                 else:
-                    d_gates = gate_grad(dxp, x, k)
-                    d_x = gate_mix(dxp, gates) if need_x else None
+                    d_gates = gate_grad_unchecked(dxp, x, k)
+                    d_x = gate_mix_unchecked(dxp, gates) if need_x else None
                 del dxp
                 d_gates = _with_bias_term(d_gates.view(gates.shape), dy, bias, routing) if need_g else None
                 d_gates = d_gates.to(gates.dtype) if need_g else None
             dw_dy = None
             if (need_w or need_b) and dw_x is None:
-                dw_dy, dy_fan_out = group(dy, idx, k, coeff=coeff), 0
+                dw_dy, dy_fan_out = group_unchecked(dy, idx, k, coeff=coeff), 0
         d_weight = d_bias = None
         if need_w or need_b:
             # After dX, so dX's slot-order buffer is freed before dW and any grouped copy are allocated.
@@ -103,8 +105,8 @@ class _ParallelLinear(torch.autograd.Function):
                 dy_op = dw_dy
             else:
                 dy_op, dy_fan_out = _dw_operand(dy, dy_fan_out, d_in, idx)
-            d_weight, d_bias = groupXTY(x_op, dy_op, expert_offsets, dw=torch.empty_like(weight), db=bool(need_b),
-                                        sorted_scattered_idxs=idx, x_fan_out=x_fan, dy_fan_out=dy_fan_out)
+            d_weight, d_bias = groupxty_unchecked(x_op, dy_op, expert_offsets, torch.empty_like(weight), bool(need_b),
+                                                  idx, x_fan, dy_fan_out)
         return (d_x if need_x else None), (d_weight if need_w else None), d_bias, d_gates, \
             None, None, None, None, None, None
 

@@ -26,7 +26,11 @@ def flatten_sort_count(expert_idxs: torch.Tensor, num_experts: int, validate: bo
         if lo < 0 or hi >= num_experts:
             raise ValueError(f"flatten_sort_count: expert ids must lie in [0, {num_experts}), got values in "
                              f"[{lo}, {hi}]; check num_experts against the router's output size")
-    sorted_expert_idxs, sorted_scattered_idxs = torch.sort(flat, stable=True)
+    # Sort the ids in the narrowest integer type that holds them: a stable radix sort makes one pass per key
+    # byte, so 8-bit ids take one pass instead of eight (and far fewer launches, for the host as well).
+    narrow = torch.uint8 if num_experts <= 256 else torch.int16 if num_experts <= 32767 else flat.dtype
+    sorted_narrow, sorted_scattered_idxs = torch.sort(flat.to(narrow), stable=True)
+    sorted_expert_idxs = sorted_narrow.to(flat.dtype)
     # End offset of expert e = number of slots with id <= e; a static [E] shape keeps torch.compile graphs whole.
     experts = torch.arange(num_experts, device=flat.device, dtype=sorted_expert_idxs.dtype)
     expert_offsets = torch.searchsorted(sorted_expert_idxs, experts, right=True)

@@ -1,0 +1,65 @@
+"""Is a training step of the 1.5B Mixtral / DBRX host-bound? Host time to issue one step against its GPU
+time, per implementation, and the host-side hot spots of the patched step (GPU; torch profiler)."""
+import json
+import os
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from hf_scatter.bench.train import PAPER_1P5B, _step_fn, build_model
+
+impls = sys.argv[1:] or ["mixtral-grouped_mm", "mixtral-hf-scatter-experts", "mixtral-hf-scatter", "dbrx-hf-scatter"]
+cfg = PAPER_1P5B
+ids = torch.randint(cfg.vocab, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(0)).cuda()
+out = {}
+for impl in impls:
+    model = build_model(impl, cfg, ids.device, torch.bfloat16)
+    step, opt = _step_fn(model, ids)
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    host, total = [], []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        host.append((t1 - t0) * 1e3)
+        total.append((t2 - t0) * 1e3)
+    # GPU-only time: the same step, replayed with the host far ahead (queue filled by a long sleep kernel).
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e9))  # ~1 s of GPU time: the host issues the whole step while the GPU sleeps
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    step()
+    b.record()
+    torch.cuda.synchronize()
+    r = {"host_issue_ms": sorted(host)[2], "step_ms": sorted(total)[2], "gpu_ms_queue_full": a.elapsed_time(b)}
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+        torch.cuda.synchronize()
+    rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:25]
+    r["top_self_cpu_ms"] = [(e.key[:70], round(e.self_cpu_time_total / 1e3, 2), e.count) for e in rows]
+    if os.environ.get("PYPROFILE"):  # Python-level: which functions the host time is spent in
+        import cProfile
+        import pstats
+        pr = cProfile.Profile()
+        pr.enable()
+        step()
+        pr.disable()
+        torch.cuda.synchronize()
+        stats = pstats.Stats(pr).sort_stats("tottime")
+        r["python_tottime_ms"] = [(f"{fn[0].split('site-packages/')[-1]}:{fn[1]}({fn[2]})", round(st[2] * 1e3, 2), st[1])
+                                  for fn, st in sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:40]]
+    out[impl] = r
+    print(impl, json.dumps({k: (round(v, 1) if isinstance(v, float) else v) for k, v in r.items() if k != "top_self_cpu_ms"}), flush=True)
+    for row in r.get("python_tottime_ms", r["top_self_cpu_ms"])[:40]:
+        print("    ", row)
+    del model, opt, step
+    torch.cuda.empty_cache()
+if os.environ.get("OUT"):
+    json.dump(out, open(os.environ["OUT"] + "/train-host.json", "w"), indent=1)
