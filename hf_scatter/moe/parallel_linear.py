@@ -3,7 +3,7 @@
 Forward is one ``scatter2scatter``; with ``gates`` the k expert outputs of each token are mixed by
 ``gate_mix``, and they are not kept: the gate gradient is ``x . (dY W^T)``, a row dot against the input
 gradient that backward computes anyway. For dW a scattered operand is either copied into expert order
-or read in place by ``groupXTY`` (:func:`_dw_operand` says which), and dX is produced before dW is
+or read in place by ``groupXTY`` (:func:`dw_operand` says which), and dX is produced before dW is
 allocated, so the largest backward buffers are never live together.
 """
 
@@ -16,7 +16,7 @@ from ..kernels.ops import (gate_grad_unchecked, gate_mix_unchecked, group_unchec
                            scatter2scatter, scatter2scatter_unchecked)
 
 
-def _copy_pays(width: int, other_width: int) -> bool:
+def grouped_copy_pays(width: int, other_width: int) -> bool:
     """Whether a scattered dW operand is copied into expert order rather than gathered inside groupXTY.
 
     Gathering rows in groupXTY's reduction loop ran 15-30% slower than a grouped copy plus the plain kernel
@@ -28,10 +28,10 @@ def _copy_pays(width: int, other_width: int) -> bool:
     return width <= other_width
 
 
-def _dw_operand(t: torch.Tensor, fan_out: int, other_width: int, sorted_scattered_idxs: torch.Tensor):
+def dw_operand(t: torch.Tensor, fan_out: int, other_width: int, sorted_scattered_idxs: torch.Tensor):
     """``(tensor, fan_out)`` as groupXTY reads it: a grouped operand (fan_out 0) as is, a scattered one copied
     into expert order or left in place for groupXTY to gather."""
-    if fan_out and _copy_pays(t.shape[1], other_width):
+    if fan_out and grouped_copy_pays(t.shape[1], other_width):
         return group_unchecked(t, sorted_scattered_idxs, fan_out), 0
     return t, fan_out
 
@@ -75,7 +75,7 @@ class _ParallelLinear(torch.autograd.Function):
             dy_fan_out = k
             # With X grouped and dY read in place, dW takes the gate on X's rows, written by gate_grad's pass
             # (db needs the gate on dY's rows: with a bias, dY is copied).
-            gather_dy = grouped_in and not need_b and not _copy_pays(d_out, d_in)
+            gather_dy = grouped_in and not need_b and not grouped_copy_pays(d_out, d_in)
             dw_x = x.new_empty(x.shape) if (need_w or need_b) and gather_dy else None
             if need_x or need_g or dw_x is not None:
                 # Ungated input gradient per slot, dX'[s] = dY[t] W_e^T: grouped (sorted) rows or slot order.
@@ -100,11 +100,11 @@ class _ParallelLinear(torch.autograd.Function):
             if dw_x is not None:
                 x_op, x_fan = dw_x, 0
             else:
-                x_op, x_fan = _dw_operand(x, x_fan_out, d_out, idx)
+                x_op, x_fan = dw_operand(x, x_fan_out, d_out, idx)
             if dw_dy is not None:
                 dy_op = dw_dy
             else:
-                dy_op, dy_fan_out = _dw_operand(dy, dy_fan_out, d_in, idx)
+                dy_op, dy_fan_out = dw_operand(dy, dy_fan_out, d_in, idx)
             d_weight, d_bias = groupxty_unchecked(x_op, dy_op, expert_offsets, torch.empty_like(weight), bool(need_b),
                                                   idx, x_fan, dy_fan_out)
         return (d_x if need_x else None), (d_weight if need_w else None), d_bias, d_gates, \
@@ -121,7 +121,7 @@ def _with_bias_term(d_gates: torch.Tensor, dy: torch.Tensor, bias: torch.Tensor 
     return d_gates + per_expert.gather(1, expert_of_slot.view(d_gates.shape).long())
 
 
-def _autocast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+def autocast_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
     """Inside ``torch.autocast`` the layer computes in the autocast dtype, as ``F.linear`` would (custom ops
     are not autocast by torch itself); gradients flow back to the full-precision tensors."""
     device_type = x.device.type
@@ -157,6 +157,6 @@ def parallel_linear(x: torch.Tensor, weight: torch.Tensor, k: int, sorted_expert
             raise ValueError(f"parallel_linear: gates must be [T, k] = {(M // k, k)}, got {got}")
         if gates.device != x.device:
             raise ValueError(f"parallel_linear: gates are on {gates.device} but x is on {x.device}")
-    x, weight, bias = _autocast(x, weight, bias)
+    x, weight, bias = autocast_operands(x, weight, bias)
     return _ParallelLinear.apply(x, weight, bias, gates, k, sorted_expert_idxs, sorted_scattered_idxs,
                                  expert_offsets, grouped_in, grouped_out)

@@ -15,7 +15,7 @@ import torch
 from ..kernels.ops import (gate_grad_unchecked, gate_mix_unchecked, gate_up_halves, group_unchecked,
                            groupxty_unchecked, scatter2scatter, scatter2scatter_unchecked, swiglu_bwd_unchecked,
                            swiglu_fwd_unchecked)
-from .parallel_linear import _autocast, _copy_pays, _dw_operand
+from .parallel_linear import autocast_operands, dw_operand, grouped_copy_pays
 
 
 def _release(t: torch.Tensor) -> None:
@@ -53,7 +53,7 @@ class _SwiGLUExperts(torch.autograd.Function):
 
         # Output projection: ungated dH'[s] = dY[t] W_e^T, gate gradients h . dH', then dH = g dH' in place.
         # When dW_out will read dY in place, h takes the gate instead (h is ours and dead after dW_out).
-        gather_dy = not _copy_pays(d, inter)
+        gather_dy = not grouped_copy_pays(d, inter)
         dh = scatter2scatter_unchecked(dy, w_out.transpose(1, 2), *routing, k, x_grouped=False, y_grouped=True)
         dots = gate_grad_unchecked(dh, h, 1, coeff, x_scaled_out=h if need_w_out and gather_dy else None)
         d_gates = torch.empty_like(dots).index_copy_(0, idx, dots).view(gates.shape).to(gates.dtype) \
@@ -69,7 +69,7 @@ class _SwiGLUExperts(torch.autograd.Function):
             del d_slots
         d_w_in = None
         if need_w_in:
-            x_op, x_fan = _dw_operand(x, k, d_gate_up.shape[1], idx)
+            x_op, x_fan = dw_operand(x, k, d_gate_up.shape[1], idx)
             d_w_in, _ = groupxty_unchecked(x_op, d_gate_up, expert_offsets, torch.empty_like(w_in), None, idx,
                                            x_fan, 0)
             del x_op
@@ -95,6 +95,6 @@ def swiglu_experts(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, gat
     chain, at a lower backward peak.
     """
     k = gates.shape[1]
-    x, w_in, _ = _autocast(x, w_in, None)
-    _, w_out, _ = _autocast(x, w_out, None)
+    x, w_in, _ = autocast_operands(x, w_in, None)
+    _, w_out, _ = autocast_operands(x, w_out, None)
     return _SwiGLUExperts.apply(x, w_in, w_out, gates, k, *routing)
