@@ -259,6 +259,23 @@ def test_parallel_linear_half_precision(device, dtype, mode):
               with_gates=mode.endswith("gates"))
 
 
+@pytest.mark.parametrize("d_in,d_out", [(40, 24), (24, 40)])  # dY copied / dY read in place for dW
+def test_parallel_linear_with_constant_gates(device, d_in, d_out):
+    """Gates that need no gradient (a frozen router): dX and dW must still carry them."""
+    T, k, E = 15, 2, 4
+    idx = routing_case(T, k, E, device)
+    se, ss, off = flatten_sort_count(idx, E)
+    w = torch.randn(E, d_in, d_out, device=device, requires_grad=True)
+    gates = torch.rand(T, k, device=device)
+    x = torch.randn(T * k, d_in, device=device)[ss].contiguous().requires_grad_(True)
+    y = parallel_linear(x, w, k, se, ss, off, gates=gates, grouped_in=True)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    rx, rw = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    reference_parallel_linear(rx, rw, k, idx, None, gates.double(), True, False).backward(dy.double())
+    assert rel_err(x.grad, rx.grad) < 1e-5 and rel_err(w.grad, rw.grad) < 1e-5
+
+
 def test_parallel_linear_noncontiguous_input(device):
     T, k, E = 11, 2, 3
     idx = routing_case(T, k, E, device)

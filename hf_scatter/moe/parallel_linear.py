@@ -60,23 +60,20 @@ class _ParallelLinear(torch.autograd.Function):
         w_t = weight.transpose(1, 2)
         dy = dy.contiguous()
         x_fan_out = 0 if grouped_in else k
-        d_x = d_gates = None
+        d_x = d_gates = dw_x = coeff = None
         if gates is None:
-            # dY is grouped already, or in slot order (then sorted row i reads dY[idx[i]]).
-            dy_fan_out = 0 if grouped_out else 1
             if need_x:
+                # dY is grouped already, or in slot order (then sorted row i reads dY[idx[i]]).
                 d_slots = scatter2scatter_unchecked(dy, w_t, *routing, 1, x_grouped=grouped_out, y_grouped=grouped_in)
                 d_x = d_slots if grouped_in or k == 1 else d_slots.view(-1, k, d_in).sum(1)
                 del d_slots
-            dw_x = dw_dy = None
         else:
             # Every slot of token t sees dY[t], scaled by its gate (coeff, in expert order).
             coeff = gates.reshape(-1).index_select(0, idx).to(torch.float32)
-            dy_fan_out = k
             # With X grouped and dY read in place, dW takes the gate on X's rows, written by gate_grad's pass
             # (db needs the gate on dY's rows: with a bias, dY is copied).
-            gather_dy = grouped_in and not need_b and not grouped_copy_pays(d_out, d_in)
-            dw_x = x.new_empty(x.shape) if (need_w or need_b) and gather_dy else None
+            if need_w and not need_b and grouped_in and not grouped_copy_pays(d_out, d_in):
+                dw_x = x.new_empty(x.shape)
             if need_x or need_g or dw_x is not None:
                 # Ungated input gradient per slot, dX'[s] = dY[t] W_e^T: grouped (sorted) rows or slot order.
                 dxp = scatter2scatter_unchecked(dy, w_t, *routing, k, x_grouped=False, y_grouped=grouped_in)
@@ -88,25 +85,22 @@ class _ParallelLinear(torch.autograd.Function):
                     d_gates = gate_grad_unchecked(dxp, x, k)
                     d_x = gate_mix_unchecked(dxp, gates) if need_x else None
                 del dxp
-                d_gates = _with_bias_term(d_gates.view(gates.shape), dy, bias, routing) if need_g else None
-                d_gates = d_gates.to(gates.dtype) if need_g else None
-            dw_dy = None
-            if (need_w or need_b) and dw_x is None:
-                dw_dy, dy_fan_out = group_unchecked(dy, idx, k, coeff=coeff), 0
+                d_gates = _with_bias_term(d_gates.view(gates.shape), dy, bias, routing).to(gates.dtype) \
+                    if need_g else None
         d_weight = d_bias = None
         if need_w or need_b:
             # After dX, so dX's slot-order buffer is freed before dW and any grouped copy are allocated.
-            # empty_like keeps a dense weight's strides: the gradient of a transposed view needs no copy.
-            if dw_x is not None:
-                x_op, x_fan = dw_x, 0
+            if dw_x is not None:  # gate on X's rows, dY read in place
+                x_op, x_fan, dy_op, dy_fan = dw_x, 0, dy, k
             else:
                 x_op, x_fan = dw_operand(x, x_fan_out, d_out, idx)
-            if dw_dy is not None:
-                dy_op = dw_dy
-            else:
-                dy_op, dy_fan_out = dw_operand(dy, dy_fan_out, d_in, idx)
+                if gates is None:
+                    dy_op, dy_fan = dw_operand(dy, 0 if grouped_out else 1, d_in, idx)
+                else:  # the gate-scaled grouped copy of dY
+                    dy_op, dy_fan = group_unchecked(dy, idx, k, coeff=coeff), 0
+            # empty_like keeps a dense weight's strides: the gradient of a transposed view needs no copy.
             d_weight, d_bias = groupxty_unchecked(x_op, dy_op, expert_offsets, torch.empty_like(weight), bool(need_b),
-                                                  idx, x_fan, dy_fan_out)
+                                                  idx, x_fan, dy_fan)
         return (d_x if need_x else None), (d_weight if need_w else None), d_bias, d_gates, \
             None, None, None, None, None, None
 
