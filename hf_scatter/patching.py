@@ -11,6 +11,8 @@ import importlib
 from torch import nn
 
 from .models import FAMILIES, SCATTERMOE, PatchOptions, is_interface_experts, patch_interface_experts
+from .models.moe_graphs import IMPL as MOE_GRAPHS_IMPL
+from .models.moe_graphs import graphs_of
 from .models.registry import Family
 
 _GENERIC = "any other model whose experts use transformers' ExpertsInterface (experts_implementation switch)"
@@ -78,6 +80,8 @@ def patch_report(model: nn.Module) -> dict[str, str]:
     report = {}
     for name, module in model.named_modules():
         impl = getattr(type(module), "hf_scatter_impl", None)
+        if graphs_of(module) is not None:
+            impl = MOE_GRAPHS_IMPL if impl is None else f"{impl}, {MOE_GRAPHS_IMPL}"
         if impl is None and is_interface_experts(module) and module.config._experts_implementation == SCATTERMOE:
             impl = f"{SCATTERMOE} (ExpertsInterface)"
         if impl is not None:

@@ -10,7 +10,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from hf_scatter.bench.train import PAPER_1P5B, _step_fn, build_model
 
-impls = sys.argv[1:] or ["mixtral-grouped_mm", "mixtral-hf-scatter-experts", "mixtral-hf-scatter", "dbrx-hf-scatter"]
+impls = sys.argv[1:] or ["mixtral-grouped_mm", "mixtral-hf-scatter-experts", "mixtral-hf-scatter", "mixtral-hf-scatter-graphs",
+                         "dbrx-hf-scatter"]
 cfg = PAPER_1P5B
 ids = torch.randint(cfg.vocab, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(0)).cuda()
 out = {}
@@ -57,8 +58,9 @@ for impl in impls:
                                   for fn, st in sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:40]]
     out[impl] = r
     print(impl, json.dumps({k: (round(v, 1) if isinstance(v, float) else v) for k, v in r.items() if k != "top_self_cpu_ms"}), flush=True)
-    for row in r.get("python_tottime_ms", r["top_self_cpu_ms"])[:40]:
-        print("    ", row)
+    for key in ("top_self_cpu_ms", "python_tottime_ms"):
+        for row in r.get(key, [])[:40]:
+            print("    ", row)
     del model, opt, step
     torch.cuda.empty_cache()
 if os.environ.get("OUT"):

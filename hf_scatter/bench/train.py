@@ -9,6 +9,7 @@ eager in transformers), in one process, from one seed and on the same random tok
 from __future__ import annotations
 
 import dataclasses
+import gc
 import statistics
 from typing import Callable
 
@@ -37,9 +38,11 @@ class TrainConfig:
 
 PAPER_1P5B = TrainConfig()
 SMOKE = TrainConfig(hidden=64, intermediate=96, experts=4, layers=2, heads=4, kv_heads=2, vocab=384, batch=2, seq=16)
-IMPLS = ("mixtral-grouped_mm", "mixtral-eager", "mixtral-hf-scatter-experts", "mixtral-hf-scatter", "dbrx-eager",
-         "dbrx-hf-scatter")
-# "-experts": only the experts on hf-scatter's kernels (norms and router stay transformers' own)
+IMPLS = ("mixtral-grouped_mm", "mixtral-eager", "mixtral-hf-scatter-experts", "mixtral-hf-scatter",
+         "mixtral-hf-scatter-graphs", "dbrx-eager", "dbrx-hf-scatter", "dbrx-hf-scatter-graphs")
+# "-experts": only the experts on hf-scatter's kernels (norms and router stay transformers' own);
+# "-graphs": the default patch plus moe_graphs=True (MoE blocks replayed as CUDA graphs)
+_VARIANT_OPTIONS = {"experts": {"norms": False, "router": False}, "graphs": {"moe_graphs": True}}
 
 
 def build_model(impl: str, cfg: TrainConfig, device: torch.device, dtype: torch.dtype, seed: int = 0):
@@ -68,7 +71,7 @@ def build_model(impl: str, cfg: TrainConfig, device: torch.device, dtype: torch.
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
     if patched:
-        patch_model(model, **({"norms": False, "router": False} if choice.endswith("-experts") else {}))
+        patch_model(model, **_VARIANT_OPTIONS.get(choice.rsplit("-", 1)[-1], {}))
     return model.train()
 
 
@@ -145,6 +148,7 @@ def time_breakdown(model, step: Callable[[], torch.Tensor]) -> dict[str, float]:
 
 def measure(impl: str, cfg: TrainConfig, ids: torch.Tensor, warmup: int, steps: int, breakdown: bool,
             dtype=torch.bfloat16) -> dict:
+    gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     model = build_model(impl, cfg, ids.device, dtype)
@@ -161,9 +165,11 @@ def measure(impl: str, cfg: TrainConfig, ids: torch.Tensor, warmup: int, steps: 
         b.synchronize()
         times.append(a.elapsed_time(b))
     result = {"first_step_loss": first_loss, "step_ms_median": statistics.median(times),
-              "step_ms_all": times, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+              "step_ms_all": times, "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+              # graph replays allocate nothing: their pool shows in reserved memory, not in allocated
+              "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30}
     result["tokens_per_s"] = cfg.tokens / (result["step_ms_median"] / 1e3)
-    if breakdown:
+    if breakdown and not impl.endswith("-graphs"):  # hooks send graphed blocks eager: that is the eager step
         try:
             result["breakdown_ms"] = time_breakdown(model, step)
         except RuntimeError as error:  # a family whose modules refuse full backward hooks: report, go on
@@ -198,10 +204,14 @@ def to_markdown(report: dict) -> str:
         base = res.get(BASELINES[impl.split("-")[0]])
         speedup = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else ""
         mem = f"{r['peak_gib'] / base['peak_gib']:.2f}x" if base else ""
+        reserved = r.get("peak_reserved_gib")
+        reserved_ratio = f"{reserved / base['peak_reserved_gib']:.2f}x" if base and reserved and \
+            base.get("peak_reserved_gib") else ""
         rows.append([impl, f"{r['tokens_per_s'] / 1e3:.1f}k", f"{r['step_ms_median']:.1f}", f"{r['peak_gib']:.1f}",
-                     speedup, mem, f"{r['first_step_loss']:.4f}"])
+                     speedup, mem, f"{reserved:.1f}" if reserved else "", reserved_ratio,
+                     f"{r['first_step_loss']:.4f}"])
     table = markdown_table(["implementation", "tokens/s", "step ms", "peak GiB", "vs family baseline",
-                            "peak vs baseline", "first-step loss"], rows)
+                            "peak vs baseline", "peak reserved GiB", "reserved vs baseline", "first-step loss"], rows)
     parts = [table]
     for impl, r in res.items():
         if "breakdown_ms" in r:
@@ -225,8 +235,13 @@ def plot(report: dict, path: str) -> None:
     colors = ["tab:orange" if "hf-scatter" in n else "tab:gray" for n in names]
     axes[0].barh(names, [res[n]["tokens_per_s"] / 1e3 for n in names], color=colors)
     axes[0].set_xlabel("k tokens/s (higher is better)")
-    axes[1].barh(names, [res[n]["peak_gib"] for n in names], color=colors)
+    reserved = [res[n].get("peak_reserved_gib", 0.0) for n in names]
+    if any(reserved):  # graph replays allocate nothing: their pool only shows in reserved memory
+        axes[1].barh(names, reserved, color="none", edgecolor="black", hatch="//", label="reserved")
+    axes[1].barh(names, [res[n]["peak_gib"] for n in names], color=colors, label="allocated")
     axes[1].set_xlabel("peak GiB (lower is better)")
+    if any(reserved):
+        axes[1].legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
     for ax in axes:
         ax.invert_yaxis()
     c = report["config"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.models.dbrx.modeling_dbrx import DbrxExpertGLU, DbrxExperts, DbrxFFN, DbrxNormAttentionNorm
+from transformers.models.dbrx.modeling_dbrx import DbrxBlock, DbrxExpertGLU, DbrxExperts, DbrxFFN, DbrxNormAttentionNorm
 
 from ..kernels.fused_ops import router_topk
 from ..kernels.ops import swiglu_pair
@@ -17,6 +17,7 @@ from ..moe.mlp import expert_mlp, is_silu
 from .class_patch import apply_swaps
 from .experts import SCATTERMOE
 from .fused_norms import FUSED_ADD_NORM, add_layer_norm
+from .moe_graphs import set_moe_graphs
 from .registry import Family, PatchOptions, register_family
 
 
@@ -79,11 +80,18 @@ class FusedRouterDbrxFFN(DbrxFFN):
                            softmax_dtype=router_logits.dtype)
 
 
+def _jitters(ffn: DbrxFFN) -> bool:
+    return ffn.router.moe_jitter_eps is not None
+
+
 def patch_dbrx(model: nn.Module, options: PatchOptions, class_default: bool = False) -> None:
     apply_swaps(model, [(DbrxExperts, ScatterMoEDbrxExperts, options.moe),
                         (DbrxExpertGLU, ScatterMoEDbrxExpertGLU, options.moe),
                         (DbrxNormAttentionNorm, FusedDbrxNormAttentionNorm, options.norms),
                         (DbrxFFN, FusedRouterDbrxFFN, options.router)])
+    layers = [m for m in model.modules() if isinstance(m, DbrxBlock)]
+    set_moe_graphs([layer.ffn for layer in layers], layers, options.moe_graphs,
+                   uses_rng=_jitters)
 
 
 DBRX = register_family(Family(

@@ -16,12 +16,14 @@ import types
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer, MixtralRMSNorm, MixtralTopKRouter
+from transformers.models.mixtral.modeling_mixtral import (MixtralDecoderLayer, MixtralRMSNorm, MixtralSparseMoeBlock,
+                                                          MixtralTopKRouter)
 
 from ..kernels.fused_ops import router_topk
 from .class_patch import apply_swaps
 from .experts import SCATTERMOE
 from .fused_norms import FUSED_ADD_NORM, add_rms_norm, rms_norm
+from .moe_graphs import set_moe_graphs
 from .registry import Family, PatchOptions, register_family
 
 _VANILLA_CHOICE = "_hf_scatter_vanilla_experts"
@@ -101,11 +103,19 @@ class FusedMixtralTopKRouter(MixtralTopKRouter):
         return router_logits, scores, indices
 
 
+def _jitters(block: MixtralSparseMoeBlock) -> bool:
+    return block.jitter_noise > 0
+
+
 def patch_mixtral(model: nn.Module, options: PatchOptions, class_default: bool = False) -> None:
     patch_interface_experts(model, options, class_default)
     apply_swaps(model, [(MixtralRMSNorm, FusedMixtralRMSNorm, options.norms),
                         (MixtralDecoderLayer, FusedMixtralDecoderLayer, options.norms),
                         (MixtralTopKRouter, FusedMixtralTopKRouter, options.router)])
+    layers = [m for m in model.modules() if isinstance(m, MixtralDecoderLayer)
+              and isinstance(getattr(m, "mlp", None), MixtralSparseMoeBlock)]
+    set_moe_graphs([layer.mlp for layer in layers], layers, options.moe_graphs,
+                   uses_rng=_jitters)
 
 
 def _default_to_scattermoe(self, requested_experts):

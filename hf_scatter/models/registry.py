@@ -11,7 +11,8 @@ from torch import nn
 
 @dataclass(frozen=True)
 class PatchOptions:
-    """What :func:`hf_scatter.patch_model` replaces; every piece is on unless turned off."""
+    """What :func:`hf_scatter.patch_model` replaces; every piece is on unless turned off, except
+    ``moe_graphs`` (opt-in: its captured graphs hold a training step's MoE activations in their own pool)."""
 
     moe: bool = True  # experts on the ScatterMoE kernels
     norms: bool = True  # residual add + LayerNorm / RMSNorm in one fused kernel
@@ -19,6 +20,7 @@ class PatchOptions:
     unpadded: bool = True  # BERT inference on packed tokens (varlen attention, planned memory)
     cuda_graphs: bool = True  # BERT packed inference replays one CUDA graph per length bucket (CUDA only)
     fast_gelu: bool = True  # BERT packed half-precision inference: bias + GELU in the GEMM epilogue (tanh form)
+    moe_graphs: bool = False  # MoE blocks of training steps replayed as CUDA graphs (CUDA only; fixed shapes)
 
     @classmethod
     def from_kwargs(cls, caller: str, **options) -> "PatchOptions":
@@ -29,6 +31,8 @@ class PatchOptions:
         for name, value in options.items():
             if not isinstance(value, bool):
                 raise TypeError(f"{caller}: option {name} must be True or False, got {value!r}")
+        if options.get("moe_graphs") and not options.get("moe", True):
+            raise ValueError(f"{caller}: moe_graphs=True replays the ScatterMoE experts' graphs; it needs moe=True")
         return cls(**options)
 
 

@@ -1,0 +1,172 @@
+"""patch_model(model, moe_graphs=True): MoE blocks of training steps replayed as CUDA graphs give the eager
+results (losses, weights, accumulated gradients), fall back to eager wherever a graph would not be valid, and
+refuse a backward that would replay out of order."""
+
+import copy
+
+import pytest
+import torch
+
+import hf_scatter
+from hf_scatter.models.moe_graphs import IMPL, graphs_of
+from hf_scatter.tiny import tiny_dbrx, tiny_mixtral
+
+BUILDERS = {"mixtral": tiny_mixtral, "dbrx": tiny_dbrx}
+SIZES = dict(hidden=72, experts=6, top_k=3, intermediate=40, layers=3)
+
+
+def _blocks(model):
+    return [m for m in model.modules() if graphs_of(m) is not None]
+
+
+def _ids(device, batch=2, length=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 300, (batch, length), generator=g).to(device)
+
+
+def _pair(family, device):
+    eager = hf_scatter.patch_model(BUILDERS[family](**SIZES).to(device).train())
+    eager.set_attn_implementation("eager")  # deterministic attention backward: differences are ours
+    return eager, hf_scatter.patch_model(copy.deepcopy(eager), moe_graphs=True)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "dbrx"])
+def test_moe_graphs_patch_is_reported_keeps_weights_and_unpatches(family):
+    eager, graphed = _pair(family, "cpu")
+    blocks = _blocks(graphed)
+    report = hf_scatter.patch_report(graphed)
+    assert len(blocks) == 3 and all(report[n].endswith(IMPL) for n, m in graphed.named_modules() if m in blocks)
+    assert all(graphs_of(b) is graphs_of(blocks[0]) for b in blocks)  # one pool for the whole step
+    state = graphed.state_dict()
+    assert state.keys() == eager.state_dict().keys()
+    assert all(torch.equal(state[k], v) for k, v in eager.state_dict().items())
+
+    ids = _ids("cpu")
+    for model in (eager, graphed):  # CPU: the blocks run eagerly, same numbers
+        model.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert torch.equal(eager(input_ids=ids).logits, graphed(input_ids=ids).logits)
+    for (name, p), q in zip(eager.named_parameters(), graphed.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+    twin = copy.deepcopy(graphed)  # a copy replays its own graphs, over its own blocks
+    assert graphs_of(_blocks(twin)[0]).blocks == _blocks(twin)
+    hf_scatter.patch_model(graphed)  # moe_graphs is opt-in: the default patch removes it
+    assert not _blocks(graphed) and all("forward" not in m.__dict__ for m in graphed.modules())
+    assert not any(IMPL in v for v in hf_scatter.patch_report(graphed).values())
+
+
+def test_moe_graphs_needs_the_scattermoe_experts():
+    with pytest.raises(ValueError, match="moe_graphs=True .* needs moe=True"):
+        hf_scatter.patch_model(tiny_mixtral(), moe=False, moe_graphs=True)
+
+
+def _train(model, batches, steps, accumulate):
+    """Losses, and the accumulated gradients each optimizer step saw (SGD: AdamW's first steps are sign
+    descent, where float noise in a near-zero gradient flips a whole learning-rate-sized update)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses, grads = [], []
+    for step in range(steps):
+        for micro in range(accumulate):
+            ids = batches[(step * accumulate + micro) % len(batches)]
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            losses.append(loss.item())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        opt.step()
+        opt.zero_grad(set_to_none=step % 2 == 0)  # both ways of clearing gradients
+    return losses, grads
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["mixtral", "dbrx"])
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_moe_graphs_training_matches_eager(family, accumulate):
+    eager, graphed = _pair(family, "cuda")
+    batches = [_ids("cuda", seed=s) for s in range(3)]
+    want, want_grads = _train(eager, batches, 4, accumulate)
+    got, got_grads = _train(graphed, batches, 4, accumulate)
+    captured = graphs_of(_blocks(graphed)[0]).captured
+    assert captured is not None and captured.replays >= 3 * (4 * accumulate - 1)  # every step after the first
+    for step, (w, g) in enumerate(zip(want_grads, got_grads)):
+        assert w.keys() == g.keys()
+        for name in w:
+            torch.testing.assert_close(g[name], w[name], rtol=1e-5, atol=1e-7, msg=f"step {step}: {name}")
+    assert got == pytest.approx(want, rel=1e-5)
+    for (name, p), q in zip(eager.named_parameters(), graphed.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.gpu
+def test_moe_graphs_fall_back_where_a_replay_would_be_wrong():
+    eager, graphed = _pair("mixtral", "cuda")
+    graphs = graphs_of(_blocks(graphed)[0])
+    ids, other = _ids("cuda", seed=1), _ids("cuda", length=17, seed=2)
+    for model in (eager, graphed):
+        model(input_ids=ids, labels=ids).loss.backward()  # captures
+        model.zero_grad(set_to_none=True)
+    replays = graphs.captured.replays
+
+    def same(run):
+        want, got = run(eager), run(graphed)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        for (name, p), q in zip(eager.named_parameters(), graphed.parameters()):
+            if p.grad is not None:
+                torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
+        eager.zero_grad(set_to_none=True)
+        graphed.zero_grad(set_to_none=True)
+
+    def two_forwards_one_backward(model):  # the second forward must not overwrite the first one's pool
+        a, b = model(input_ids=ids, labels=ids).loss, model(input_ids=other, labels=other).loss
+        (a + 2 * b).backward()
+        return torch.stack([a, b]).detach()
+
+    def another_shape(model):
+        loss = model(input_ids=other, labels=other).loss
+        loss.backward()
+        return loss.detach()
+
+    def no_grad(model):
+        with torch.no_grad():
+            return model(input_ids=ids).logits
+
+    def evaluation(model):
+        model.eval()
+        try:
+            return model(input_ids=ids).logits
+        finally:
+            model.train()
+
+    def autocast(model):
+        with torch.autocast("cuda", torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach()
+
+    def dropped_then_trained(model):  # a forward whose graph is dropped unused leaves no step outstanding
+        model(input_ids=ids, labels=ids)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach()
+
+    for run in (two_forwards_one_backward, another_shape, no_grad, evaluation, autocast):
+        same(run)
+    assert graphs.captured.replays == replays + 3  # only the first forward of the first case replayed
+    same(dropped_then_trained)
+    assert graphs.captured.replays == replays + 9
+
+    def one_step(model):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach()
+
+    for model in (eager, graphed):
+        model.double().float()  # every parameter moves (values unchanged): the graphs are captured again
+    before = graphs.captured
+    same(one_step)
+    assert graphs.captured is not before and graphs.captured.replays == 3 and graphs.recaptures == 1
+
+    loss = graphed(input_ids=ids, labels=ids).loss
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward once per forward"):
+        loss.backward()
