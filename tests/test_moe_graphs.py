@@ -170,3 +170,22 @@ def test_moe_graphs_fall_back_where_a_replay_would_be_wrong():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward once per forward"):
         loss.backward()
+
+
+def test_moe_graphs_see_through_transformers_output_recorders_only_while_inactive():
+    """transformers hooks every router once to record its logits on request: graphs must still be used while
+    nobody asks for them (or no block would ever replay), and not while ``output_router_logits`` is on."""
+    from hf_scatter.models.moe_graphs import _output_recorder_only
+
+    model = hf_scatter.patch_model(tiny_mixtral(**SIZES).train(), moe_graphs=True)
+    seen = []
+    block = _blocks(model)[0]
+    probe = block.register_forward_pre_hook(lambda m, args: seen.append(_output_recorder_only(m.gate)))
+    ids = _ids("cpu")
+    model(input_ids=ids)
+    model(input_ids=ids, output_router_logits=True)
+    probe.remove()
+    assert block.gate._forward_hooks  # the recorder hooks really are there
+    assert seen == [True, False]
+    block.gate.register_forward_hook(lambda m, args, out: None)  # anyone else's hook: never captured
+    assert not _output_recorder_only(block.gate)
