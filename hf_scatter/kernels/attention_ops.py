@@ -14,7 +14,7 @@ import torch
 
 from . import varlen_attention as va
 from .backend import use_triton
-from .ops import _fail, _run
+from .ops import _fail, _run, mutating_op
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -27,13 +27,7 @@ def _varlen_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
         va.varlen_attention_reference(q, k, v, lengths, scale, out)
 
 
-_varlen_attention_op = torch.library.custom_op("hf_scatter::varlen_attention",
-                                               mutates_args=("out",))(_varlen_attention_impl)
-
-
-@_varlen_attention_op.register_fake
-def _(q, k, v, blocks, lengths, scale, block_m, out):
-    return None
+_varlen_attention_op = mutating_op("varlen_attention", "out")(_varlen_attention_impl)
 
 
 def _check(q, k, v, lengths, out) -> int:

@@ -17,7 +17,7 @@ from torch.autograd.function import once_differentiable
 
 from . import norms, router, softmax
 from .backend import use_triton
-from .ops import _fail, _run
+from .ops import _fail, _run, mutating_op
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -43,13 +43,7 @@ def _add_norm_fwd_impl(x: torch.Tensor, residual: Optional[torch.Tensor], add_bi
         mean.copy_(mean_ref)
 
 
-_add_norm_fwd_op = torch.library.custom_op("hf_scatter::add_norm_fwd",
-                                           mutates_args=("y", "sum_out", "mean", "rstd"))(_add_norm_fwd_impl)
-
-
-@_add_norm_fwd_op.register_fake
-def _(x, residual, add_bias, weight, bias, eps, rms, y, sum_out, mean, rstd):
-    return None
+_add_norm_fwd_op = mutating_op("add_norm_fwd", "y", "sum_out", "mean", "rstd")(_add_norm_fwd_impl)
 
 
 def _add_norm_bwd_impl(dy: torch.Tensor, s: torch.Tensor, weight: Optional[torch.Tensor],
@@ -65,13 +59,7 @@ def _add_norm_bwd_impl(dy: torch.Tensor, s: torch.Tensor, weight: Optional[torch
             out.copy_(grad)
 
 
-_add_norm_bwd_op = torch.library.custom_op("hf_scatter::add_norm_bwd",
-                                           mutates_args=("dx", "dweight", "dbias", "dadd_bias"))(_add_norm_bwd_impl)
-
-
-@_add_norm_bwd_op.register_fake
-def _(dy, s, weight, mean, rstd, dsum, rms, dx, dweight, dbias, dadd_bias):
-    return None
+_add_norm_bwd_op = mutating_op("add_norm_bwd", "dx", "dweight", "dbias", "dadd_bias")(_add_norm_bwd_impl)
 
 
 class _AddNorm(torch.autograd.Function):
@@ -128,13 +116,7 @@ def _masked_softmax_fwd_impl(x4: torch.Tensor, mask4: Optional[torch.Tensor], sc
         y.copy_(y_ref)
 
 
-_masked_softmax_fwd_op = torch.library.custom_op("hf_scatter::masked_softmax_fwd",
-                                                 mutates_args=("y", "out"))(_masked_softmax_fwd_impl)
-
-
-@_masked_softmax_fwd_op.register_fake
-def _(x4, mask4, scale, mask_min, dropout_p, seed, y, out):
-    return None
+_masked_softmax_fwd_op = mutating_op("masked_softmax_fwd", "y", "out")(_masked_softmax_fwd_impl)
 
 
 def _masked_softmax_bwd_impl(y: torch.Tensor, dout: torch.Tensor, scale: float, dropout_p: float,
@@ -146,13 +128,7 @@ def _masked_softmax_bwd_impl(y: torch.Tensor, dout: torch.Tensor, scale: float, 
         dx.copy_(softmax.masked_softmax_backward_reference(y, dout, scale, dropout_p, seed_value))
 
 
-_masked_softmax_bwd_op = torch.library.custom_op("hf_scatter::masked_softmax_bwd",
-                                                 mutates_args=("dx",))(_masked_softmax_bwd_impl)
-
-
-@_masked_softmax_bwd_op.register_fake
-def _(y, dout, scale, dropout_p, seed, dx):
-    return None
+_masked_softmax_bwd_op = mutating_op("masked_softmax_bwd", "dx")(_masked_softmax_bwd_impl)
 
 
 class _MaskedSoftmax(torch.autograd.Function):
@@ -199,13 +175,7 @@ def _router_topk_impl(logits: torch.Tensor, top_k: int, p: Optional[float], weig
         probs.copy_(probs_ref)
 
 
-_router_topk_op = torch.library.custom_op("hf_scatter::router_topk",
-                                          mutates_args=("weights", "indices", "probs"))(_router_topk_impl)
-
-
-@_router_topk_op.register_fake
-def _(logits, top_k, p, weights, indices, probs):
-    return None
+_router_topk_op = mutating_op("router_topk", "weights", "indices", "probs")(_router_topk_impl)
 
 
 class _RouterTopK(torch.autograd.Function):
