@@ -83,6 +83,16 @@ def test_scatter2scatter_all_modes_poisoned_out(device, x_grouped, y_grouped, wi
     assert rel_err(out, ref) < 1e-5
 
 
+def _assert_per_expert_xty(dw, db, x_grouped, dy_grouped, expert_offsets):
+    """dW[e] = X_e^T dY_e and db[e] = sum dY_e over each expert's grouped rows, in float64."""
+    start = 0
+    for e, end in enumerate(expert_offsets.tolist()):
+        ref_w = x_grouped[start:end].double().t() @ dy_grouped[start:end].double()
+        assert torch.allclose(dw[e].double(), ref_w, atol=1e-4, rtol=1e-5), e
+        assert torch.allclose(db[e].double(), dy_grouped[start:end].double().sum(0), atol=1e-4), e
+        start = end
+
+
 def test_groupxty_poisoned_and_empty_expert(device):
     E, K, N = 4, 33, 600
     idx = routing_case(40, 1, E, device, "empty-expert")
@@ -91,12 +101,7 @@ def test_groupxty_poisoned_and_empty_expert(device):
     dw = torch.full((E, K, N), float("nan"), device=device)
     db = torch.full((E, N), float("nan"), device=device)
     groupXTY(x, dy, off, dw, db)
-    start = 0
-    for e, end in enumerate(off.tolist()):
-        ref_w = x[start:end].double().t() @ dy[start:end].double()
-        assert torch.allclose(dw[e].double(), ref_w, atol=1e-4, rtol=1e-5), e
-        assert torch.allclose(db[e].double(), dy[start:end].double().sum(0), atol=1e-4), e
-        start = end
+    _assert_per_expert_xty(dw, db, x, dy, off)
     assert torch.count_nonzero(dw[0]) == 0 and torch.count_nonzero(db[0]) == 0  # expert 0 had no rows
 
 
@@ -115,12 +120,7 @@ def test_groupxty_reads_scattered_operands_in_place(device, x_fan_out, dy_fan_ou
     dw = torch.full((E, K, N), float("nan"), device=device)
     db = torch.full((E, N), float("nan"), device=device)
     groupXTY(x, dy, off, dw, db, sorted_scattered_idxs=ss, x_fan_out=x_fan_out, dy_fan_out=dy_fan_out)
-    start = 0
-    for e, end in enumerate(off.tolist()):
-        ref_w = x_g[start:end].double().t() @ dy_g[start:end].double()
-        assert torch.allclose(dw[e].double(), ref_w, atol=1e-4, rtol=1e-5), e
-        assert torch.allclose(db[e].double(), dy_g[start:end].double().sum(0), atol=1e-4), e
-        start = end
+    _assert_per_expert_xty(dw, db, x_g, dy_g, off)
     with pytest.raises(ValueError, match="need sorted_scattered_idxs"):
         groupXTY(x, dy, off, x_fan_out=x_fan_out or 1)
 
