@@ -314,7 +314,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         # The demo checks the kernels themselves: on a machine without a GPU, run them interpreted.
         os.environ.setdefault("HF_SCATTER_KERNELS", "triton")
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        # Every command writes its outputs atomically at the end (convert removes its temporary directory
+        # on the way out), so an interrupted command has written nothing.
+        print(f"hf-scatter {args.command}: interrupted, nothing written", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
