@@ -64,9 +64,10 @@ def test_swiglu_experts_backward_frees_its_activations_and_refuses_a_second_pass
         y.sum().backward()
 
 
-def _moa_reference(moa, x, is_causal, attention_mask):
-    """Per expert choice j, per head: dense float64 attention over the shared K/V."""
-    p = {n: t.detach().double() for n, t in moa.named_parameters()}
+def _moa_reference(moa, x, is_causal, attention_mask, p=None):
+    """Per expert choice j, per head: dense float64 attention over the shared K/V (``p``: float64 parameters,
+    leaves for gradients; default a detached copy of the module's)."""
+    p = p if p is not None else {n: t.detach().double() for n, t in moa.named_parameters()}
     B, S, H = x.shape
     k, h, d, kvh = moa.top_k, moa.num_heads, moa.head_dim, moa.num_kv_heads
     xd = x.double()
@@ -89,7 +90,7 @@ def _moa_reference(moa, x, is_causal, attention_mask):
             mask = allowed[None]
             if attention_mask is not None:
                 mask = mask & attention_mask[:, None, :].bool()
-            scores = scores.masked_fill(~mask, float("-inf"))
+            scores = scores.masked_fill(~mask, -1e30)  # finite: fully masked rows stay finite (no NaN gradients)
             heads.append(torch.einsum("bst,btd->bsd", scores.softmax(-1), value[:, :, kv_head]))
         o = torch.cat(heads, -1)  # [B, S, h*d]
         out += gates[:, :, j, None] * torch.einsum("bsi,bsoi->bso", o, p["o_proj"][e])
@@ -98,20 +99,31 @@ def _moa_reference(moa, x, is_causal, attention_mask):
 
 @pytest.mark.parametrize("kv_heads,is_causal,masked", [(4, True, False), (2, True, True), (4, False, False)])
 def test_mixture_of_attention_matches_reference(device, kv_heads, is_causal, masked):
+    """Output and every gradient (x, router, Q, O, shared K/V) against float64: O mixes each token's k slots
+    through parallel_linear's [T, k] gates over one input row per slot."""
     torch.manual_seed(0)
     moa = MixtureOfAttention(hidden_size=48, num_experts=5, top_k=2, num_heads=4, head_dim=12,
                              num_kv_heads=kv_heads).to(device)
-    x = torch.randn(2, 11, 48, device=device)
+    x = torch.randn(2, 11, 48, device=device, requires_grad=True)
     mask = None
     if masked:
         mask = torch.ones(2, 11, dtype=torch.bool, device=device)
         mask[1, :3] = False  # left padding in the second sequence
+    params = {n: t.detach().double().requires_grad_(True) for n, t in moa.named_parameters()}
+    rx = x.detach().double().requires_grad_(True)
     got = moa(x, attention_mask=mask, is_causal=is_causal)
-    want = _moa_reference(moa, x, is_causal, mask)
-    rows = slice(None) if mask is None else mask  # fully masked query rows are undefined in both
+    want = _moa_reference(moa, rx, is_causal, mask, params)
+    # Fully masked query rows (causal, left-padded) are undefined in both: no output check, no gradient.
+    rows = torch.ones(2, 11, dtype=torch.bool, device=device)
+    if masked and is_causal:
+        rows[1, :3] = False
     assert _rel(got[rows], want[rows]) < 1e-5
-    got.sum().backward()
-    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in moa.parameters())
+    dy = torch.randn_like(got) * rows[..., None]
+    got.backward(dy)
+    want.backward(dy.double())
+    for name, param in moa.named_parameters():
+        assert _rel(param.grad, params[name].grad) < 1e-5, name
+    assert _rel(x.grad, rx.grad) < 1e-5
 
 
 def test_torch_compile_fullgraph_smoe_mlp(device):

@@ -206,32 +206,41 @@ CASES = [  # T, k, E, d_in, d_out, routing pattern
 ]
 
 
-def _run_case(device, dtype, T, k, E, d_in, d_out, pattern, grouped_in, grouped_out, with_bias, with_gates):
+def _run_case(device, dtype, T, k, E, d_in, d_out, pattern, grouped_in, grouped_out, with_bias, with_gates,
+              fan_out=None, gate_width=None, x_grad=True):
+    """T tokens routed to k experts each; the layer reads input row s // fan_out for slot s (default k) and,
+    with gates, mixes groups of gate_width consecutive slots (default k)."""
+    fan_out, gate_width = fan_out or k, gate_width or k
     idx = routing_case(T, k, E, device, pattern)
     se, ss, off = flatten_sort_count(idx, E)
+    M = T * k
     w_hf = (torch.randn(E, d_out, d_in, device=device, dtype=dtype) / d_in ** 0.5).requires_grad_(True)
     weight = w_hf.transpose(1, 2)  # a view of the HF-layout parameter
     bias = torch.randn(E, d_out, device=device, dtype=dtype, requires_grad=True) if with_bias else None
-    gates = torch.rand(T, k, device=device, dtype=torch.float32, requires_grad=True) if with_gates else None
-    x_tok = torch.randn(T, d_in, device=device, dtype=dtype)
-    x = (x_tok[ss // k] if grouped_in else x_tok).detach().requires_grad_(True)
+    gates = torch.rand(M // gate_width, gate_width, device=device, dtype=torch.float32, requires_grad=True) \
+        if with_gates else None
+    x_tok = torch.randn(M // fan_out, d_in, device=device, dtype=dtype)
+    x = (x_tok[ss // fan_out] if grouped_in else x_tok).detach().requires_grad_(x_grad)
     with poisoned_empty():
-        y = parallel_linear(x, weight, k, se, ss, off, bias=bias, gates=gates, grouped_in=grouped_in,
+        y = parallel_linear(x, weight, fan_out, se, ss, off, bias=bias, gates=gates, grouped_in=grouped_in,
                             grouped_out=grouped_out)
         dy = torch.randn_like(y)
         y.backward(dy)
 
     leaves = [t for t in (x, w_hf, bias, gates) if t is not None]
-    ref_leaves = [t.detach().double().requires_grad_(True) for t in leaves]
+    ref_leaves = [t.detach().double().requires_grad_(t.requires_grad) for t in leaves]
     rx, rw = ref_leaves[0], ref_leaves[1]
     rb = ref_leaves[2] if with_bias else None
     rg = ref_leaves[-1] if with_gates else None
-    ref = reference_parallel_linear(rx, rw.transpose(1, 2), k, idx, rb, rg, grouped_in, grouped_out)
+    ref = reference_parallel_linear(rx, rw.transpose(1, 2), fan_out, idx, rb, rg, grouped_in, grouped_out)
     ref.backward(dy.double())
     tol = TOL[dtype]
     assert rel_err(y, ref) < tol, "forward"
     names = ["dX", "dW"] + (["db"] if with_bias else []) + (["d_gates"] if with_gates else [])
     for name, got, want in zip(names, leaves, ref_leaves):
+        if not got.requires_grad:
+            assert got.grad is None, name
+            continue
         assert got.grad is not None, name
         assert got.grad.shape == got.shape, name
         assert rel_err(got.grad, want.grad) < tol, name
@@ -249,6 +258,32 @@ def test_parallel_linear_modes_fp32(device, case, mode):
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_parallel_linear_gates_fp32(device, case, grouped_in, with_bias):
     _run_case(device, torch.float32, *case, grouped_in, False, with_bias=with_bias, with_gates=True)
+
+
+GATE_WIDTH_CASES = [  # T, routed slots per token, E, d_in, d_out, pattern, input fan-out k, gate width j, grouped_in
+    (13, 3, 5, 40, 33, "empty-expert", 1, 3, False),  # MoA's O projection: one input row per slot, [T, k_moa] gates
+    (11, 2, 4, 24, 70, "random", 1, 2, True),  # grouped input with d_out > d_in: dY read in place for dW
+    (14, 2, 4, 33, 24, "one-expert", 2, 4, False),  # j > k > 1: dX mixes each token's k slots
+    (9, 3, 4, 40, 24, "random", 3, 1, False),  # j = 1: each slot scaled by its own gate, [T*k, d_out] out
+    (10, 3, 4, 24, 40, "empty-expert", 3, 1, True),
+]
+
+
+@pytest.mark.parametrize("case", GATE_WIDTH_CASES, ids=lambda c: f"T{c[0]}x{c[1]}E{c[2]}-k{c[6]}j{c[7]}"
+                                                                 f"{'-grouped' if c[8] else ''}-{c[5]}")
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_parallel_linear_gate_width_independent_of_fan_out(device, case, with_bias):
+    """Algorithm 1: gates [S, j] with S*j = T*k, whatever the input fan-out k."""
+    *shape, fan_out, gate_width, grouped_in = case
+    _run_case(device, torch.float32, *shape, grouped_in, False, with_bias=with_bias, with_gates=True,
+              fan_out=fan_out, gate_width=gate_width)
+
+
+@pytest.mark.parametrize("gate_width", [3, 1])
+def test_parallel_linear_gate_width_without_input_grad(device, gate_width):
+    """A constant input (no dX): the gate and weight gradients alone, scattered input read once per slot."""
+    _run_case(device, torch.float32, 12, 3, 4, 36, 28, "empty-expert", False, False, with_bias=True, with_gates=True,
+              fan_out=1, gate_width=gate_width, x_grad=False)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -308,7 +343,12 @@ def _routing(device):
     (lambda r, d: parallel_linear(torch.randn(3, 8, device=d), torch.randn(3, 8, 4, device=d), 4, *r),
      "multiple of k"),
     (lambda r, d: parallel_linear(torch.randn(3, 8, device=d), torch.randn(3, 8, 4, device=d), 2, *r,
-                                  gates=torch.rand(3, 3, device=d)), r"gates must be \[T, k\]"),
+                                  gates=torch.rand(3, 3, device=d)),
+     r"gates must be \[S, j\] with S\*j = 6 routed slots .*\[T, k\] = \(3, 2\); got \(3, 3\)"),
+    (lambda r, d: parallel_linear(torch.randn(3, 8, device=d), torch.randn(3, 8, 4, device=d), 2, *r,
+                                  gates=torch.rand(6, device=d)), r"gates must be \[S, j\].*got \(6,\)"),
+    (lambda r, d: parallel_linear(torch.randn(3, 8, device=d), torch.randn(3, 8, 4, device=d), 2, *r,
+                                  gates=torch.ones(2, 3, device=d, dtype=torch.long)), "floating-point"),
     (lambda r, d: parallel_linear(torch.randn(3, 8, device=d), torch.randn(3, 8, 4, device=d), 2, *r,
                                   gates=torch.rand(3, 2, device=d), grouped_out=True), "grouped_out=False"),
     (lambda r, d: parallel_linear(torch.randn(3, 8, device=d), torch.randn(4, 8, 4, device=d), 2, *r),

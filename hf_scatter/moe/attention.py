@@ -2,7 +2,9 @@
 
 Each expert owns a query and an output projection; keys and values are shared. Q is a scattered ->
 scattered ParallelLinear, so the k expert queries of a token stay at that token's time position and act as
-k extra heads over the shared K/V; O maps each expert's attention output back and mixes with the gates.
+k extra heads over the shared K/V; O maps each expert's attention output back and mixes with the gates: its
+input is already one row per slot (k=1), and its gates [T, k] mix each token's k slots (Algorithm 1's gate
+width is independent of the input fan-out), so no [T*k, H] per-slot output is made.
 """
 
 from __future__ import annotations
@@ -67,5 +69,5 @@ class MixtureOfAttention(nn.Module):
                                              is_causal=is_causal and mask is None,
                                              enable_gqa=self.num_kv_heads != k * h)
         out = out.transpose(1, 2).reshape(B, S, h, k, d).transpose(2, 3).reshape(B * S * k, h * d)  # slot order
-        y = parallel_linear(out, self.o_proj.transpose(1, 2), 1, *routing, gates=gates.reshape(-1, 1))
-        return y.view(B * S, k, H).sum(1).view(B, S, H)
+        y = parallel_linear(out, self.o_proj.transpose(1, 2), 1, *routing, gates=gates)  # [T, H]
+        return y.view(B, S, H)

@@ -1,8 +1,10 @@
 """ParallelLinear: the differentiable expert-parallel linear layer of ScatterMoE (paper Algorithms 1-2).
 
-Forward is one ``scatter2scatter``; with ``gates`` the k expert outputs of each token are mixed by
-``gate_mix``, and they are not kept: the gate gradient is ``x . (dY W^T)``, a row dot against the input
-gradient that backward computes anyway. For dW a scattered operand is either copied into expert order
+Forward is one ``scatter2scatter``; with ``gates`` [S, j] (S*j = T*k slots) each group of j consecutive slot
+outputs is mixed into one row by ``gate_mix``, and they are not kept: the gate gradient is ``x . (dY W^T)``,
+a row dot against the input gradient that backward computes anyway. The gate width j is independent of
+the input fan-out k (Algorithm 1): Mixture-of-Attention's output projection reads one row per slot (k=1)
+and mixes each token's k_moa slots (j = k_moa). For dW a scattered operand is either copied into expert order
 or read in place by ``groupXTY`` (:func:`dw_operand` says which), and dX is produced before dW is
 allocated, so the largest backward buffers are never live together.
 """
@@ -59,7 +61,8 @@ class _ParallelLinear(torch.autograd.Function):
         d_in, d_out = weight.shape[1], weight.shape[2]
         w_t = weight.transpose(1, 2)
         dy = dy.contiguous()
-        x_fan_out = 0 if grouped_in else k
+        x_fan_out = 0 if grouped_in else k  # slot s reads x[s // k]
+        j = gates.shape[1] if gates is not None else 1  # gated: slot s sees dY[s // j]
         d_x = d_gates = dw_x = coeff = None
         if gates is None:
             if need_x:
@@ -68,22 +71,26 @@ class _ParallelLinear(torch.autograd.Function):
                 d_x = d_slots if grouped_in or k == 1 else d_slots.view(-1, k, d_in).sum(1)
                 del d_slots
         else:
-            # Every slot of token t sees dY[t], scaled by its gate (coeff, in expert order).
+            # Every slot s sees dY[s // j], scaled by its gate (coeff, in expert order).
             coeff = gates.reshape(-1).index_select(0, idx).to(torch.float32)
             # With X grouped and dY read in place, dW takes the gate on X's rows, written by gate_grad's pass
             # (db needs the gate on dY's rows: with a bias, dY is copied).
             if need_w and not need_b and grouped_in and not grouped_copy_pays(d_out, d_in):
                 dw_x = x.new_empty(x.shape)
             if need_x or need_g or dw_x is not None:
-                # Ungated input gradient per slot, dX'[s] = dY[t] W_e^T: grouped (sorted) rows or slot order.
-                dxp = scatter2scatter_unchecked(dy, w_t, *routing, k, x_grouped=False, y_grouped=grouped_in)
+                # Ungated input gradient per slot, dX'[s] = dY[s // j] W_e^T: grouped (sorted) rows or slot order.
+                dxp = scatter2scatter_unchecked(dy, w_t, *routing, j, x_grouped=False, y_grouped=grouped_in)
                 if grouped_in:
                     dots = gate_grad_unchecked(dxp, x, 1, coeff, x_scaled_out=dw_x)  # dX' scaled into dX in place
                     d_gates = torch.empty_like(dots).index_copy_(0, idx, dots)
                     d_x = dxp
+                elif k == 1 and need_x:  # one slot per input row: dX is dX' scaled by the gates, in the same pass
+                    d_gates = gate_grad_unchecked(dxp, x, 1, gates.reshape(-1).contiguous())
+                    d_x = dxp
                 else:
                     d_gates = gate_grad_unchecked(dxp, x, k)
-                    d_x = gate_mix_unchecked(dxp, gates) if need_x else None
+                    # dX[t] sums token t's k slots, each scaled by its gate: gate_mix over the gates as [T, k].
+                    d_x = gate_mix_unchecked(dxp, gates if j == k else gates.reshape(-1, k)) if need_x else None
                 del dxp
                 d_gates = _with_bias_term(d_gates.view(gates.shape), dy, bias, routing).to(gates.dtype) \
                     if need_g else None
@@ -91,13 +98,13 @@ class _ParallelLinear(torch.autograd.Function):
         if need_w or need_b:
             # After dX, so dX's slot-order buffer is freed before dW and any grouped copy are allocated.
             if dw_x is not None:  # gate on X's rows, dY read in place
-                x_op, x_fan, dy_op, dy_fan = dw_x, 0, dy, k
+                x_op, x_fan, dy_op, dy_fan = dw_x, 0, dy, j
             else:
                 x_op, x_fan = dw_operand(x, x_fan_out, d_out, idx)
                 if gates is None:
                     dy_op, dy_fan = dw_operand(dy, 0 if grouped_out else 1, d_in, idx)
                 else:  # the gate-scaled grouped copy of dY
-                    dy_op, dy_fan = group_unchecked(dy, idx, k, coeff=coeff), 0
+                    dy_op, dy_fan = group_unchecked(dy, idx, j, coeff=coeff), 0
             # empty_like keeps a dense weight's strides: the gradient of a transposed view needs no copy.
             d_weight, d_bias = groupxty_unchecked(x_op, dy_op, expert_offsets, torch.empty_like(weight), bool(need_b),
                                                   idx, x_fan, dy_fan)
@@ -106,12 +113,12 @@ class _ParallelLinear(torch.autograd.Function):
 
 
 def _with_bias_term(d_gates: torch.Tensor, dy: torch.Tensor, bias: torch.Tensor | None, routing) -> torch.Tensor:
-    """With a bias, slot output is ``x W_e + b_e``: its gate gradient gains ``dY[t] . b_e``."""
+    """With a bias, slot output is ``x W_e + b_e``: its gate gradient gains ``dY[s // j] . b_e`` (d_gates [S, j])."""
     if bias is None:
         return d_gates
     sorted_expert_idxs, sorted_scattered_idxs, _ = routing
     expert_of_slot = torch.empty_like(sorted_expert_idxs).index_copy_(0, sorted_scattered_idxs, sorted_expert_idxs)
-    per_expert = dy.to(d_gates.dtype) @ bias.to(d_gates.dtype).t()  # [T, E]
+    per_expert = dy.to(d_gates.dtype) @ bias.to(d_gates.dtype).t()  # [S, E]
     return d_gates + per_expert.gather(1, expert_of_slot.view(d_gates.shape).long())
 
 
@@ -129,11 +136,13 @@ def parallel_linear(x: torch.Tensor, weight: torch.Tensor, k: int, sorted_expert
                     sorted_scattered_idxs: torch.Tensor, expert_offsets: torch.Tensor,
                     bias: torch.Tensor | None = None, gates: torch.Tensor | None = None,
                     grouped_in: bool = False, grouped_out: bool = False) -> torch.Tensor:
-    """Expert-parallel linear layer over the T*k routed slots.
+    """Expert-parallel linear layer over the M = T*k routed slots (ScatterMoE Algorithm 1).
 
     - ``weight`` [E, d_in, d_out] (any strides: ``hf_weight.transpose(1, 2)`` needs no copy), ``bias`` [E, d_out].
-    - Input: ``grouped_in`` means ``x`` is [T*k, d_in] in expert order; otherwise slot ``s`` reads row ``s // k``.
-    - Output: with ``gates`` [T, k], [T, d_out] = sum_j gates[t, j] * y[t*k + j]; otherwise [T*k, d_out] in slot
+    - Input: ``grouped_in`` means ``x`` is [M, d_in] in expert order; otherwise slot ``s`` reads row ``s // k``.
+    - Output: with ``gates`` [S, j], S*j = M, [S, d_out] with row s = sum_i gates[s, i] * y[s*j + i], where
+      y is the [M, d_out] slot-order output; j need not be k (the SMoE MLP passes [T, k]; an input with
+      one row per slot, k=1, passes [T, k_moa] to mix each token's slots). Otherwise [M, d_out] in slot
       order, or expert order with ``grouped_out``.
     Differentiable in x, weight, bias and gates.
     """
@@ -144,11 +153,14 @@ def parallel_linear(x: torch.Tensor, weight: torch.Tensor, k: int, sorted_expert
         raise ValueError(f"parallel_linear: {M} routed slots is not a multiple of k={k}")
     if gates is not None:
         if grouped_out:
-            raise ValueError("parallel_linear: gates mix the k outputs of each token, which needs scattered "
+            raise ValueError("parallel_linear: gates mix groups of consecutive slot outputs, which needs scattered "
                              "output; pass grouped_out=False")
-        if not isinstance(gates, torch.Tensor) or tuple(gates.shape) != (M // k, k):
+        if not isinstance(gates, torch.Tensor) or gates.dim() != 2 or gates.numel() != M or gates.shape[1] < 1:
             got = tuple(gates.shape) if isinstance(gates, torch.Tensor) else type(gates).__name__
-            raise ValueError(f"parallel_linear: gates must be [T, k] = {(M // k, k)}, got {got}")
+            raise ValueError(f"parallel_linear: gates must be [S, j] with S*j = {M} routed slots (row s mixes slots "
+                             f"s*j .. s*j+j-1), e.g. [T, k] = {(M // k, k)}; got {got}")
+        if not gates.is_floating_point():
+            raise ValueError(f"parallel_linear: gates must be a floating-point tensor, got {gates.dtype}")
         if gates.device != x.device:
             raise ValueError(f"parallel_linear: gates are on {gates.device} but x is on {x.device}")
     x, weight, bias = autocast_operands(x, weight, bias)
