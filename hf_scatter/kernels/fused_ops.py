@@ -4,7 +4,7 @@ Each public function checks its arguments, then runs a ``torch.autograd.Function
 backward call ``torch.library`` custom ops (traced by ``torch.compile``; eager calls skip the dispatcher,
 see ``ops._run``). An op runs its Triton kernel where ``backend.use_triton`` says so and the torch reference
 of the kernel's module otherwise; float64 always takes the reference. Ops write into buffers allocated
-here, as in ``ops.py``.
+here, as in ``ops.py``; forward and backward carry ``hf_scatter::`` names in profiler traces (``ops.profiled``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch.autograd.function import once_differentiable
 
 from . import norms, router, softmax
 from .backend import use_triton
-from .ops import _fail, _run, mutating_op
+from .ops import _fail, _run, mutating_op, profiled
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -67,6 +67,7 @@ class _AddNorm(torch.autograd.Function):
     reads, so it exists either way)."""
 
     @staticmethod
+    @profiled("hf_scatter::add_norm.forward")
     def forward(ctx, x, residual, weight, bias, add_bias, eps, rms):
         M, N = x.shape
         out_dtype = _norm_out_dtype(x, weight, rms)
@@ -87,6 +88,7 @@ class _AddNorm(torch.autograd.Function):
         return (y, sum_out) if has_add else y
 
     @staticmethod
+    @profiled("hf_scatter::add_norm.backward")
     @once_differentiable
     def backward(ctx, dy, dsum=None):
         s, weight, mean, rstd = ctx.saved_tensors
@@ -133,6 +135,7 @@ _masked_softmax_bwd_op = mutating_op("masked_softmax_bwd", "dx")(_masked_softmax
 
 class _MaskedSoftmax(torch.autograd.Function):
     @staticmethod
+    @profiled("hf_scatter::masked_softmax.forward")
     def forward(ctx, x, mask, scale, mask_min, dropout_p, seed):
         lead = (None,) * (4 - x.dim())  # a [D0, D1, D2, S] view of the scores and of the expanded mask
         x4 = x[lead]
@@ -146,6 +149,7 @@ class _MaskedSoftmax(torch.autograd.Function):
         return out.view(x.shape)
 
     @staticmethod
+    @profiled("hf_scatter::masked_softmax.backward")
     @once_differentiable
     def backward(ctx, dout):
         y, seed = ctx.saved_tensors
@@ -180,6 +184,7 @@ _router_topk_op = mutating_op("router_topk", "weights", "indices", "probs")(_rou
 
 class _RouterTopK(torch.autograd.Function):
     @staticmethod
+    @profiled("hf_scatter::router_topk.forward")
     def forward(ctx, logits, top_k, p, softmax_dtype, return_probs, keep_probs):
         T, E = logits.shape
         weights = logits.new_empty((T, top_k), dtype=softmax_dtype)
@@ -193,6 +198,7 @@ class _RouterTopK(torch.autograd.Function):
         return (weights, indices, probs) if return_probs else (weights, indices)
 
     @staticmethod
+    @profiled("hf_scatter::router_topk.backward")
     @once_differentiable
     def backward(ctx, dweights, dindices, dprobs=None):
         probs, indices = ctx.saved_tensors

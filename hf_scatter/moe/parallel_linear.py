@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 # Inputs are validated once, by the forward's checked scatter2scatter; every other call skips the checks.
-from ..kernels.ops import (gate_grad_unchecked, gate_mix_unchecked, group_unchecked, groupxty_unchecked,
+from ..kernels.ops import (gate_grad_unchecked, gate_mix_unchecked, group_unchecked, groupxty_unchecked, profiled,
                            scatter2scatter, scatter2scatter_unchecked)
 
 
@@ -40,6 +40,7 @@ def dw_operand(t: torch.Tensor, fan_out: int, other_width: int, sorted_scattered
 
 class _ParallelLinear(torch.autograd.Function):
     @staticmethod
+    @profiled("hf_scatter::parallel_linear.forward")
     def forward(ctx, x, weight, bias, gates, k, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets,
                 grouped_in, grouped_out):
         fan_out = 1 if grouped_in else k
@@ -52,6 +53,7 @@ class _ParallelLinear(torch.autograd.Function):
         return y
 
     @staticmethod
+    @profiled("hf_scatter::parallel_linear.backward")
     def backward(ctx, dy):
         x, weight, bias, gates, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets = ctx.saved_tensors
         k, grouped_in, grouped_out = ctx.k, ctx.grouped_in, ctx.grouped_out

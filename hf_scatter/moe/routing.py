@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.ops import profiled
 
+
+@profiled("hf_scatter::flatten_sort_count")
 def flatten_sort_count(expert_idxs: torch.Tensor, num_experts: int, validate: bool = True
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sort the T*k (token, choice) slots by expert.

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from ..kernels.ops import (gate_grad_unchecked, gate_mix_unchecked, gate_up_halves, group_unchecked,
-                           groupxty_unchecked, scatter2scatter, scatter2scatter_unchecked, swiglu_bwd_unchecked,
-                           swiglu_fwd_unchecked)
+                           groupxty_unchecked, profiled, scatter2scatter, scatter2scatter_unchecked,
+                           swiglu_bwd_unchecked, swiglu_fwd_unchecked)
 from .parallel_linear import autocast_operands, dw_operand, grouped_copy_pays
 
 
@@ -26,6 +26,7 @@ def _release(t: torch.Tensor) -> None:
 
 class _SwiGLUExperts(torch.autograd.Function):
     @staticmethod
+    @profiled("hf_scatter::swiglu_experts.forward")
     def forward(ctx, x, w_in, w_out, gates, k, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets):
         routing = (sorted_expert_idxs, sorted_scattered_idxs, expert_offsets)
         gate_up = scatter2scatter(x, w_in, *routing, k, x_grouped=False, y_grouped=True)  # checks the inputs
@@ -38,6 +39,7 @@ class _SwiGLUExperts(torch.autograd.Function):
         return y
 
     @staticmethod
+    @profiled("hf_scatter::swiglu_experts.backward")
     def backward(ctx, dy):
         if ctx.consumed:
             raise RuntimeError("hf_scatter: backward through the SwiGLU experts ran twice; the first one consumed "
