@@ -33,15 +33,15 @@ class OffloadedLM(HFLM):
         return self.offloaded.logits(inps)
 
     def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs):
+        """As lm-eval's HF model: temperature 0 means greedy; the task's other generation keywords go to
+        OffloadedModel.generate as they would to model.generate (it names any it does not support)."""
         mask = generation_kwargs.pop("attention_mask", None)
+        generation_kwargs.pop("use_cache", None)  # the offloaded runtime always keeps a KV cache
         temperature = generation_kwargs.pop("temperature", 0.0) or 0.0
         do_sample = bool(generation_kwargs.pop("do_sample", None) or temperature > 0)
-        sampling = {"temperature": temperature or 1.0, "top_k": generation_kwargs.pop("top_k", None),
-                    "top_p": generation_kwargs.pop("top_p", None)} if do_sample else {}
-        unknown = sorted(k for k in generation_kwargs if k not in ("use_cache",))
-        if unknown:
-            raise ValueError(f"hf-scatter-offloaded: generation arguments {unknown} are not supported")
+        if do_sample:
+            generation_kwargs["temperature"] = temperature or 1.0
         new_tokens = max(1, max_length - context.shape[1])
         return self.offloaded.generate(context, attention_mask=mask, max_new_tokens=new_tokens, do_sample=do_sample,
                                        stop_strings=stop, tokenizer=self.tokenizer,
-                                       pad_token_id=self.tokenizer.pad_token_id, progress=False, **sampling)
+                                       pad_token_id=self.tokenizer.pad_token_id, progress=False, **generation_kwargs)

@@ -185,6 +185,171 @@ def test_batch_shrinks_to_what_host_memory_holds():
     assert result.tokens == alone
 
 
+def test_offloading_a_model_whose_weights_were_released_is_refused_before_any_work():
+    model = tiny_mixtral()
+    first = hf_scatter.offload(model, gpu_memory="1GiB", device="cpu", policy=Policy(2, 1), progress=False)
+    with pytest.raises(ValueError, match="meta device") as err:
+        hf_scatter.offload(model, gpu_memory="1GiB", device="cpu", policy=Policy(2, 1), progress=False)
+    for fix in ("reload the model", "reuse the first offloadedmodel", "release_weights=false"):
+        assert fix in str(err.value).lower()
+    assert first.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, progress=False).shape == (1, 5)
+    first.close()
+    kept = tiny_mixtral()  # release_weights=False leaves the model whole: it can be offloaded again
+    hf_scatter.offload(kept, gpu_memory="1GiB", device="cpu", policy=Policy(2, 1), release_weights=False,
+                       progress=False).close()
+    hf_scatter.offload(kept, gpu_memory="1GiB", device="cpu", policy=Policy(2, 1), progress=False).close()
+
+
+def test_a_closed_offloaded_model_says_so():
+    off = hf_scatter.offload(tiny_mixtral(), gpu_memory="1GiB", device="cpu", policy=Policy(2, 1), progress=False)
+    ids = torch.tensor([[5, 6, 7]])
+    off.close()
+    off.close()  # twice is harmless
+    for run in (lambda: off.generate(ids, max_new_tokens=2, progress=False), lambda: off.logits(ids),
+                off.memory, off.describe):
+        with pytest.raises(RuntimeError, match=r"closed.*hf_scatter\.offload"):
+            run()
+    assert "closed" in repr(off)
+    with hf_scatter.offload(tiny_mixtral(), gpu_memory="1GiB", device="cpu", policy=Policy(2, 1),
+                            progress=False) as off:
+        off.generate(ids, max_new_tokens=2, progress=False)
+    with pytest.raises(RuntimeError, match="closed"):
+        off.generate(ids, max_new_tokens=2, progress=False)
+
+
+@pytest.mark.parametrize("size, problem", [
+    (float("inf"), "finite"), ("inf", "finite"), ("Infinity", "finite"), (float("nan"), "finite"), ("nan", "finite"),
+    ("1e30GiB", "1 PiB"), (2**50 + 1, "1 PiB"), ("2048TiB", "1 PiB"), pytest.param(10**400, "1 PiB", id="10**400"),
+    (-5, "positive"),
+])
+def test_sizes_must_be_finite_positive_and_below_a_pebibyte(size, problem):
+    from hf_scatter.offload import parse_bytes
+
+    with pytest.raises(ValueError, match=f"gpu_memory.*{problem}|{problem}.*gpu_memory"):
+        parse_bytes(size, "gpu_memory")
+    with pytest.raises(ValueError, match=f"cpu_memory.*{problem}|{problem}.*cpu_memory"):
+        hf_scatter.offload(tiny_mixtral(), gpu_memory="1GiB", cpu_memory=size, device="cpu", policy=Policy(2, 1),
+                           progress=False)
+
+
+def test_a_pebibyte_is_still_a_size():
+    from hf_scatter.offload import parse_bytes
+
+    assert parse_bytes(2**50, "gpu_memory") == parse_bytes("1024TiB") == 2**50
+    assert parse_bytes("1e3GB") == 10**12 and parse_bytes(1.5e9) == 1_500_000_000
+
+
+# ----------------------------------------------------------------------------- model.generate's keywords
+@pytest.mark.parametrize("family", ["mixtral", "dbrx"])
+def test_min_new_tokens_hold_back_eos_as_vanilla_generate_does(family):
+    model = BUILDERS[family]()
+    reqs = requests()
+    ids, mask = padded(reqs)
+    alone = vanilla_new_tokens(model, reqs, 8, eos_token_id=[])
+    # EOS = what greedy picks at step 1 for request 0 and at step 0 (the prefill) for request 2: both would end early
+    eos = [alone[0][1], alone[2][0]]
+    kw = dict(max_new_tokens=8, eos_token_id=eos, pad_token_id=0)
+    vanilla = model.generate(ids, attention_mask=mask, do_sample=False, min_new_tokens=5, **kw)
+    free = model.generate(ids, attention_mask=mask, do_sample=False, **kw)
+    off = hf_scatter.offload(model, gpu_memory="1GiB", device="cpu", policy=Policy(3, 2, weights_gpu_fraction=0.5),
+                             release_weights=False, progress=False)
+    assert torch.equal(off.generate(ids, attention_mask=mask, min_new_tokens=5, progress=False, **kw), vanilla)
+    assert torch.equal(off.generate(ids, attention_mask=mask, progress=False, **kw), free)
+    start = ids.shape[1]
+    assert free[0, start + 1].item() in eos and free[2, start].item() in eos  # the constraint bites
+    assert vanilla[0, start + 1].item() not in eos and vanilla[2, start].item() not in eos
+
+
+@pytest.mark.parametrize("family", ["mixtral", "dbrx"])
+def test_repetition_penalty_and_no_repeat_ngram_equal_vanilla_generate(family, monkeypatch):
+    """Each request against transformers generating it alone: the penalty and the n-grams see the request's own
+    tokens, never padding (transformers' batched generate leaves left padding out in 5.23; 5.17 penalised it)."""
+    from hf_scatter.offload import cgopipe
+
+    model = BUILDERS[family](seed=4)
+    reqs = requests(seed=1)
+    ids, mask = padded(reqs)
+    off = hf_scatter.offload(model, gpu_memory="1GiB", device="cpu", policy=Policy(4, 2), release_weights=False,
+                             progress=False)
+    # prefill chunks of part of a micro-batch, and the LM head one row at a time: every slice of the history
+    monkeypatch.setattr(off.pipe, "chunk_tokens", 20)
+    monkeypatch.setattr(cgopipe, "HEAD_ROWS", 1)
+    greedy = vanilla_new_tokens(model, reqs, 12, eos_token_id=[])
+    for kw in ({"repetition_penalty": 1.8}, {"repetition_penalty": 0.7}, {"no_repeat_ngram_size": 2},
+               {"no_repeat_ngram_size": 1, "repetition_penalty": 1.3, "min_new_tokens": 3}):
+        want = vanilla_new_tokens(model, reqs, 12, eos_token_id=[], **kw)
+        assert want != greedy, kw  # the option changes what greedy picks
+        got = off.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=[], return_dict=True,
+                           progress=False, **kw)
+        assert got.tokens == want, kw
+
+
+def test_the_token_history_of_a_short_prompt_holds_only_its_own_tokens():
+    """A prompt shorter than its micro-batch's longest is padded in the history; the processors must not see that
+    padding (here [5, 6, 5] padded with 5s would make (5, 5) a seen bigram and ban 5 after the last 5)."""
+    from transformers.generation.logits_process import NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor
+
+    from hf_scatter.offload.sampling import History, Sampling
+
+    prompts = [torch.tensor([9, 9, 8, 9, 7, 9, 7]), torch.tensor([5, 6, 5])]
+    history = History.of(prompts, 2, torch.device("cpu"))
+    history.record(slice(None), 0, torch.tensor([3, 4]))
+    logits = torch.randn(2, 12, generator=torch.Generator().manual_seed(0))
+    for sampling, hf in ((Sampling(no_repeat_ngram_size=2), NoRepeatNGramLogitsProcessor(2)),
+                         (Sampling(repetition_penalty=1.5), RepetitionPenaltyLogitsProcessor(1.5))):
+        for new in (0, 1):  # before the first token (the prompts' own ends) and after it
+            got = sampling._process(logits, history.view(slice(None), new))
+            for i, p in enumerate(prompts):
+                want = hf(torch.cat([p, history.tokens[i, 7:7 + new]])[None], logits[i:i + 1])
+                assert torch.equal(got[i:i + 1], want), (sampling, new, i)
+
+
+def test_generation_config_fields_are_defaults_that_keywords_override():
+    from transformers import GenerationConfig
+
+    model = tiny_mixtral()
+    reqs = requests()
+    ids, mask = padded(reqs)
+    eos = vanilla_new_tokens(model, reqs[:1], 2, eos_token_id=[])[0][1]
+    config = GenerationConfig(max_new_tokens=6, min_new_tokens=3, eos_token_id=eos, pad_token_id=0, do_sample=False)
+    off = hf_scatter.offload(model, gpu_memory="1GiB", device="cpu", policy=Policy(4, 2), release_weights=False,
+                             progress=False)
+    for kw in ({}, {"max_new_tokens": 4, "min_new_tokens": 0}):
+        want = model.generate(ids, attention_mask=mask, generation_config=config, **kw)
+        assert torch.equal(off.generate(ids, attention_mask=mask, generation_config=config, progress=False, **kw),
+                           want), kw
+    # the model's own generation config (use_cache, output_attentions=False, bos ...) is accepted as it is
+    off.generate(ids, attention_mask=mask, generation_config=model.generation_config, max_new_tokens=2, progress=False)
+
+
+def test_unsupported_generation_options_are_named_before_any_work():
+    from transformers import GenerationConfig
+
+    off = hf_scatter.offload(tiny_mixtral(), gpu_memory="1GiB", device="cpu", policy=Policy(2, 1), progress=False)
+    ids = torch.tensor([[5, 6, 7]])
+    with pytest.raises(TypeError, match=r"num_beams.*supported.*min_new_tokens.*repetition_penalty"):
+        off.generate(ids, num_beams=4, progress=False)
+    with pytest.raises(TypeError, match=r"'output_scores', 'typo_keyword'"):
+        off.generate(ids, typo_keyword=1, output_scores=True, progress=False)
+    for field, fix in (("num_beams", 4), ("max_length", 30), ("min_length", 5), ("output_scores", True)):
+        with pytest.raises(ValueError, match=f"generation_config.*{field}"):
+            off.generate(ids, generation_config=GenerationConfig(**{field: fix}), progress=False)
+    with pytest.raises(ValueError, match="max_new_tokens"):  # max_length's replacement is named
+        off.generate(ids, generation_config=GenerationConfig(max_length=30), progress=False)
+    with pytest.raises(TypeError, match="GenerationConfig"):
+        off.generate(ids, generation_config={"max_new_tokens": 3}, progress=False)
+    for bad in ({"repetition_penalty": 0.0}, {"repetition_penalty": float("nan")}, {"min_new_tokens": -1},
+                {"no_repeat_ngram_size": 1.5}, {"min_new_tokens": True}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            off.generate(ids, progress=False, **bad)
+    from hf_scatter.offload.sampling import Sampling
+
+    assert not Sampling().uses_history  # no option, no token history: the decode step stays as it was
+    assert not Sampling(min_new_tokens=3).uses_history  # no EOS to hold back
+    assert Sampling(repetition_penalty=1.2).uses_history and Sampling(min_new_tokens=3, eos_token_ids=(2,)).uses_history
+    off.close()
+
+
 # ----------------------------------------------------------------------------- the pieces
 def test_request_batching_balances_micro_batches_without_losing_requests():
     lens = [77, 3, 120, 40, 40, 9, 300, 64, 15, 88, 1, 52, 33]
@@ -367,11 +532,20 @@ def test_greedy_tokens_equal_vanilla_generate_on_gpu(family):
     reqs = requests()
     ids, mask = padded(reqs)
     batched = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    # the logits processors on the device: EOS held back, and a penalty and n-grams over each row's history
+    eos = batched[0, ids.shape[1] + 1].item()
+    held = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0,
+                          eos_token_id=eos, min_new_tokens=4)
+    penalised = vanilla_new_tokens(model, reqs, 6, eos_token_id=[], repetition_penalty=1.5, no_repeat_ngram_size=2)
     off = hf_scatter.offload(model, gpu_memory="256MiB", device="cuda",
                              policy=Policy(4, 2, weights_gpu_fraction=0.5), progress=False)
     assert off.store.host.pinned and off.store.host.tensor.is_pinned()
     out = off.generate(ids, attention_mask=mask, max_new_tokens=10, progress=False)
     assert torch.equal(out, batched)
+    assert torch.equal(off.generate(ids, attention_mask=mask, max_new_tokens=10, eos_token_id=eos, min_new_tokens=4,
+                                    progress=False), held)
+    assert off.generate(ids, attention_mask=mask, max_new_tokens=6, eos_token_id=[], repetition_penalty=1.5,
+                        no_repeat_ngram_size=2, return_dict=True, progress=False).tokens == penalised
     a = off.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=True, seed=5, progress=False)
     b = off.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=True, seed=5, progress=False)
     assert torch.equal(a, b)

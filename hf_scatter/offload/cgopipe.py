@@ -38,7 +38,7 @@ from .cpu_attention import AttentionWorker, BucketCosts, KVCache
 from .families import Family
 from .memory import HEAD_ROWS
 from .paging import WeightStreamer
-from .sampling import Sampling
+from .sampling import History, Sampling
 from .stopping import Stopping
 from .streams import DONE, Streams
 from .trace import NullTracer
@@ -55,6 +55,7 @@ class _MicroBatch:
     attn_in: torch.Tensor  # [m, q] attention output landing buffer
     qkv_host: torch.Tensor  # [m, q + 2 kv] pinned
     out_host: torch.Tensor  # [m, q] pinned
+    history: History | None = None  # each row's tokens so far, only while a processor reads them
     x: torch.Tensor | None = None  # [m, H] residual stream
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
@@ -159,6 +160,8 @@ class CGOPipe:
                 attn_in=torch.empty(m, d.q_dim, dtype=self.dtype, device=self.device),
                 qkv_host=qkv_host[offset:offset + m], out_host=out_host[offset:offset + m]))
             self.streams.keep_alive(mbs[-1].attn_in, "h2d")  # also written by the upload stream
+            if sampling.uses_history:
+                mbs[-1].history = History.of([prompts[r] for r in micro.requests], max_new_tokens, self.device)
             offset += m
         kv = KVCache([[(p, p + max_new_tokens - 1) for p in mb.prompt_lens] for mb in mbs], d.layers, d.kv_heads,
                      d.head_dim, d.heads, self.dtype, self.bucket_costs)
@@ -261,15 +264,20 @@ class CGOPipe:
                     mb.pending = self.worker.submit(self._attend, kv, s, mb, t, done, mb.out_free)
                 else:
                     with tracer.device_span("compute", f"head {label}"):
-                        mb.tokens = self._next_tokens(mb.x, sampling, generator)
+                        history = mb.history and mb.history.view(slice(None), t + 1)
+                        mb.tokens = self._next_tokens(mb.x, sampling, generator, history)
+                        if history is not None:
+                            mb.history.record(slice(None), t + 1, mb.tokens)
                     token_events[t + 1].append(
                         self._download(mb.tokens, token_host[t + 1, mb.offset:mb.offset + mb.rows], f"tokens {label}"))
             self.streamer.leave()
 
-    def _next_tokens(self, x: torch.Tensor, sampling: Sampling, generator) -> torch.Tensor:
+    def _next_tokens(self, x: torch.Tensor, sampling: Sampling, generator,
+                     history: History | None = None) -> torch.Tensor:
         """Final norm, LM head and the token choice, HEAD_ROWS rows at a time (bounded [rows, vocab]
-        temporaries)."""
-        return torch.cat([sampling.choose(self.family.logits(self.other, x[i:i + HEAD_ROWS]), generator)
+        temporaries); ``history``: these rows' tokens, where a logits processor reads them."""
+        return torch.cat([sampling.choose(self.family.logits(self.other, x[i:i + HEAD_ROWS]), generator,
+                                          history and history.view(slice(i, i + HEAD_ROWS)))
                           for i in range(0, x.shape[0], HEAD_ROWS)])
 
     def _upload_attention(self, mb: _MicroBatch, label: str) -> None:
@@ -319,7 +327,11 @@ class CGOPipe:
                         if qkv is not None:
                             keys_values = qkv[:, d.q_dim:].contiguous()
                         else:
-                            mb.tokens.index_copy_(0, c.row_index, self._next_tokens(c.x[c.last], sampling, generator))
+                            history = mb.history and mb.history.view(c.row_index, 0)
+                            first = self._next_tokens(c.x[c.last], sampling, generator, history)
+                            mb.tokens.index_copy_(0, c.row_index, first)
+                            if history is not None:
+                                mb.history.record(c.row_index, 0, first)
                     if s < d.layers:
                         i = downloads % 2
                         downloads += 1

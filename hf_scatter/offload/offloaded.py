@@ -9,6 +9,7 @@ the GPU (streams become no-ops), which is how it is tested without one.
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
 from dataclasses import dataclass, field
@@ -38,6 +39,21 @@ DEFAULT_WORKLOAD = Workload(prompt_len=512, gen_len=64)
 # device="cpu" has no GPU to plan for: a small fixed policy, every weight streamed.
 CPU_DEVICE_POLICY = Policy(batch_size=32, micro_batch_size=8)
 CGOPIPE_PLACEMENT = (False, True)  # attention on the CPU, experts on the GPU
+# generate()'s keywords that a transformers GenerationConfig also carries, and their values when neither sets
+# them (None: the model's own eos / pad, or off). As in model.generate, a field set in generation_config is the
+# default that the keyword overrides.
+GENERATION_DEFAULTS = {"max_new_tokens": 20, "min_new_tokens": 0, "do_sample": False, "temperature": 1.0,
+                       "top_k": None, "top_p": None, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+                       "eos_token_id": None, "pad_token_id": None, "stop_strings": None}
+# GenerationConfig fields that change no token here: caching and compilation (the runtime has its own), and
+# tokens a causal LM's generate does not use.
+IGNORED_GENERATION_FIELDS = frozenset({
+    "bos_token_id", "decoder_start_token_id", "use_cache", "cache_implementation", "cache_config", "max_cache_len",
+    "compile_config", "disable_compile", "prefill_chunk_size", "low_memory", "transformers_version"})
+# what to use instead, for the unimplemented fields people reach for most
+GENERATION_FIELD_FIXES = {"max_length": "set max_new_tokens instead", "min_length": "set min_new_tokens instead",
+                          "num_beams": "the runtime decodes greedily or samples, one sequence per request",
+                          "num_return_sequences": "repeat the request instead"}
 
 
 @dataclass(frozen=True)
@@ -82,6 +98,11 @@ def offload(model, gpu_memory: int | float | str = "16GiB", cpu_memory: int | fl
 
         model = AutoModelForCausalLM.from_pretrained(model, dtype="auto")
     family = family_of(model)
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError("the model's weights are on the meta device: an earlier hf_scatter.offload(model) moved them "
+                         "into its OffloadedModel (release_weights=True, the default), or the model was built "
+                         "without weights. Reuse the first OffloadedModel, or reload the model (from_pretrained) "
+                         "for a new one; pass release_weights=False to offload() to keep the model whole")
     device = _device(device)
     gpu_budget = parse_bytes(gpu_memory, "gpu_memory")
     prof = _profile(profile, device, required=policy is None)
@@ -130,30 +151,48 @@ class OffloadedModel:
                             StagingBuffers(pin=device.type == "cuda"), plan.chunk_tokens, plan.group_tokens,
                             BucketCosts.from_profile(profile))
         self.generation_config = getattr(model, "generation_config", None)
+        self._released = release_weights
 
     # ------------------------------------------------------------------ generation
     def generate(self, input_ids=None, attention_mask=None, *, prompts: Sequence[str] | None = None, tokenizer=None,
-                 max_new_tokens: int = 20, do_sample: bool = False, temperature: float = 1.0,
-                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                 generation_config=None, max_new_tokens: int | None = None, min_new_tokens: int | None = None,
+                 do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
+                 top_p: float | None = None, repetition_penalty: float | None = None,
+                 no_repeat_ngram_size: int | None = None, seed: int | None = None,
                  eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
-                 stop_strings: Sequence[str] | None = None, return_dict: bool = False, progress: bool = True,
-                 trace: str | None = None):
+                 stop_strings: str | Sequence[str] | None = None, return_dict: bool = False, progress: bool = True,
+                 trace: str | None = None, **unsupported):
         """Generate for every request, in batches of the policy's size, and return in input order.
 
         Requests: ``input_ids`` [B, S] with ``attention_mask`` (left or right padding; each row's real tokens
         must be contiguous) as for ``model.generate``, or ``prompts`` with a ``tokenizer``. Returns the HF-style
         sequences tensor (``input_ids`` given) or the generated texts (``prompts``), or with ``return_dict`` a
         :class:`GenerationResult` with per-request timings. ``trace``: write a Chrome trace there.
+        ``generation_config``: a transformers ``GenerationConfig`` whose set fields are the defaults the
+        keywords override, as in ``model.generate``; what the runtime does not implement is refused, there or
+        as a keyword, before any work.
         """
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        self._check_open()
+        if unsupported:
+            raise TypeError(f"OffloadedModel.generate() does not support {', '.join(map(repr, sorted(unsupported)))}; "
+                            f"supported keywords: {', '.join(_generate_keywords())}")
+        o = _generation_options(generation_config, {
+            "max_new_tokens": max_new_tokens, "min_new_tokens": min_new_tokens, "do_sample": do_sample,
+            "temperature": temperature, "top_k": top_k, "top_p": top_p, "repetition_penalty": repetition_penalty,
+            "no_repeat_ngram_size": no_repeat_ngram_size, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id,
+            "stop_strings": stop_strings})
+        max_new_tokens = o["max_new_tokens"]
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         requests, ids = self._requests(input_ids, attention_mask, prompts, tokenizer)
-        sampling = Sampling(do_sample, temperature, top_k, top_p, seed)
-        eos = self._eos(eos_token_id)
-        pad = pad_token_id if pad_token_id is not None else self._pad(eos)
-        stopping = Stopping(eos, stop_strings or (), tokenizer)
+        eos = self._eos(o["eos_token_id"])
+        sampling = Sampling(bool(o["do_sample"]), o["temperature"], o["top_k"], o["top_p"], seed, o["min_new_tokens"],
+                            o["repetition_penalty"], o["no_repeat_ngram_size"], tuple(eos))
+        pad = o["pad_token_id"] if o["pad_token_id"] is not None else self._pad(eos)
+        stops = o["stop_strings"] or ()
+        stopping = Stopping(eos, [stops] if isinstance(stops, str) else stops, tokenizer)
         lens = [len(r) for r in requests]
-        batch_size, micro = self._fit(lens, max_new_tokens)
+        batch_size, micro = self._fit(lens, max_new_tokens, sampling.uses_history)
         batches = plan_batches(lens, batch_size, micro)
         tracer = Tracer(self.streams) if trace else NullTracer()
         generator = sampling.generator(self.device)
@@ -211,6 +250,7 @@ class OffloadedModel:
         """fp32 logits ``[batch, length, vocab]`` on the CPU, as ``model(input_ids).logits`` gives them
         (zeros at padded positions), computed through the offloaded pipeline: what a log-likelihood
         evaluation needs. No KV cache is kept."""
+        self._check_open()
         requests, ids = self._requests(input_ids, attention_mask, None, None)
         lens = [len(r) for r in requests]
         batch_size, micro = self._fit(lens, 1)
@@ -284,9 +324,10 @@ class OffloadedModel:
         return eos[0] if eos else 0
 
     # ------------------------------------------------------------------ budgets
-    def _fit(self, lens: list[int], max_new_tokens: int) -> tuple[int, int]:
+    def _fit(self, lens: list[int], max_new_tokens: int, history: bool = False) -> tuple[int, int]:
         """Batch and micro-batch size for these requests: the policy's, or smaller where the host memory
-        (KV cache) or the device memory (activations) would not hold them; a request that cannot run at
+        (KV cache) or the device memory (activations; ``history``: every row's tokens, which the repetition
+        penalty, n-gram block and min_new_tokens read there) would not hold them; a request that cannot run at
         all is named."""
         d, b = self.dims, self.dtype.itemsize
         per_token = 2 * d.layers * d.kv_dim * b
@@ -312,7 +353,8 @@ class OffloadedModel:
             micro = min(self.policy.micro_batch_size, n)
             kv = sum(longest_first[:n]) * per_token * (1 + SLACK)
             staging = n * (d.qkv_dim + d.q_dim) * b + max_new_tokens * n * 8
-            if kv + staging <= host_free and decode_bytes(d, n, micro, b) <= self.plan.available and \
+            tokens = n * (longest_first[0] + 2) * 8 if history else 0  # [rows, prompt + new] and the starts
+            if kv + staging <= host_free and decode_bytes(d, n, micro, b) + tokens <= self.plan.available and \
                     prefill_bytes(d, n, self.plan.chunk_tokens, self.plan.chunk_tokens, b) <= self.plan.available:
                 break
             n = (n + 1) // 2
@@ -321,6 +363,7 @@ class OffloadedModel:
     # ------------------------------------------------------------------ reporting
     def memory(self) -> dict:
         """Planned device and host bytes by purpose."""
+        self._check_open()
         layout = self.store.layout
         return {"device": self.plan.breakdown(), "device_budget": self.plan.budget,
                 "host": {"streamed weights (pinned)": layout.host_bytes}, "host_budget": self.cpu_budget}
@@ -329,6 +372,7 @@ class OffloadedModel:
         """The policy table (with the HRM's prediction when it planned it) and what the runtime realised."""
         from ..bench.timing import markdown_table
 
+        self._check_open()
         layout = self.store.layout
         parts = [self.policy.to_markdown()] if self.policy.prediction is not None else []
         rows = [["device", str(self.device)], ["layers", self.dims.layers],
@@ -343,22 +387,69 @@ class OffloadedModel:
         return "\n\n".join(parts)
 
     def __repr__(self) -> str:
+        if self.pipe is None:
+            return f"OffloadedModel({self.config.model_type}, closed)"
         return (f"OffloadedModel({self.config.model_type}, {self.dims.layers} layers on {self.device}, "
                 f"N={self.policy.batch_size}, mu={self.policy.micro_batch_size}, "
                 f"{self.store.layout.fraction:.1%} of the weights resident, budget {format_bytes(self.plan.budget)})")
 
     def close(self) -> None:
-        """Stop the CPU worker and free the device and pinned memory."""
+        """Stop the CPU worker and free the device and pinned memory; the model cannot run afterwards."""
+        if self.pipe is None:
+            return
         self.worker.close()
         self.streamer.close()
         self.streams.synchronize()
         self.pipe = self.streamer = self.store = self.other = None
+
+    def _check_open(self) -> None:
+        if self.pipe is None:
+            again = (" from a freshly loaded model (this one's weights went into the store that close() freed)"
+                     if self._released else "")
+            raise RuntimeError(f"this OffloadedModel is closed: close() (or the end of its with-block) stopped its "
+                               f"workers and freed its weights; make a new one with hf_scatter.offload(model, ...)"
+                               f"{again}")
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _generation_options(config, explicit: dict) -> dict:
+    """The keywords of GENERATION_DEFAULTS: ``explicit``'s (None: not given), else ``config``'s set fields, else the
+    defaults. A field of ``config`` the runtime does not implement, set to something other than off or
+    transformers' own default, is refused rather than ignored."""
+    options = dict(GENERATION_DEFAULTS)
+    if config is not None:
+        from transformers import GenerationConfig
+
+        if not isinstance(config, GenerationConfig):
+            raise TypeError(f"generation_config must be a transformers GenerationConfig, got {type(config).__name__}")
+        fresh = GenerationConfig().to_dict()
+        # what model.generate uses for a field nobody set (a private helper; absent, only None counts as unset)
+        implied = getattr(GenerationConfig, "_get_default_generation_params", dict)()
+        refused = []
+        for name, value in config.to_dict().items():
+            if name in GENERATION_DEFAULTS:
+                if value is not None:
+                    options[name] = value
+            elif not (name.startswith("_") or name in IGNORED_GENERATION_FIELDS or value is None or value is False
+                      or value == fresh.get(name) or (name in implied and value == implied[name])):
+                fix = GENERATION_FIELD_FIXES.get(name)
+                refused.append(f"{name}={value!r}" + (f" ({fix})" if fix else ""))
+        if refused:
+            raise ValueError(f"generation_config sets {', '.join(refused)}, which the offloaded runtime does not "
+                             f"implement; it implements {', '.join(GENERATION_DEFAULTS)}")
+    options.update({k: v for k, v in explicit.items() if v is not None})
+    return options
+
+
+def _generate_keywords() -> list[str]:
+    """OffloadedModel.generate's keywords, as its signature lists them."""
+    return [p.name for p in inspect.signature(OffloadedModel.generate).parameters.values()
+            if p.name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD]
 
 
 def _device(device) -> torch.device:
