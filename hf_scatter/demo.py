@@ -155,11 +155,12 @@ def format_table(results: list[CheckResult]) -> str:
 
 
 def run_demo(quick: bool = False) -> int:
-    from .env import environment_report
+    from .env import demo_kernels, environment_report
 
     report = environment_report()
-    print(f"hf-scatter {report['hf-scatter']} on {report['device']}; kernels: {report['kernel path']}")
-    results = [check(quick) for check in CHECKS]
+    print(f"hf-scatter {report['hf-scatter']} on {report['device']}; kernel path: {report['kernel path']}")
+    with demo_kernels():
+        results = [check(quick) for check in CHECKS]
     print(format_table(results))
     failed = [r.subject for r in results if not r.ok]
     if failed:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
+import os
 import platform
 
 import torch
@@ -35,11 +37,34 @@ def environment_report() -> dict[str, str]:
         report["triton mode"] = "off (no CUDA GPU; set TRITON_INTERPRET=1 to interpret the kernels on CPU)"
     else:
         report["triton mode"] = "interpreted (TRITON_INTERPRET=1)" if triton_interpreted() else "native (compiled)"
-    path = kernel_path(device)
-    if path == "torch" and device.type == "cpu" and triton_interpreted():
-        path += " (the CPU reference; HF_SCATTER_KERNELS=triton runs the interpreted Triton kernels)"
-    report["kernel path"] = path
+    report["kernel path"] = kernel_path_summary(device)
     return report
+
+
+@contextlib.contextmanager
+def demo_kernels():
+    """What ``hf-scatter demo`` runs under: the kernels themselves (interpreted on a machine without a GPU),
+    unless ``HF_SCATTER_KERNELS`` says otherwise."""
+    if os.environ.get("HF_SCATTER_KERNELS"):
+        yield
+        return
+    os.environ["HF_SCATTER_KERNELS"] = "triton"
+    try:
+        yield
+    finally:
+        os.environ.pop("HF_SCATTER_KERNELS", None)
+
+
+def kernel_path_summary(device: torch.device) -> str:
+    """The path your code's tensors take on ``device``, and the one the demo checks where they differ: the
+    same line in ``hf-scatter env`` and ``hf-scatter demo``."""
+    yours = kernel_path(device)
+    with demo_kernels():
+        checked = kernel_path(device)
+    if checked == yours:
+        return yours
+    note = " (the fast CPU reference)" if yours == "torch" and device.type == "cpu" else ""
+    return f"{yours} for {device.type} tensors in your code{note}; `hf-scatter demo` checks {checked}"
 
 
 def format_report(report: dict[str, str]) -> str:

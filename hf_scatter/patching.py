@@ -24,6 +24,10 @@ def _pretrained_root(model: nn.Module) -> nn.Module:
 
     if isinstance(model, PreTrainedModel):
         return model
+    if not isinstance(model, nn.Module):
+        hint = " (a checkpoint path: use hf_scatter.from_pretrained(path))" if isinstance(model, str) else ""
+        raise TypeError(f"hf_scatter: the model argument must be a transformers PreTrainedModel (or a wrapper of "
+                        f"one, e.g. PEFT), got {type(model).__name__}{hint}")
     for module in model.modules():
         if isinstance(module, PreTrainedModel):
             return module
@@ -77,6 +81,8 @@ def unpatch_model(model: nn.Module) -> nn.Module:
 
 def patch_report(model: nn.Module) -> dict[str, str]:
     """Module path -> hf-scatter implementation, for every module hf-scatter currently computes."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"hf_scatter.patch_report: the model argument must be a torch module, got {type(model).__name__}")
     report = {}
     for name, module in model.named_modules():
         impl = getattr(type(module), "hf_scatter_impl", None)

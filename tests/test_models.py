@@ -300,3 +300,13 @@ def test_bert_fused_add_layer_norm_matches_vanilla_outputs_and_gradients(train, 
     scale = max(g.abs().max() for g in want.values())  # the key bias has an exactly-zero true gradient
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6 * scale, msg=name)
+
+
+@pytest.mark.parametrize("bad", [None, "mistralai/Mixtral-8x7B-v0.1", 3])
+def test_patch_functions_name_a_wrong_model_argument(bad):
+    for fn in (hf_scatter.patch_model, hf_scatter.unpatch_model, hf_scatter.patch_report):
+        with pytest.raises(TypeError, match="model argument"):
+            fn(bad)
+    if isinstance(bad, str):
+        with pytest.raises(TypeError, match="from_pretrained"):
+            hf_scatter.patch_model(bad)

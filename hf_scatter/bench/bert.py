@@ -20,7 +20,7 @@ import gc
 import numpy as np
 import torch
 
-from .timing import markdown_table, median_ms, run_header
+from .timing import markdown_table, median_ms, require_cuda, run_header
 
 DTYPE = torch.float16
 
@@ -132,8 +132,7 @@ def _stream512(vanilla, patched_factory, device) -> dict:
 
 
 def run(configs=None) -> dict:
-    if not torch.cuda.is_available():
-        raise SystemExit("hf-scatter bench bert needs a CUDA GPU (the figures are GPU timings)")
+    require_cuda()
     import hf_scatter
 
     dev = torch.device("cuda")

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .timing import is_oom, markdown_table, median_ms, peak_extra_gib, run_header
+from .timing import check_names, is_oom, markdown_table, median_ms, peak_extra_gib, require_cuda, run_header
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,12 +140,9 @@ def run_config(name: str, cfg: MoEConfig, impls=IMPLS, dtype=torch.bfloat16, see
 
 
 def run(configs=None, impls=IMPLS) -> dict:
-    if not torch.cuda.is_available():
-        raise SystemExit("hf-scatter bench moe needs a CUDA GPU (the figures are GPU timings)")
+    require_cuda()
     names = configs or list(CONFIGS)
-    unknown = sorted(set(names) - set(CONFIGS))
-    if unknown:
-        raise SystemExit(f"unknown config(s) {unknown}; choose from {sorted(CONFIGS)}")
+    check_names("config", names, CONFIGS)
     report = {**run_header(), "results": {}}
     for name in names:
         report["results"][name] = run_config(name, CONFIGS[name], impls)

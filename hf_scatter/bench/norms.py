@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .timing import markdown_table, median_ms, run_header
+from .timing import markdown_table, median_ms, require_cuda, run_header
 
 BIG = (65536, 4096)  # the acceptance shape, bf16
 BERT_ROWS = (65536, 768)  # add + LayerNorm at BERT-base width, fp16
@@ -105,8 +105,7 @@ def _bert_forward(dev) -> dict:
 
 
 def run(configs=None) -> dict:
-    if not torch.cuda.is_available():
-        raise SystemExit("hf-scatter bench norms needs a CUDA GPU (the figures are GPU timings)")
+    require_cuda()
     dev = torch.device("cuda")
     src = torch.randn(*BIG, device=dev, dtype=torch.bfloat16)
     dst = torch.empty_like(src)

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from .timing import markdown_table, run_header
+from .timing import markdown_table, require_cuda, run_header
 
 PROMPT_LENS = (40, 114)  # MTBench-like: mean 77 tokens
 FILL_BLOCK = (1 << 24) + 11  # elements of the random block the weights are tiled from (odd: no two experts alike)
@@ -190,8 +190,7 @@ def _run(layers, new_tokens, requests, gpu_memory, peer_batch, peer_new_tokens, 
     from ..offload import ModelSpec, Workload, load_profile, measure_profile, parse_bytes, predict
     from ..offload.policy import Policy
 
-    if not torch.cuda.is_available():
-        raise RuntimeError("`hf-scatter bench offload` needs a CUDA GPU")
+    require_cuda()
     header = run_header()
     start = time.perf_counter()
     prof = load_profile(profile) if profile else measure_profile(progress=progress)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from .bert import bert_base, padded, requests
-from .timing import markdown_table, run_header
+from .timing import markdown_table, require_cuda, run_header
 
 SYSTEMS = ("PyTorch-NoBatch", "PyTorch-NaiveBatch", "ours-NoBatch", "ours-DP-Batch")
 RATES = (100, 200, 400, 800, 1600, 3200, 6400, 12800)  # requests per second
@@ -89,8 +89,7 @@ def _stats(arrivals, done) -> dict:
 
 
 def run(configs=None, num_requests: int = 400, rates=RATES) -> dict:
-    if not torch.cuda.is_available():
-        raise SystemExit("hf-scatter bench serve needs a CUDA GPU (the figures are GPU timings)")
+    require_cuda()
     import hf_scatter
     from hf_scatter.turbo import Encoder
 

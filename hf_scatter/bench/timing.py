@@ -22,6 +22,22 @@ def run_header() -> dict:
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "dtype": "bfloat16"}
 
 
+class BenchUnavailable(RuntimeError):
+    """A suite cannot run here (no GPU) or was asked for a config it does not have: said before measuring."""
+
+
+def require_cuda() -> None:
+    """Every suite but ``convert`` times GPU work: one message for all of them, before anything runs."""
+    if not torch.cuda.is_available():
+        raise BenchUnavailable("needs a CUDA GPU (the figures are GPU timings)")
+
+
+def check_names(kind: str, names, known) -> None:
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        raise BenchUnavailable(f"unknown {kind}(s) {', '.join(unknown)}; choose from {', '.join(known)}")
+
+
 def median_ms(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 200, grad_to_none=None) -> float:
     """Median time of ``fn`` in ms (CUDA events via ``triton.testing.do_bench``)."""
     from triton.testing import do_bench

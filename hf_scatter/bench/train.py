@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from .timing import markdown_table, run_header
+from .timing import check_names, markdown_table, require_cuda, run_header
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,11 +180,8 @@ def measure(impl: str, cfg: TrainConfig, ids: torch.Tensor, warmup: int, steps: 
 
 def run(impls=IMPLS, cfg: TrainConfig = PAPER_1P5B, warmup: int = 3, steps: int = 10,
         breakdown: bool = True) -> dict:
-    if not torch.cuda.is_available():
-        raise SystemExit("hf-scatter bench train needs a CUDA GPU (the figures are GPU timings)")
-    unknown = sorted(set(impls) - set(IMPLS))
-    if unknown:
-        raise SystemExit(f"unknown implementation(s) {unknown}; choose from {', '.join(IMPLS)}")
+    require_cuda()
+    check_names("implementation", impls, IMPLS)
     report = {**run_header(), "config": dataclasses.asdict(cfg), "warmup": warmup, "steps": steps, "results": {}}
     ids = torch.randint(cfg.vocab, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(0)).cuda()
     for impl in impls:

@@ -45,8 +45,12 @@ class Roofs:
     def from_profile(cls, profile: HardwareProfile) -> "Roofs":
         missing = profile.missing()
         if missing:
+            from .profile import GPU_SPECS, KNOWN_PROFILES
+
             raise ProfileError(f"profile {profile.name!r} lacks {', '.join(missing)}: run `hf-scatter profile` on the "
-                               "GPU host, or fill them in the profile JSON")
+                               f"GPU host, plan for a spec-sheet GPU on this host with --gpu "
+                               f"{{{','.join(GPU_SPECS)}}}, use a known profile (--profile "
+                               f"{' or '.join(KNOWN_PROFILES)}), or fill them in the profile JSON")
         return cls(profile.gpu_flops, profile.gpu_bandwidth, profile.cpu_flops_bf16, profile.cpu_bandwidth,
                    profile.h2d_pinned)
 
