@@ -4,7 +4,7 @@ The KV cache of a batch lives in CPU memory in the model's dtype (bf16 for a bf1
 micro-batch, requests (longest first, as :mod:`batching` orders them) are grouped into *length buckets*;
 each bucket is one ``[requests, kv_heads, capacity, head_dim]`` tensor per layer, so a decode step is one
 fused SDPA call per bucket (:func:`decode_attention`): grouped-query attention reads each KV head once for
-all the query heads that share it (expanding K/V per query head is 10-25x slower, ANCHORS.md). The buckets
+all the query heads that share it (expanding K/V per query head was 10-25x slower on the H100 host). The buckets
 trade the two costs of a call: a fixed one (the handoff to the worker and its thread team; about 0.3 ms on
 the 16-core H100 host) and the padded rows it reads. :func:`length_buckets` picks them with the batch
 scheduler's DP, never padding a bucket beyond ``1 + slack`` of its real tokens (which bounds the cache's
