@@ -6,13 +6,18 @@ block (fused router + experts), each forward under ``no_grad`` and forward + bac
 small so the GPU finishes each call before Python has issued the next one: the time per call is then the
 host's. ``wall_us`` (with the GPU waited for) far above ``host_us`` means the GPU, not the host, bounds it.
 
-    python scripts/probe_experts_host_time.py --json after.json                     # this checkout
-    python scripts/probe_experts_host_time.py --src /tmp/before --json before.json  # another source tree
+    mkdir -p build/probe-before && git archive BEFORE_COMMIT hf_scatter | tar -x -C build/probe-before
+    python scripts/probe_experts_host_time.py --src build/probe-before --json before.json
+    python scripts/probe_experts_host_time.py --json after.json           # this checkout (--src defaults to it)
+
+The host of a virtualised GPU machine is noisy (runs of one tree differed by up to 30% on the H100 machine):
+alternate the trees over several runs and compare minima.
 
 ``--layouts`` adds the older analysis: Mixtral vs DBRX expert layouts at the 1.5B training shape, GPU kernel
 time and host hot spots per layer (GPU).
 """
 import argparse
+import gc
 import json
 import os
 import platform
@@ -38,7 +43,7 @@ def parse_args():
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--calls", type=int, default=200, help="calls per timed round")
-    p.add_argument("--rounds", type=int, default=7, help="timed rounds (the median is reported)")
+    p.add_argument("--rounds", type=int, default=15, help="timed rounds (median and minimum are reported)")
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--layouts", action="store_true", help="also run the Mixtral vs DBRX layout analysis (GPU)")
     return p.parse_args()
@@ -52,34 +57,43 @@ def import_tree(src: str):
 
     if not os.path.abspath(hf_scatter.__file__).startswith(src + os.sep):
         sys.exit(f"hf_scatter was imported from {hf_scatter.__file__}, not from --src {src}")
-    try:
-        commit = subprocess.run(["git", "-C", src, "rev-parse", "HEAD"], capture_output=True, text=True,
-                                check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", src, "status", "--porcelain", "--", "hf_scatter"], capture_output=True,
-                               text=True, check=True).stdout.strip()
-        git = commit + (" + uncommitted changes in hf_scatter/" if dirty else "")
+    def git(*cmd):
+        return subprocess.run(["git", "-C", src, *cmd], capture_output=True, text=True, check=True).stdout.strip()
+
+    try:  # only a checkout's own root counts (an exported tree inside another checkout is not that commit)
+        if os.path.realpath(git("rev-parse", "--show-toplevel")) != os.path.realpath(src):
+            raise OSError
+        described = git("rev-parse", "HEAD") + (" + uncommitted changes in hf_scatter/"
+                                                if git("status", "--porcelain", "--", "hf_scatter") else "")
     except (OSError, subprocess.CalledProcessError):
-        git = "unknown (not a git checkout)"
-    return hf_scatter, git
+        described = "not a git checkout (an exported tree?)"
+    return hf_scatter, described
 
 
 def per_call_us(fn, sync, calls: int, rounds: int, warmup: int) -> dict:
-    """Median over rounds of (host issue time, wall time with the device waited for) per call."""
+    """Median and minimum over rounds of the host issue time per call, and the median wall time with the
+    device waited for. The garbage collector is off while timing (its pauses land in random rounds);
+    on a shared or virtualised host, compare minima and repeat runs of each tree alternately."""
     for _ in range(warmup):
         fn()
     sync()
     host, wall = [], []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        t1 = time.perf_counter()
-        sync()
-        t2 = time.perf_counter()
-        host.append((t1 - t0) / calls * 1e6)
-        wall.append((t2 - t0) / calls * 1e6)
-    return {"host_us": round(statistics.median(host), 2), "wall_us": round(statistics.median(wall), 2),
-            "host_us_min": round(min(host), 2)}
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            t1 = time.perf_counter()
+            sync()
+            t2 = time.perf_counter()
+            host.append((t1 - t0) / calls * 1e6)
+            wall.append((t2 - t0) / calls * 1e6)
+    finally:
+        gc.enable()
+    return {"host_us": round(statistics.median(host), 2), "host_us_min": round(min(host), 2),
+            "wall_us": round(statistics.median(wall), 2)}
 
 
 def host_time(args, hf_scatter) -> dict:
@@ -132,7 +146,8 @@ def host_time(args, hf_scatter) -> dict:
         results[name] = per_call_us(fn, sync, args.calls, args.rounds, args.warmup)
         r = results[name]
         flag = "  (wall >> host: the device bounds this, shrink the shape)" if r["wall_us"] > 1.5 * r["host_us"] else ""
-        print(f"{name:20s} host {r['host_us']:9.1f} us/call  wall {r['wall_us']:9.1f} us/call{flag}", flush=True)
+        print(f"{name:20s} host {r['host_us']:9.1f} us/call (min {r['host_us_min']:9.1f})  wall {r['wall_us']:9.1f} "
+              f"us/call{flag}", flush=True)
     return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
             "kernel_path": kernel_path(device), "dtype": str(dtype).removeprefix("torch."),
             "shape": {"tokens": T, "hidden": H, "intermediate": args.intermediate, "experts": E, "top_k": k},
