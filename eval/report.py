@@ -14,28 +14,28 @@ def _err(x: float) -> str:
     return "0" if x == 0 else f"{x:.2g}"
 
 
-def to_markdown(report: dict) -> str:
+def metric_table(report: dict) -> str:
+    """The Table-1-style metric table: every aggregated metric of every backend against the reference."""
     labels = {b["name"]: b["label"] for b in report["backends"]}
     ref, cands = report["reference"], [b["name"] for b in report["backends"][1:]]
-    tol = report["tolerance"]
-    out = [f"{report['model']} ({report['model_type']}, {report['dtype']}, {report['device']}); "
-           f"{report['scoring']}; lm-eval {report['lm_eval']}, limit {report['limit']}", ""]
-
     header = ["task", "metric", labels[ref]]
     for c in cands:
         suffix = f" ({labels[c]})" if len(cands) > 1 else ""
         header += [labels[c], f"abs error{suffix}", f"rel error{suffix}"]
-    header.append(f"within {tol['metric']:g}")
+    header.append(f"within {report['tolerance']['metric']:g}")
     rows = []
     for m in report["metrics"]:
         row = [m["task"], m["metric"] + (" (rel)" if m.get("check") == "rel" else ""), _num(m["values"][ref])]
         for c in cands:
             row += [_num(m["values"][c]), _err(m["errors"][c]["abs"]), _err(m["errors"][c]["rel"])]
         rows.append(row + ["yes" if m["ok"] else "**NO**"])
-    out.append(markdown_table(header, rows))
+    return markdown_table(header, rows)
 
-    out.append("")
-    ll_tol = tol["loglikelihood"]
+
+def request_table(report: dict) -> str:
+    """Per task and backend: log-likelihood differences, changed decisions and changed generations."""
+    labels = {b["name"]: b["label"] for b in report["backends"]}
+    ll_tol = report["tolerance"]["loglikelihood"]
     header = ["task", "requests", "backend", "max abs Δ log-lik", "mean abs Δ log-lik",
               "decisions changed (acc / acc_norm)", "generations changed",
               "ok" if ll_tol is None else f"max Δ <= {ll_tol:g}"]
@@ -47,7 +47,17 @@ def to_markdown(report: dict) -> str:
         rows.append([r["task"], r["requests"], labels[r["backend"]], _err(r["ll_max_abs"]) if "ll_max_abs" in r else "",
                      _err(r["ll_mean_abs"]) if "ll_mean_abs" in r else "", decisions, generations,
                      "yes" if r["ok"] else "**NO**"])
-    out.append(markdown_table(header, rows))
+    return markdown_table(header, rows)
+
+
+def to_markdown(report: dict) -> str:
+    labels = {b["name"]: b["label"] for b in report["backends"]}
+    ref, cands = report["reference"], [b["name"] for b in report["backends"][1:]]
+    tol = report["tolerance"]
+    ll_tol = tol["loglikelihood"]
+    out = [f"{report['model']} ({report['model_type']}, {report['dtype']}, {report['device']}); "
+           f"{report['scoring']}; lm-eval {report['lm_eval']}, limit {report['limit']}", "",
+           metric_table(report), "", request_table(report)]
 
     out.append("")
     for c in cands:

@@ -294,6 +294,71 @@ def validation_markdown(rows: list[dict]) -> str:
                            "predicted ms/layer", "predicted bottleneck", "error"], table)
 
 
+def throughput_table(report: dict) -> str:
+    """The docs' view of a ``bench offload`` report: the peer, hf-scatter and the HRM's predictions, tokens/s."""
+    gib = 2**30
+    peer, ours = report["accelerate"], report["hf_scatter"]
+    rows = [[f"HF accelerate offload (`infer_auto_device_map` + `dispatch_model`, B={peer['batch']}, "
+             f"{peer['new_tokens']} new tokens, {peer['layers_on_gpu']} of {report['layers']} layers on the GPU)",
+             f"{peer['tokens_per_s']:,.1f}", f"{peer['max_memory_allocated'] / gib:.1f}", "1.0x"],
+            [f"hf-scatter CGOPipe (N={ours['batch_size']}, mu={ours['micro_batch_size']}, "
+             f"{ours['weights_gpu_fraction']:.1%} of every layer resident, "
+             f"{report['workload']['new_tokens']} new tokens)",
+             f"{ours['tokens_per_s']:,.1f}", f"{ours['max_memory_allocated'] / gib:.1f}",
+             f"{report['speedup_vs_accelerate']:.0f}x"]]
+    for name, p in report["predicted"].items():
+        rows.append([f"HRM prediction for that policy, profile `{name}`", f"{p['tokens_per_s']:,.1f}", "", ""])
+    return markdown_table(["system", "tokens/s", "GPU peak GiB", "vs accelerate"], rows)
+
+
+def validation_table(report: dict) -> str:
+    """The HRM validation of a ``bench offload`` report: per-layer decode time, predicted against measured."""
+    return validation_markdown(report["hrm_validation"])
+
+
+def policy_table(report: dict) -> str:
+    """The plan the run used, as ``hf-scatter plan`` prints it (the HRM's prediction, stored with the report)."""
+    return report["policy_markdown"].split("\n\n")[0]
+
+
+def runtime_table(report: dict) -> str:
+    """What the runtime realised of that plan, as ``OffloadedModel.describe()`` prints it."""
+    return report["policy_markdown"].split("\n\n")[1]
+
+
+def profile_table(profile: dict) -> str:
+    """A hardware profile as ``hf-scatter profile --out`` writes it (the JSON ``bench offload --profile`` reads):
+    every measured term in the units people quote; unmeasured terms are left out."""
+    def eff(points):
+        return ", ".join(f"{m:g}: {e:.2f}" for m, e in points)
+
+    terms = [("gpu_flops", "bf16 matmul 8192^3, TFLOP/s", lambda x: f"{x / 1e12:.0f}"),
+             ("gpu_bandwidth", "device-to-device copy, GB/s (read + write)", lambda x: f"{x / 1e9:.0f}"),
+             ("gpu_attention_bandwidth", "decode SDPA, GB/s of KV", lambda x: f"{x / 1e9:.0f}"),
+             ("gpu_launch_s", "host time of one small `nn.Linear` call, us", lambda x: f"{x * 1e6:.1f}"),
+             ("gemm_efficiency", "GEMM efficiency by rows", eff),
+             ("moe_efficiency", "MoE expert kernels' efficiency by rows per expert", eff),
+             ("h2d_pinned", "host->device pinned, GB/s", lambda x: f"{x / 1e9:.1f}"),
+             ("h2d_pageable", "host->device pageable, GB/s", lambda x: f"{x / 1e9:.1f}"),
+             ("d2h_pinned", "device->host pinned, GB/s", lambda x: f"{x / 1e9:.1f}"),
+             ("d2h_pageable", "device->host pageable, GB/s", lambda x: f"{x / 1e9:.1f}"),
+             ("duplex_pinned", "both directions at once, GB/s", lambda x: f"{x / 1e9:.1f}"),
+             ("transfer_latency_s", "one 4 KiB pinned copy, us", lambda x: f"{x * 1e6:.1f}"),
+             ("cpu_flops_fp32", "CPU matmul 2048^3 fp32, GFLOP/s", lambda x: f"{x / 1e9:.0f}"),
+             ("cpu_flops_bf16", "CPU matmul 2048^3 bf16, GFLOP/s", lambda x: f"{x / 1e9:.0f}"),
+             ("cpu_bandwidth", "CPU copy, GB/s (read + write)", lambda x: f"{x / 1e9:.0f}"),
+             ("host_dram_bandwidth", "CPU copies beside pinned host->device copies, GB/s of both",
+              lambda x: f"{x / 1e9:.0f}"),
+             ("cpu_op_s", "one small torch op on the CPU, us", lambda x: f"{x * 1e6:.1f}"),
+             ("cpu_attention", "CPU decode attention (requests x context: ms)",
+              lambda pts: ", ".join(f"{p['batch']} x {p['context']}: {p['seconds'] * 1e3:.2f}" for p in pts)),
+             ("gpu_memory", "GPU memory, GiB", lambda x: f"{x / 2**30:.0f}"),
+             ("cpu_memory", "host memory, GiB", lambda x: f"{x / 2**30:.0f}"),
+             ("cpu_cores", "CPU cores", str)]
+    rows = [[f"`{key}`", what, show(profile[key])] for key, what, show in terms if profile.get(key) is not None]
+    return markdown_table(["field", "what", "measured"], rows)
+
+
 def plot(report: dict, path: str) -> None:
     """Throughput bars (log scale) and, with a trace, how busy each lane of the pipeline was."""
     import matplotlib

@@ -219,6 +219,49 @@ def to_markdown(report: dict) -> str:
     return "\n".join(parts)
 
 
+def summary_table(report: dict) -> str:
+    """The docs' view of a ``bench train`` report: one row per implementation, ratios against its family's
+    vanilla baseline (``BASELINES``), allocated and reserved peaks side by side."""
+    res = report["results"]
+    rows = []
+    for impl, r in res.items():
+        base = res.get(BASELINES[impl.split("-")[0]])
+        reserved, base_reserved = r.get("peak_reserved_gib"), (base or {}).get("peak_reserved_gib")
+        rows.append([impl, f"{r['tokens_per_s'] / 1e3:.1f}k", f"{r['step_ms_median']:.1f}",
+                     f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "", f"{r['peak_gib']:.1f}",
+                     f"{reserved:.1f}" if reserved else "",
+                     f"{reserved / base_reserved:.2f}x" if reserved and base_reserved else "",
+                     f"{r['first_step_loss']:.4f}"])
+    return markdown_table(["implementation", "tokens/s", "step ms", "vs family baseline", "peak GiB allocated",
+                           "peak GiB reserved", "reserved vs baseline", "first-step loss"], rows)
+
+
+_BREAKDOWN_ROWS = (("experts forward", ("experts fwd",)), ("experts backward", ("experts bwd",)),
+                   ("attention forward", ("attention fwd",)),
+                   ("attention backward (as far as the hooks see it)", ("attention bwd",)),
+                   ("norms forward + backward", ("norms fwd", "norms bwd")),
+                   ("router forward + backward", ("router fwd", "router bwd")),
+                   ("lm_head forward + backward", ("lm_head fwd", "lm_head bwd")),
+                   ("rest", ("rest: embeddings, residuals, loss, optimizer, launch gaps",)),
+                   ("whole hooked step", ("step (hooked)",)))
+
+
+def breakdown_table(report: dict) -> str:
+    """GPU ms per category of one hooked step, one column per implementation that has a breakdown."""
+    impls = [impl for impl, r in report["results"].items() if "breakdown_ms" in r]
+    rows = [[label] + [f"{sum(report['results'][i]['breakdown_ms'][k] for k in keys):.1f}" for i in impls]
+            for label, keys in _BREAKDOWN_ROWS]
+    return markdown_table(["category (ms)"] + impls, rows)
+
+
+def host_time_table(report: dict) -> str:
+    """A ``scripts/probe_train_host_time.py`` report (``$OUT/train-host.json``): the host's issue time of one
+    step, the GPU's work with the queue kept full, and the step as it runs."""
+    rows = [[impl, f"{r['host_issue_ms']:.1f}", f"{r['gpu_ms_queue_full']:.1f}", f"{r['step_ms']:.1f}"]
+            for impl, r in report.items()]
+    return markdown_table(["implementation", "host issue ms", "GPU ms (queue full)", "step ms"], rows)
+
+
 def plot(report: dict, path: str) -> None:
     """Tokens/s and peak memory per implementation, as a PNG."""
     import matplotlib
