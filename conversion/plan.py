@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +18,13 @@ from .safetensors_io import ConversionError, TensorInfo, TensorSpec, read_header
 TO_SCATTER, TO_HF = "hf-scatter", "hf"
 INDEX_NAME = "model.safetensors.index.json"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
+# What --overwrite may replace besides config.json, the weights and the files the plan copies: what
+# save_pretrained writes for a causal LM and its tokenizer, and the model card and license of a hub download.
+_CHECKPOINT_FILES = frozenset({
+    "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+    "README.md", "LICENSE", "LICENSE.txt", "NOTICE", "USE_POLICY.md", ".gitattributes"})
+_SHARD_NAME = re.compile(r"^model(-\d+-of-\d+)?\.safetensors$")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -217,14 +225,75 @@ def _shard(outputs: list[OutputTensor], max_bytes: int) -> dict[str, list[Output
     return {f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors": g for i, g in enumerate(groups)}
 
 
-def _check_paths(src: str, dst: str, overwrite: bool) -> None:
+def _check_paths(src: str, dst: str) -> None:
     if not os.path.isdir(src):
         raise ConversionError(f"{src}: not a checkpoint directory")
     real_src, real_dst = os.path.realpath(src), os.path.realpath(dst)
     if real_dst == real_src or real_dst.startswith(real_src + os.sep) or real_src.startswith(real_dst + os.sep):
         raise ConversionError(f"{dst}: the destination must be outside the source directory {src} (and not "
                               f"contain it): the source is never modified")
-    if os.path.lexists(dst) and not overwrite:
+
+
+def _listing(names: list[str], shown: int = 5) -> str:
+    more = f" (and {len(names) - shown} more)" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
+def _not_a_checkpoint(dst: str, copies: list[str]) -> list[str]:
+    """Why the existing directory ``dst`` is not a checkpoint that --overwrite may replace (empty when it is)."""
+    entries = sorted(os.listdir(dst))
+    if not entries:
+        return []  # nothing in it to lose
+    listed = set()  # the shards an index names, whatever their names (but only safetensors files)
+    try:
+        with open(os.path.join(dst, INDEX_NAME)) as f:
+            listed = {n for n in json.load(f)["weight_map"].values() if str(n).endswith(".safetensors")}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    allowed = {"config.json", INDEX_NAME, *_CHECKPOINT_FILES, *copies, *listed}
+    unexpected, weights = [], False
+    for name in entries:
+        mode = os.lstat(os.path.join(dst, name)).st_mode
+        if not stat.S_ISREG(mode):
+            unexpected.append(name + "/" if stat.S_ISDIR(mode) else name)
+        elif _SHARD_NAME.match(name) or name in listed:
+            weights = True
+        elif name not in allowed:
+            unexpected.append(name)
+    problems = []
+    if "config.json" not in entries:
+        problems.append("no config.json" + ("" if unexpected else f" (it holds {_listing(entries)})"))
+    elif not weights:
+        try:
+            with open(os.path.join(dst, "config.json")) as f:
+                marked = CONFIG_KEY in json.load(f)
+        except (OSError, ValueError, TypeError):
+            marked = False
+        if not marked:
+            problems.append("no safetensors weights")
+    if unexpected:
+        what = "entry" if len(unexpected) == 1 else "entries"
+        problems.append(f"{len(unexpected)} {what} a checkpoint does not hold: {_listing(unexpected)}")
+    return problems
+
+
+def _check_destination(dst: str, overwrite: bool, copies: list[str]) -> None:
+    """--overwrite never deletes what the converter did not write: it replaces only a checkpoint directory."""
+    if not os.path.lexists(dst):
+        return
+    fix = "remove it yourself or choose another DST"
+    if os.path.islink(dst):
+        raise ConversionError(f"{dst} is a symbolic link (to {os.readlink(dst)}): the converter writes a directory "
+                              f"and replaces only a checkpoint directory, never a link; {fix}")
+    if not os.path.isdir(dst):
+        raise ConversionError(f"{dst} is a file: the converter writes a directory and replaces only a checkpoint "
+                              f"directory; {fix}")
+    problems = _not_a_checkpoint(dst, copies)
+    if problems:
+        raise ConversionError(f"{dst} is not a checkpoint directory, which is all --overwrite replaces: "
+                              f"{'; '.join(problems)}. Move what you want to keep out of {dst}, or choose "
+                              f"another DST")
+    if not overwrite:
         raise ConversionError(f"{dst} exists: pass --overwrite to replace it")
 
 
@@ -234,7 +303,14 @@ def build_plan(src: str, dst: str, to: str = TO_SCATTER, dtype: str | torch.dtyp
 
     from hf_scatter import __version__
 
-    _check_paths(src, dst, overwrite)
+    _check_paths(src, dst)
+    copies, skipped = [], []
+    for name in sorted(os.listdir(src)):
+        if name in ("config.json", INDEX_NAME) or not os.path.isfile(os.path.join(src, name)):
+            continue
+        (skipped if name.endswith(_WEIGHT_SUFFIXES) else copies).append(name)
+    skipped = [n for n in skipped if not n.endswith(".safetensors")]
+    _check_destination(dst, overwrite, copies)
     dtype, max_bytes = parse_dtype(dtype), parse_size(max_shard_size)
     config_path = os.path.join(src, "config.json")
     try:
@@ -280,12 +356,5 @@ def build_plan(src: str, dst: str, to: str = TO_SCATTER, dtype: str | torch.dtyp
     if dtype is not None:
         dtype_key = "torch_dtype" if "torch_dtype" in out_config else "dtype"
         out_config[dtype_key] = str(dtype).removeprefix("torch.")
-
-    copies, skipped = [], []
-    for name in sorted(os.listdir(src)):
-        if name in ("config.json", INDEX_NAME) or not os.path.isfile(os.path.join(src, name)):
-            continue
-        (skipped if name.endswith(_WEIGHT_SUFFIXES) else copies).append(name)
-    skipped = [n for n in skipped if not n.endswith(".safetensors")]
     return Plan(src=src, dst=dst, to=to, model_type=model_type, scheme=scheme, dtype=dtype, config=out_config,
                 shards=_shard(_outputs(corr, to, tensors, dtype), max_bytes), copies=copies, skipped=skipped)

@@ -6,8 +6,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
+import socket
+import stat
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -62,8 +66,16 @@ def _tensors(path) -> dict[str, torch.Tensor]:
 
 
 def _digest(path) -> dict[str, str]:
-    return {name: hashlib.sha256(open(os.path.join(path, name), "rb").read()).hexdigest()
-            for name in sorted(os.listdir(path))}
+    """Everything under ``path`` (a file, link or directory tree): contents, link targets, subdirectories."""
+    def one(p):
+        if os.path.islink(p):
+            return "-> " + os.readlink(p)
+        return "dir" if os.path.isdir(p) else hashlib.sha256(open(p, "rb").read()).hexdigest()
+
+    if not os.path.isdir(path) or os.path.islink(path):
+        return {".": one(path)}
+    return {os.path.relpath(os.path.join(root, name), path): one(os.path.join(root, name))
+            for root, dirs, files in os.walk(path) for name in sorted(dirs + files)}
 
 
 def _leftovers(parent) -> list[str]:
@@ -196,16 +208,288 @@ def test_interrupted_run_leaves_no_partial_dst_and_keeps_an_old_one(tmp_path, mo
         convert(str(src), str(dst), max_shard_size=SHARD, progress=False)
     assert not dst.exists() and _leftovers(tmp_path) == []
 
-    dst.mkdir()
-    (dst / "keep.txt").write_text("old")
+    monkeypatch.setattr(writer, "_assemble", assemble)
+    convert(str(src), str(dst), dtype="bfloat16", progress=False)
+    (dst / "README.md").write_text("old")
+    before = _digest(dst)
+    monkeypatch.setattr(writer, "_assemble", interrupted)
     calls.clear()
     with pytest.raises(KeyboardInterrupt):
         convert(str(src), str(dst), overwrite=True, progress=False)
-    assert os.listdir(dst) == ["keep.txt"] and _leftovers(tmp_path) == []
+    assert _digest(dst) == before and _leftovers(tmp_path) == []
 
     monkeypatch.setattr(writer, "_assemble", assemble)
     convert(str(src), str(dst), overwrite=True, progress=False)
-    assert not (dst / "keep.txt").exists() and (dst / "config.json").exists()
+    assert not (dst / "README.md").exists() and _tensors(dst)["model.embed_tokens.weight"].dtype == torch.float32
+
+
+# ------------------------------------------------------------------------------------ kills and signals
+_PAUSED = """
+import os, sys, time
+from hf_scatter.conversion import writer
+flag, where, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
+
+
+def pause():
+    open(flag, "w").close()
+    time.sleep(120)
+
+
+if where == "write":  # while the third tensor is assembled: shards half written
+    assemble, calls = writer._assemble, []
+
+    def _assemble(t, reader):
+        calls.append(t)
+        if len(calls) == 3:
+            pause()
+        return assemble(t, reader)
+
+    writer._assemble = _assemble
+else:  # "aside": the old DST moved aside, the new one not yet in place; "swapped": just after that
+    rename, dst = os.rename, os.path.abspath(argv[2])
+
+    def _rename(a, b):
+        rename(a, b)
+        if (a if where == "aside" else b) == dst:
+            pause()
+
+    os.rename = _rename
+from hf_scatter.cli import main
+sys.exit(main(argv))
+"""
+
+
+@pytest.fixture
+def paused_conversions(tmp_path):
+    """Starts ``hf-scatter convert ARGS --no-progress`` processes, each paused at its point ``where``,
+    together (importing transformers takes seconds); returns them once all are paused. Teardown kills
+    whatever still runs."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    started = []
+
+    def start(*runs: tuple[str, list]) -> list[subprocess.Popen]:
+        flags = []
+        for where, args in runs:
+            flags.append(tmp_path / f"paused-{len(started)}")
+            started.append(subprocess.Popen(
+                [sys.executable, "-c", _PAUSED, str(flags[-1]), where, "convert", *map(str, args), "--no-progress"],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+        procs = started[-len(runs):]
+        deadline = time.monotonic() + 120
+        for flag, proc in zip(flags, procs):
+            while not flag.exists():
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    proc.kill()
+                    raise AssertionError(f"conversion never paused: {proc.communicate()}")
+                time.sleep(0.05)
+        return procs
+
+    yield start
+    for proc in started:
+        proc.kill()
+        proc.wait()
+
+
+def _du(path) -> int:
+    return sum(os.path.getsize(os.path.join(root, n)) for root, _, names in os.walk(path) for n in names)
+
+
+def test_kill_term_and_ctrl_c_during_conversion(tmp_path, capsys, paused_conversions):
+    """SIGTERM and Ctrl-C leave nothing and print one line; SIGKILL leaves a marked temporary directory
+    that the next conversion into the same DST removes, saying so with its size."""
+    from hf_scatter.conversion.plan import _size
+
+    src = tmp_path / "src"
+    _checkpoint("mixtral", src)
+    killed, termed, interrupted = paused_conversions(
+        *[("write", [src, tmp_path / name, "--max-shard-size", SHARD]) for name in ("k", "t", "i")])
+    killed.kill()
+    termed.terminate()
+    interrupted.send_signal(signal.SIGINT)
+    for proc in (termed, interrupted):
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130, (out, err)
+        assert (out + err).splitlines() == ["hf-scatter convert: interrupted, nothing written"], (out, err)
+    killed.communicate(timeout=60)
+
+    (left,) = _leftovers(tmp_path)
+    assert left.startswith(".k.tmp-"), left
+    marker = json.loads((tmp_path / left / ".hf-scatter-convert.json").read_text())
+    assert marker["pid"] == killed.pid and marker["host"] == socket.gethostname() and marker["start"]
+    size = _du(tmp_path / left)
+    unmarked = tmp_path / ".k.tmp-unmarked"  # not the converter's (an older version's, a user's): never touched
+    unmarked.mkdir()
+    capsys.readouterr()
+    convert(str(src), str(tmp_path / "k"), progress=False)
+    assert capsys.readouterr().err.splitlines() == [
+        f"hf-scatter convert: removed {tmp_path / left} ({_size(size)}), left by an interrupted conversion "
+        f"(pid {killed.pid})"]
+    assert _leftovers(tmp_path) == [unmarked.name] and (tmp_path / "k" / "config.json").exists()
+    assert not (tmp_path / "t").exists() and not (tmp_path / "i").exists()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_a_conversion_killed_during_the_swap_loses_no_checkpoint(tmp_path, capsys, paused_conversions):
+    """Killed after moving the old DST aside, the next run puts it back (or, when something else is at
+    DST by then, keeps it and says so); killed just after the swap, the old DST goes as asked."""
+    src, aside, swapped = tmp_path / "src", tmp_path / "aside", tmp_path / "swapped"
+    _checkpoint("mixtral", src)
+    previous = {}
+    for dst in (aside, swapped):
+        convert(str(src), str(dst), dtype="bfloat16", progress=False)
+        (dst / "README.md").write_text("the previous checkpoint")
+        previous[dst] = _digest(dst)
+    procs = paused_conversions(("aside", [src, aside, "--overwrite"]), ("swapped", [src, swapped, "--overwrite"]))
+    for proc in procs:
+        proc.kill()
+        proc.communicate(timeout=60)
+    assert not aside.exists()
+    old = next(tmp_path / n for n in _leftovers(tmp_path) if n.startswith(".aside.old-"))
+    assert _digest(old / "dst") == previous[aside]
+    capsys.readouterr()
+
+    aside.mkdir()  # something else at DST now: the previous checkpoint may be the only copy
+    (aside / "mine.txt").write_text("not the converter's")
+    with pytest.raises(ConversionError, match="not a checkpoint directory"):
+        convert(str(src), str(aside), overwrite=True, progress=False)
+    kept, removed = capsys.readouterr().err.splitlines()
+    assert kept.startswith(f"hf-scatter convert: kept {old / 'dst'}: the previous {aside}, moved aside by an "
+                           f"interrupted conversion (pid {procs[0].pid})"), kept
+    assert removed.startswith(f"hf-scatter convert: removed {tmp_path}/.aside.tmp-"), removed
+    assert _digest(old / "dst") == previous[aside]
+    (aside / "mine.txt").unlink()
+    aside.rmdir()
+
+    with pytest.raises(ConversionError, match="exists: pass --overwrite"):
+        convert(str(src), str(aside), progress=False)
+    assert capsys.readouterr().err.splitlines() == [
+        f"hf-scatter convert: restored {aside}: an interrupted conversion (pid {procs[0].pid}) had moved it "
+        f"aside to {old}"]
+    assert _digest(aside) == previous[aside]
+
+    new = _digest(swapped)
+    assert new != previous[swapped] and "README.md" not in new
+    convert(str(src), str(swapped), overwrite=True, progress=False)
+    removed = sorted(capsys.readouterr().err.splitlines())
+    assert len(removed) == 2, removed
+    for line, kind in zip(removed, ("old", "tmp")):
+        assert line.startswith(f"hf-scatter convert: removed {tmp_path}/.swapped.{kind}-"), line
+    assert _digest(swapped) == new and _leftovers(tmp_path) == []
+
+
+def test_leftovers_of_live_or_other_writers_are_left_alone(tmp_path, capsys):
+    """Only a marked directory for this DST, from this host, whose writer is gone is removed: a reused pid
+    (another start time) is gone, the pid of a running process on another host proves nothing."""
+    from hf_scatter.conversion.plan import _size
+    from hf_scatter.conversion.writer import _start_time
+
+    src, dst = tmp_path / "src", tmp_path / "hfs"
+    _checkpoint("mixtral", src)
+    me = {"pid": os.getpid(), "start": _start_time(os.getpid()), "host": socket.gethostname(), "dst": str(dst)}
+    markers = {".hfs.tmp-live": me, ".hfs.tmp-other-host": {**me, "host": "elsewhere", "pid": 2**22 + 1},
+               ".hfs.tmp-other-dst": {**me, "dst": str(tmp_path / "x"), "pid": 2**22 + 1},
+               ".hfs.tmp-reused-pid": {**me, "start": "1"}, ".hfs.tmp-bad-marker": None}
+    for name, marker in markers.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(b"x" * 1000)
+        (tmp_path / name / ".hf-scatter-convert.json").write_text(json.dumps(marker) if marker else "{")
+    capsys.readouterr()
+    size = _du(tmp_path / ".hfs.tmp-reused-pid")
+    convert(str(src), str(dst), progress=False)
+    assert capsys.readouterr().err.splitlines() == [
+        f"hf-scatter convert: removed {tmp_path / '.hfs.tmp-reused-pid'} ({_size(size)}), left by an interrupted "
+        f"conversion (pid {os.getpid()})"]
+    assert sorted(_leftovers(tmp_path)) == sorted(set(markers) - {".hfs.tmp-reused-pid"})
+
+
+# ------------------------------------------------------------------------------------------- --overwrite
+def _user_folder(dst, src):
+    dst.mkdir()
+    for i in range(7):
+        (dst / f"thesis-{i}.tex").write_text("mine")
+    return ["no config.json", "7 entries a checkpoint does not hold: thesis-0.tex", "(and 2 more)"]
+
+
+def _checkpoint_and_more(dst, src):
+    convert(str(src), str(dst), progress=False)
+    (dst / "runs").mkdir()
+    (dst / "runs" / "loss.csv").write_text("1.0")
+    (dst / "notes.txt").write_text("mine")
+    return ["2 entries a checkpoint does not hold: notes.txt, runs/"]
+
+
+def _config_only(dst, src):
+    dst.mkdir()
+    (dst / "config.json").write_text("{}")
+    (dst / "README.md").write_text("mine")
+    return ["no safetensors weights"]
+
+
+def _file(dst, src):
+    dst.write_text("mine")
+    return ["is a file"]
+
+
+def _symlink(dst, src):
+    convert(str(src), str(dst.parent / "elsewhere"), progress=False)
+    dst.symlink_to(dst.parent / "elsewhere")
+    return ["is a symbolic link", "elsewhere"]
+
+
+NOT_CHECKPOINTS = {"a folder of user files": _user_folder, "a checkpoint and user files": _checkpoint_and_more,
+                   "config.json and no weights": _config_only, "a file": _file, "a symlink": _symlink}
+
+
+@pytest.mark.parametrize("case", list(NOT_CHECKPOINTS))
+def test_overwrite_refuses_what_is_not_a_checkpoint(case, tmp_path, capsys):
+    src, dst = tmp_path / "src", tmp_path / "hfs"
+    _checkpoint("mixtral", src)
+    names = NOT_CHECKPOINTS[case](dst, src)
+    before = _digest(tmp_path)
+    for extra in (["--dry-run"], ["--no-progress"]):
+        capsys.readouterr()
+        assert cli_main(["convert", str(src), str(dst), "--overwrite", *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"hf-scatter convert: error: {dst}") and "choose another DST" in err, err
+        for name in names:
+            assert name in err, (name, err)
+    assert _digest(tmp_path) == before
+
+
+def test_overwrite_replaces_checkpoints(tmp_path, tokenizer):
+    """HF checkpoints (sharded or one file) with tokenizer, generation config, model card and license, an
+    earlier conversion, files the plan copies, an empty directory."""
+    src = tmp_path / "src"
+    _checkpoint("mixtral", src, tokenizer)
+    (src / "notes.md").write_text("copied along")
+    reference = tmp_path / "reference"
+    convert(str(src), str(reference), progress=False)
+    sharded, single, earlier, empty = (tmp_path / n for n in ("sharded", "single", "earlier", "empty"))
+    _checkpoint("dbrx", sharded, tokenizer)
+    tiny_dbrx().save_pretrained(single)
+    for name in ("README.md", "LICENSE", ".gitattributes", "special_tokens_map.json"):
+        (sharded / name).write_text(name)
+    convert(str(src), str(earlier), dtype="bfloat16", progress=False)
+    empty.mkdir()
+    for dst in (sharded, single, earlier, empty):
+        convert(str(src), str(dst), overwrite=True, progress=False)
+        assert _digest(dst) == _digest(reference), dst
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027], ids=oct)
+def test_output_follows_the_umask(umask, tmp_path, tokenizer):
+    src, dst = tmp_path / "src", tmp_path / "hfs"
+    _checkpoint("mixtral", src, tokenizer)
+    os.chmod(src / "tokenizer.json", 0o600)  # copied files too get the umask's mode, as save_pretrained's
+    previous = os.umask(umask)
+    try:
+        convert(str(src), str(dst), max_shard_size=SHARD, progress=False)
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(dst.stat().st_mode) == 0o777 & ~umask
+    modes = {name: stat.S_IMODE((dst / name).stat().st_mode) for name in os.listdir(dst)}
+    assert set(modes.values()) == {0o666 & ~umask}, modes
+    assert "tokenizer.json" in modes and len(modes) > 5
 
 
 # ------------------------------------------------------------------------------------------ bad input
@@ -295,6 +579,22 @@ def test_bad_input_names_file_and_tensor_exits_nonzero_and_leaves_no_dst(case, t
         assert name in err, (name, err)
     assert not dst.exists() and _leftovers(tmp_path) == []
     assert _digest(src) == before
+
+
+@pytest.mark.parametrize("bad,dtype,message", [
+    (float("nan"), None, "contains NaN"), (float("-inf"), None, "contains Inf"),
+    (1e5, "float16", "has values up to 1e+05, beyond float16's range")])
+def test_verify_names_nan_inf_or_an_overflowing_cast_in_a_source_tensor(bad, dtype, message, tmp_path, capsys):
+    src, dst = tmp_path / "src", tmp_path / "hfs"
+    _checkpoint("mixtral", src)
+    weight = _tensors(src)[EXPERT]
+    weight[3, 5] = bad
+    shard = _rewrite_shard(src, EXPERT, weight)
+    args = ["--dtype", dtype] if dtype else []
+    assert cli_main(["convert", str(src), str(dst), "--verify", "--no-progress", *args]) == 2
+    err = capsys.readouterr().err
+    assert f"{src / shard}: source tensor '{EXPERT}' {message}" in err, err
+    assert not dst.exists() and _leftovers(tmp_path) == []
 
 
 @pytest.mark.parametrize("kind,edit", [("dbrx", {"ffn_config": {"moe_num_experts": 3}}),
