@@ -34,7 +34,11 @@ _MOVED = "dst"  # the old DST, inside the .old- directory during the final swap
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM arrived during :func:`convert`; a KeyboardInterrupt, so whatever handles Ctrl-C handles it."""
+    """SIGTERM arrived during :func:`convert`; a KeyboardInterrupt, so whatever handles Ctrl-C handles it
+    (the command line exits 128 + SIGTERM, as a process killed by it would)."""
+
+    exit_status = 143
+    verb = "terminated"
 
 
 @dataclass

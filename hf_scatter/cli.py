@@ -376,7 +376,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "naming the checkpoint was converted from)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="cast floating-point tensors")
     p.add_argument("--max-shard-size", default="5GB", help="largest output shard, e.g. 5GB, 500MB (default 5GB)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing DST (only after success)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing DST if it is a checkpoint (config.json + safetensors, or an earlier "
+                        "conversion; anything else is refused), only after the new one is complete")
     p.add_argument("--verify", action="store_true",
                    help="before DST is put in place, load it patched and SRC vanilla and compare logits on "
                         "random tokens (CPU; needs memory for one model at a time)")
@@ -487,11 +489,11 @@ def main(argv: list[str] | None = None) -> int:
         message = " ".join(str(e).split())  # one line, even where a library's message spans several
         print(f"hf-scatter {args.command}: error: {message}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         # Every command writes its outputs atomically at the end (convert removes its temporary directory
-        # on the way out), so an interrupted command has written nothing.
-        print(f"hf-scatter {args.command}: interrupted, nothing written", file=sys.stderr)
-        return 130
+        # on the way out), so an interrupted command has written nothing. SIGTERM arrives as a subclass.
+        print(f"hf-scatter {args.command}: {getattr(e, 'verb', 'interrupted')}, nothing written", file=sys.stderr)
+        return getattr(e, "exit_status", 130)
 
 
 if __name__ == "__main__":
