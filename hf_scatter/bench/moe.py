@@ -168,6 +168,18 @@ def to_markdown(report: dict) -> str:
                            "fwd+bwd peak GiB", "fwd+bwd / dense"], rows)
 
 
+
+def results_table(report: dict) -> str:
+    """The docs' view of a ``bench moe`` report: ``to_markdown``'s table with hf-scatter's name, both times and
+    its fwd+bwd / dense ratio in bold."""
+    header, _, *lines = to_markdown(report).split("\n")
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+    bold = (1, 2, 5, 7)  # impl, fwd ms, fwd+bwd ms, fwd+bwd / dense
+    for row in rows:
+        if row[1] == "hf-scatter":
+            row[:] = [f"**{c}**" if i in bold and c else c for i, c in enumerate(row)]
+    return markdown_table([c.strip() for c in header.strip("|").split("|")], rows)
+
 def plot(report: dict, path: str) -> None:
     """Time and peak memory per implementation per config (bars), as a PNG."""
     import matplotlib

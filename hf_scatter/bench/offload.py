@@ -124,7 +124,7 @@ VALIDATION_POLICIES = (
     ("every weight resident, 4 micro-batches: CPU attention beside the GPU", "resident", (512, 128, 1.0)),
     ("every weight resident, one micro-batch of 32: nothing overlaps", "resident", (32, 32, 1.0)),
 )
-VALIDATION_TOLERANCE = 0.25  # issue 8: predicted per-layer decode time within +-25% of the measured
+VALIDATION_TOLERANCE = 0.25  # predicted per-layer decode time within +-25% of the measured
 
 
 def validate_hrm(model, reqs: list[torch.Tensor], prof, spec, budget: int, new_tokens: int) -> list[dict]:
