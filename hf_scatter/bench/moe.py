@@ -168,7 +168,6 @@ def to_markdown(report: dict) -> str:
                            "fwd+bwd peak GiB", "fwd+bwd / dense"], rows)
 
 
-
 def results_table(report: dict) -> str:
     """The docs' view of a ``bench moe`` report: ``to_markdown``'s table with hf-scatter's name, both times and
     its fwd+bwd / dense ratio in bold."""
@@ -179,6 +178,7 @@ def results_table(report: dict) -> str:
         if row[1] == "hf-scatter":
             row[:] = [f"**{c}**" if i in bold and c else c for i, c in enumerate(row)]
     return markdown_table([c.strip() for c in header.strip("|").split("|")], rows)
+
 
 def plot(report: dict, path: str) -> None:
     """Time and peak memory per implementation per config (bars), as a PNG."""

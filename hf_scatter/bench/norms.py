@@ -149,7 +149,6 @@ def to_markdown(report: dict) -> str:
     return "\n".join(parts)
 
 
-
 def results_table(report: dict) -> str:
     """The docs' view of a ``bench norms`` report: ``to_markdown``'s table alone (the docs quote the copy roof and
     the BERT-base forward in their text, each with its source)."""
@@ -162,6 +161,7 @@ def results_table(report: dict) -> str:
                      f"{r['ms']['torch'] / r['ms']['hf-scatter']:.2f}x"])
     return markdown_table(["case", "ours ms", "ours GB/s", "of copy", "torch ms", "torch GB/s", "of copy",
                            "speedup"], rows)
+
 
 def plot(report: dict, path: str) -> None:
     """Share of the copy bandwidth per case, ours next to torch, as a PNG."""
