@@ -3,6 +3,7 @@ the memory planner and the CUDA-graph runtime."""
 
 import copy
 import random
+import re
 
 import numpy as np
 import pytest
@@ -145,6 +146,60 @@ def test_calls_the_packed_path_cannot_serve_exactly_take_the_padded_forward():
     assert UNPADDED not in hf_scatter.patch_report(patched).values()
 
 
+def test_more_positions_than_max_position_embeddings_raise_vanillas_error():
+    vanilla = tiny_bert(hidden=32, heads=2, intermediate=48, layers=1)
+    patched = hf_scatter.patch_model(copy.deepcopy(vanilla))
+    S = vanilla.config.max_position_embeddings + 1
+    ids, mask, types = _batch([S, 5], S=S)
+    for kwargs in ({}, {"attention_mask": mask}, {"token_type_ids": types}):
+        with torch.no_grad(), pytest.raises(Exception) as want:
+            vanilla(ids, **kwargs)
+        with torch.no_grad(), pytest.raises(type(want.value), match=re.escape(str(want.value))):
+            patched(ids, **kwargs)
+    assert "_hf_scatter_runtime" not in patched.__dict__, "refused before any packed work"
+
+
+@pytest.mark.parametrize("head", ["base", "masked-lm"])
+def test_inputs_embeds_give_the_same_outputs_as_input_ids(head):
+    """transformers' test_inputs_embeds_matches_input_ids: one model, one answer, padded positions included."""
+    model = hf_scatter.patch_model(tiny_bert(hidden=72, heads=4, intermediate=100, head=head)).eval()
+    ids, mask, types = _batch([5, 3, 7])
+    if head == "masked-lm":  # no pooler: left padding and holes pack too
+        mask[1] = torch.tensor([0, 0, 1, 1, 0, 1, 1])
+    embeds = model.get_input_embeddings()(ids)
+    with torch.no_grad():
+        from_ids = model(input_ids=ids, attention_mask=mask, token_type_ids=types)
+        from_embeds = model(inputs_embeds=embeds, attention_mask=mask, token_type_ids=types)
+    torch.testing.assert_close(from_embeds[0], from_ids[0], rtol=0, atol=0)
+    if head == "base":
+        torch.testing.assert_close(from_embeds.pooler_output, from_ids.pooler_output, rtol=0, atol=0)
+        assert (from_embeds.last_hidden_state[~mask.bool()] == 0).all(), "both ran packed"
+
+
+def test_patched_bert_forward_has_vanillas_signature_and_attention_outputs():
+    import inspect
+
+    from transformers import BertModel
+
+    vanilla = tiny_bert(hidden=32, heads=2, intermediate=48)
+    vanilla.set_attn_implementation("eager")
+    patched = hf_scatter.patch_model(copy.deepcopy(vanilla))
+    assert type(patched).forward is not BertModel.forward
+    assert inspect.signature(patched.forward) == inspect.signature(vanilla.forward)
+    kwargs = inspect.signature(patched.forward).parameters["kwargs"].annotation  # how transformers' tests decide
+    assert "output_attentions" in kwargs.__args__[0].__annotations__, "output_attentions support"
+    ids, mask, _ = _batch([5, 3])
+    for kw in ({"output_attentions": True}, {"output_hidden_states": True, "return_dict": False},
+               {"output_attentions": True, "output_hidden_states": True}):
+        with torch.no_grad():
+            want, got = vanilla(ids, attention_mask=mask, **kw), patched(ids, attention_mask=mask, **kw)
+        assert type(got) is type(want) and len(got) == len(want), kw
+        for w, g in zip(want.to_tuple() if hasattr(want, "to_tuple") else want,
+                        got.to_tuple() if hasattr(got, "to_tuple") else got):
+            for wt, gt in zip(w if isinstance(w, tuple) else (w,), g if isinstance(g, tuple) else (g,)):
+                assert _rel(gt, wt) < 1e-5, kw
+
+
 # ---------------------------------------------------------------------------------- memory planner
 def _random_records(rng: random.Random, n: int) -> list[UsageRecord]:
     records = []
@@ -252,6 +307,11 @@ def test_cuda_graph_replays_equal_vanilla_for_changing_batches():
         if rerun == 1:
             captures = runtime.stats()["captures"]
     assert runtime.stats()["graphs"] >= 1 and runtime.stats()["captures"] == captures, "third pass: replays only"
+    with torch.inference_mode():  # inputs_embeds run eagerly on the graphs' arena: the same answer
+        from_embeds = patched(inputs_embeds=patched.get_input_embeddings()(ids), attention_mask=mask,
+                              token_type_ids=types)
+    assert _rel(from_embeds.last_hidden_state, got.last_hidden_state) < 1e-3
+    assert runtime.stats()["captures"] == captures
     from hf_scatter.turbo import Encoder  # host-packed requests go through pinned staging, asynchronously
     reqs = [list(range(3, 3 + n)) for n in (5, 77, 130, 1, 64)]
     outs = Encoder(patched, progress=False).encode(reqs)
@@ -343,6 +403,16 @@ def test_encoder_returns_each_requests_outputs_in_request_order(head, tokenizer)
     model.train()
     with pytest.raises(ValueError, match="training mode"):
         enc.encode(reqs)
+
+
+def test_encoder_rejects_token_ids_outside_the_vocabulary():
+    from hf_scatter.turbo import Encoder
+
+    enc = Encoder(tiny_bert(hidden=32, heads=2, intermediate=48, layers=1), progress=False)
+    with pytest.raises(ValueError, match=r"request 1 has token id 384; the vocabulary has 384 ids \(0\.\.383\)"):
+        enc.encode([[5], [7, 384, 3]])
+    with pytest.raises(ValueError, match=r"request 0 has token id -1; the vocabulary has 384 ids"):
+        enc.encode([torch.tensor([-1, 5])])
 
 
 def test_encoder_calibrates_saves_and_reloads_its_cost_table(tmp_path, monkeypatch):

@@ -6,12 +6,14 @@ transformers has no kernel-layer tag on these classes, so they are swapped in pl
   training path.
 - ``BertModel`` runs inference calls on packed tokens (``hf_scatter.turbo``: no padding, variable-length
   attention, planned memory, a CUDA graph per length bucket) and returns HF's padded outputs, so every head
-  (sequence / token classification, masked LM, ...) works unchanged. Calls the packed path cannot serve
-  exactly (training, gradients, autocast, attention or hidden-state outputs, caches, ``inputs_embeds``,
-  left padding with a pooler) take transformers' own forward.
+  (sequence / token classification, masked LM, ...) works unchanged; ``input_ids`` and ``inputs_embeds``
+  alike. Calls the packed path cannot serve exactly (training, gradients, autocast, attention or hidden-state
+  outputs, caches, left padding with a pooler) and inputs vanilla rejects take transformers' own forward.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -39,23 +41,28 @@ class FusedBertOutput(BertOutput):
     forward = _dense_dropout_add_norm
 
 
-_HF_ONLY_KWARGS = ("output_attentions", "output_hidden_states", "head_mask")
-
-
-def _packed_call_blocker(model, input_ids, attention_mask, inputs_embeds, encoder_hidden_states,
+def _packed_call_blocker(model, input_ids, attention_mask, position_ids, inputs_embeds, encoder_hidden_states,
                          past_key_values, use_cache, kwargs) -> str | None:
     """Why this call must take transformers' padded forward, as far as the arguments tell (the packed path
-    itself declines the rest: see ``turbo.hf_forward.packed_bert_forward``)."""
+    itself declines the rest: see ``turbo.hf_forward.packed_bert_forward``). Inputs vanilla rejects go there
+    too, so they fail with vanilla's own error before any packed work."""
     if model.training:
         return "training mode (dropout)"
-    if input_ids is None or inputs_embeds is not None:
-        return "inputs_embeds instead of input_ids"
+    if (input_ids is None) == (inputs_embeds is None):
+        return "neither or both of input_ids and inputs_embeds"
+    if (input_ids is not None and input_ids.dim() != 2) or (inputs_embeds is not None and inputs_embeds.dim() != 3):
+        return "input_ids not [batch, seq] / inputs_embeds not [batch, seq, hidden]"
+    tokens = input_ids if input_ids is not None else inputs_embeds
+    if position_ids is None and tokens.shape[1] > model.config.max_position_embeddings:
+        return "more positions than max_position_embeddings"
     if encoder_hidden_states is not None or past_key_values is not None or use_cache:
         return "cross-attention or a KV cache"
-    if any(kwargs.get(k) for k in _HF_ONLY_KWARGS) or model.config.output_attentions or \
-            model.config.output_hidden_states:
-        return "attention weights / hidden states / head_mask requested"
-    if torch.is_autocast_enabled(input_ids.device.type):
+    if model.config.output_attentions or model.config.output_hidden_states:
+        return "attention weights / hidden states requested"
+    unread = sorted(k for k, v in kwargs.items() if k != "return_dict" and v is not None and v is not False)
+    if unread:
+        return f"arguments the packed path does not read: {', '.join(unread)}"
+    if torch.is_autocast_enabled(tokens.device.type):
         return "autocast"
     if attention_mask is not None and attention_mask.dim() != 2:
         return "a 3-D/4-D attention mask"
@@ -67,15 +74,18 @@ class UnpaddedBertModel(BertModel):
 
     hf_scatter_impl = UNPADDED
 
+    # Vanilla's signature and docs (inspect follows __wrapped__): transformers and its tests read what a model
+    # supports from it, e.g. output_attentions from the ``**kwargs: Unpack[TransformersKwargs]`` annotation.
+    @functools.wraps(BertModel.forward, assigned=("__doc__",), updated=())
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, encoder_hidden_states=None, encoder_attention_mask=None, past_key_values=None,
                 use_cache=None, **kwargs):
-        reason = _packed_call_blocker(self, input_ids, attention_mask, inputs_embeds, encoder_hidden_states,
-                                      past_key_values, use_cache, kwargs)
+        reason = _packed_call_blocker(self, input_ids, attention_mask, position_ids, inputs_embeds,
+                                      encoder_hidden_states, past_key_values, use_cache, kwargs)
         if reason is None:
             from ..turbo.hf_forward import packed_bert_forward
 
-            out = packed_bert_forward(self, input_ids, attention_mask, token_type_ids, position_ids)
+            out = packed_bert_forward(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
             if out is not None:
                 return out.to_tuple() if kwargs.get("return_dict", self.config.return_dict) is False else out
         return super().forward(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,

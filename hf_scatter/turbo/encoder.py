@@ -95,6 +95,11 @@ class Encoder:
             limit = self.bert.config.max_position_embeddings
             if len(ids) > limit:
                 raise ValueError(f"Encoder.encode: request {i} has {len(ids)} tokens; the model takes at most {limit}")
+            vocab = self.bert.embeddings.word_embeddings.num_embeddings
+            low, high = min(ids), max(ids)
+            if low < 0 or high >= vocab:  # caught here: on a GPU the embedding lookup would only assert
+                raise ValueError(f"Encoder.encode: request {i} has token id {low if low < 0 else high}; the vocabulary "
+                                 f"has {vocab} ids (0..{vocab - 1}): was it tokenized for another model?")
             out.append(ids)
         return out
 

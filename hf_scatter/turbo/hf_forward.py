@@ -44,14 +44,17 @@ def _parameter_blocker(params) -> str | None:
     return None
 
 
-def packed_bert_forward(model, input_ids, attention_mask, token_type_ids, position_ids):
+def packed_bert_forward(model, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds=None):
     """HF outputs of an inference call, or None where the padded forward must answer instead: gradients
-    wanted, mixed parameter dtypes, an empty batch, or a row whose first column is padding while the
-    model pools (vanilla pools that padded position, which packing never computes)."""
+    wanted, mixed parameter dtypes, ``inputs_embeds`` of another dtype, an empty batch, or a row whose first
+    column is padding while the model pools (vanilla pools that padded position, which packing never
+    computes)."""
     runtime = runtime_of(model)
     if _parameter_blocker(runtime.params) is not None:
         return None
-    batch = pack_padded(input_ids, attention_mask, token_type_ids, position_ids)
+    if inputs_embeds is not None and inputs_embeds.dtype != runtime.params[0].dtype:
+        return None
+    batch = pack_padded(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
     if batch.num_tokens == 0 or (batch.first_column_padded and model.pooler is not None):
         return None
     hidden, pooled = runtime.run(batch)

@@ -21,21 +21,23 @@ class PackedBatch:
 
     ``padded_index``: for a batch packed from a padded [B, S] tensor, each token's flat index in B*S
     (``unpack`` puts outputs back there); None for batches packed from request lists. ``first_column_padded``:
-    some row of that tensor starts with padding (left padding).
+    some row of that tensor starts with padding (left padding). ``inputs_embeds``: [T, H] word embeddings
+    given by the caller instead of ``input_ids`` (then None).
     """
 
-    input_ids: torch.Tensor
+    input_ids: torch.Tensor | None
     position_ids: torch.Tensor
     token_type_ids: torch.Tensor | None
     lengths: list[int]
     padded_shape: tuple[int, int] | None = None
     padded_index: torch.Tensor | None = None
     first_column_padded: bool = False
+    inputs_embeds: torch.Tensor | None = None
     _cache: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
+        return int(self.position_ids.shape[0])
 
     @property
     def num_sequences(self) -> int:
@@ -43,7 +45,7 @@ class PackedBatch:
 
     @property
     def device(self) -> torch.device:
-        return self.input_ids.device
+        return self.position_ids.device
 
     def to(self, device: torch.device | str) -> "PackedBatch":
         """The batch with its token tensors on ``device`` (itself if they are there already)."""
@@ -52,7 +54,8 @@ class PackedBatch:
             return self
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return PackedBatch(move(self.input_ids), move(self.position_ids), move(self.token_type_ids),
-                           self.lengths, self.padded_shape, move(self.padded_index), self.first_column_padded)
+                           self.lengths, self.padded_shape, move(self.padded_index), self.first_column_padded,
+                           move(self.inputs_embeds))
 
     def first_token_index(self) -> torch.Tensor:
         """Row of each sequence's first token ([CLS] for BERT) in the packed tensor (0 for empty ones)."""
@@ -87,19 +90,29 @@ def _check_ids(name: str, t, shape=None) -> None:
         got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
         raise ValueError(f"pack_padded: {name} must be a [batch, seq] integer tensor, got {got}")
     if shape is not None and tuple(t.shape) != tuple(shape):
-        raise ValueError(f"pack_padded: {name} has shape {tuple(t.shape)} but input_ids has {tuple(shape)}")
+        raise ValueError(f"pack_padded: {name} has shape {tuple(t.shape)} but the batch is {tuple(shape)}")
 
 
-def pack_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> PackedBatch:
+def pack_padded(input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> PackedBatch:
     """Pack a padded HF batch: tokens with ``attention_mask`` 1 (left, right or any padding), in row order.
+    Exactly one of ``input_ids`` [B, S] and ``inputs_embeds`` [B, S, H] gives the tokens.
 
     Costs one device-to-host copy of the mask (the packed shapes need the lengths on the host anyway); the
     rest is worked out there and sent back as one index.
     """
-    _check_ids("input_ids", input_ids)
-    B, S = input_ids.shape
-    device = input_ids.device
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("pack_padded: pass exactly one of input_ids and inputs_embeds")
+    if input_ids is not None:
+        _check_ids("input_ids", input_ids)
+        B, S = input_ids.shape
+    elif not isinstance(inputs_embeds, torch.Tensor) or inputs_embeds.dim() != 3:
+        got = tuple(inputs_embeds.shape) if isinstance(inputs_embeds, torch.Tensor) else type(inputs_embeds).__name__
+        raise ValueError(f"pack_padded: inputs_embeds must be a [batch, seq, hidden] tensor, got {got}")
+    else:
+        B, S = inputs_embeds.shape[:2]
+    device = (input_ids if input_ids is not None else inputs_embeds).device
     first_column_padded = False
     if attention_mask is None:
         lengths = [S] * B
@@ -124,7 +137,9 @@ def pack_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = N
     if token_type_ids is not None:
         _check_ids("token_type_ids", token_type_ids, (B, S))
         types = token_type_ids.reshape(-1)[index]
-    return PackedBatch(input_ids.reshape(-1)[index], positions, types, lengths, (B, S), index, first_column_padded)
+    ids = None if input_ids is None else input_ids.reshape(-1)[index]
+    embeds = None if inputs_embeds is None else inputs_embeds.reshape(B * S, -1)[index]
+    return PackedBatch(ids, positions, types, lengths, (B, S), index, first_column_padded, embeds)
 
 
 def pack_sequences(sequences: Sequence, device: torch.device | str = "cpu",

@@ -24,6 +24,7 @@ with asynchronous copies, so the host packs the next batch while the GPU runs th
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections import OrderedDict
@@ -143,14 +144,13 @@ class UnpaddedRuntime:
         if batch.num_tokens == 0:
             raise ValueError("UnpaddedRuntime: the batch has no tokens (every sequence is empty)")
         tokens = token_bucket(batch.num_tokens)
-        if self.graphs_enabled():
+        if self.graphs_enabled() and batch.inputs_embeds is None:  # graphs take token ids: embeddings run eagerly
             return self._replay(tokens, batch)
         batch = batch.to(self.device)
         if not self.use_planner:
             return self._encode(batch, fresh)
         if batch.token_type_ids is None:  # planned code paths read token types always (all zeros here)
-            batch = PackedBatch(batch.input_ids, batch.position_ids, torch.zeros_like(batch.input_ids),
-                                batch.lengths)
+            batch = dataclasses.replace(batch, token_type_ids=torch.zeros_like(batch.position_ids), _cache={})
         return self._encode(batch, self._allocator(tokens))
 
     def warmup(self, max_tokens: int, progress: bool = True) -> float:

@@ -67,10 +67,16 @@ def _activation_(hidden_act, intermediate: nn.Module, x: torch.Tensor) -> torch.
 
 
 def embed(embeddings: nn.Module, batch: PackedBatch, alloc: Alloc) -> torch.Tensor:
-    """LayerNorm(word + token type + position) per packed token, rounded like BertEmbeddings."""
+    """LayerNorm(word + token type + position) per packed token, rounded like BertEmbeddings; the word
+    embeddings are the caller's ``inputs_embeds`` where the batch has them (one op either way, so one plan
+    serves both)."""
     word = embeddings.word_embeddings.weight
     T, H, dev = batch.num_tokens, word.shape[1], word.device
-    summed = torch.index_select(word, 0, batch.input_ids, out=alloc("embed.word_type", (T, H), word.dtype, dev))
+    summed = alloc("embed.word_type", (T, H), word.dtype, dev)
+    if batch.inputs_embeds is None:
+        torch.index_select(word, 0, batch.input_ids, out=summed)
+    else:
+        summed.copy_(batch.inputs_embeds)
     types = embeddings.token_type_embeddings.weight
     if batch.token_type_ids is None:
         summed.add_(types[0])
