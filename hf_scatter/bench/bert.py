@@ -185,6 +185,44 @@ def to_markdown(report: dict) -> str:
     return "\n".join(parts)
 
 
+_CASE_LABELS = {"batch20": "batch of 20, lengths 5..500", "batch20, exact GELU": "same, `fast_gelu=False` (erf GELU)",
+                "b1s40": "B=1, S=40", "b20s128": "B=20, S=128"}
+_STREAM_LABELS = {"vanilla sdpa, arrival-order batches": "vanilla SDPA, arrival-order batches (padded)",
+                  "vanilla sdpa, length-sorted batches": "vanilla SDPA, length-sorted batches",
+                  "hf-scatter model call, arrival-order batches": "hf-scatter, patched model call (pads, then packs)",
+                  "hf-scatter Encoder, arrival-order batches": "hf-scatter `Encoder.run_batch` on the same batches",
+                  "hf-scatter, first pass (planning + graph capture)":
+                      "hf-scatter, first pass (planning, graph capture, autotuning)"}
+
+
+def latency_table(report: dict) -> str:
+    """The docs' view of a ``bench bert`` report's cases: ``to_markdown``'s first table, cases named in words."""
+    rows = []
+    for name, case in report["cases"].items():
+        (_, vt), (_, pt) = case["ms"].items()
+        rows.append([_CASE_LABELS.get(name, name), case["tokens"], case["padded_tokens"], f"{vt:.3f}", f"{pt:.3f}",
+                     f"{vt / pt:.2f}x", f"{case['max_abs_diff']:.2g}"])
+    return markdown_table(["case", "real tokens", "padded tokens", "vanilla SDPA ms", "hf-scatter ms", "speedup",
+                           "max abs diff"], rows)
+
+
+def stream_table(report: dict) -> str:
+    """The docs' view of a ``bench bert`` report's 512-request stream: time, requests/s and speedup over
+    vanilla's arrival-order batches per system, the best steady-state speedup in bold (none for the first
+    pass, which includes one-time work)."""
+    s = report["stream512"]
+    sec = s["seconds"]
+    base = sec["vanilla sdpa, arrival-order batches"]
+    steady = {name: base / t for name, t in sec.items() if "first pass" not in name}
+    best = max(steady, key=steady.get)
+    rows = []
+    for name, t in sec.items():
+        ratio = f"{steady[name]:.2f}x" if name in steady else ""
+        rows.append([_STREAM_LABELS.get(name, name), f"{t * 1e3:.1f}", f"{s['requests'] / t:.0f}",
+                     f"**{ratio}**" if name == best else ratio])
+    return markdown_table(["system", "ms", "requests/s", "vs vanilla"], rows)
+
+
 def plot(report: dict, path: str) -> None:
     """Latency per case, vanilla next to hf-scatter, as a PNG."""
     import matplotlib

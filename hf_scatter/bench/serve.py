@@ -153,6 +153,22 @@ def to_markdown(report: dict) -> str:
     return "\n".join(parts)
 
 
+def saturation_table(report: dict) -> str:
+    """The docs' view of a ``bench serve`` report: per system, its saturation throughput, that against the first
+    system's (PyTorch-NoBatch) and its mean / p99 latency at saturation."""
+    results = report["results"]
+    base = next(iter(results.values()))["saturation"]["throughput_rps"]
+    rows = []
+    for name, per_rate in results.items():
+        sat = per_rate["saturation"]
+        lat = sat["latency_ms"]
+        rows.append([name, f"{sat['throughput_rps']:.0f}", f"{sat['throughput_rps'] / base:.1f}x",
+                     f"{lat['mean']:.0f} / {lat['p99']:.0f} ms"])
+    first = next(iter(results))
+    return markdown_table(["system", "saturation requests/s", f"vs {first}", "mean / p99 latency at saturation"],
+                          rows)
+
+
 def plot(report: dict, path: str) -> None:
     """Mean and p99 latency against achieved throughput per system (Figure 12 style), as a PNG."""
     import matplotlib

@@ -1,7 +1,7 @@
 """Packed BERT inference with planned memory and, on CUDA, one captured graph per length bucket.
 
 A small BERT batch is host-bound: ~25 launches per layer cost more host time than the GPU needs for them
-(ANCHORS.md: B=1, S=40 takes 8.6 ms). Packing makes the work proportional to real tokens; replaying a
+(docs/results/anchors.json: B=1, S=40 takes 8.6 ms). Packing makes the work proportional to real tokens; replaying a
 captured CUDA graph makes the host cost one launch. Graphs need fixed shapes and fixed addresses, which
 the memory planner already gives: every intermediate of a bucket's plan sits at a fixed place in its chunks.
 
