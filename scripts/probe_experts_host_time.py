@@ -46,6 +46,9 @@ def parse_args():
     p.add_argument("--rounds", type=int, default=15, help="timed rounds (median and minimum are reported)")
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--layouts", action="store_true", help="also run the Mixtral vs DBRX layout analysis (GPU)")
+    p.add_argument("--before", metavar="SRC", help="A/B mode: alternate runs of the tree SRC (before) and --src "
+                                                   "(after), each in its own process, into one --json")
+    p.add_argument("--repeats", type=int, default=4, help="A/B mode: runs of each tree (default 4)")
     return p.parse_args()
 
 
@@ -218,8 +221,47 @@ def layouts() -> None:
         pstats.Stats(prof).sort_stats("tottime").print_stats(14)
 
 
+def compare(args) -> dict:
+    """Runs of the two trees alternate (before, after, before, ...), each a fresh process, so slow phases of a
+    shared host fall on both; per variant the best round of each tree is compared."""
+    import tempfile
+
+    shape = [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in
+             ("tokens", "hidden", "intermediate", "experts", "top_k", "calls", "rounds", "warmup", "device", "dtype")
+             if getattr(args, name) is not None]
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.repeats):
+            for tree, src in (("before", args.before), ("after", args.src)):
+                path = os.path.join(tmp, f"{tree}{i}.json")
+                subprocess.run([sys.executable, __file__, "--src", src, "--json", path, *shape], check=True)
+                with open(path) as f:
+                    runs.append({"tree": tree, **json.load(f)})
+    variants = list(runs[0]["results"])
+    summary = {}
+    for name in variants:
+        best = {tree: min(r["results"][name]["host_us_min"] for r in runs if r["tree"] == tree)
+                for tree in ("before", "after")}
+        summary[name] = {"before_host_us_min": best["before"], "after_host_us_min": best["after"],
+                         "after_over_before": best["after"] / best["before"]}
+        print(f"{name:20s} before {best['before']:9.1f} us  after {best['after']:9.1f} us  "
+              f"after/before {best['after'] / best['before']:.3f}", flush=True)
+    return {"command": "python scripts/probe_experts_host_time.py --before SRC --src SRC --json FILE",
+            "device": runs[0]["device"], "shape": runs[0]["shape"], "repeats": args.repeats,
+            "before": {"src": os.path.abspath(args.before), "git": runs[0]["git"]},
+            "after": {"src": os.path.abspath(args.src), "git": runs[1]["git"]},
+            "summary": summary, "runs": runs}
+
+
 def main():
     args = parse_args()
+    if args.before:
+        out = compare(args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
+            print(f"wrote {args.json}")
+        return
     hf_scatter, git = import_tree(args.src)
     import torch
 

@@ -1,0 +1,78 @@
+"""The docs cannot drift: every performance figure is tied to the results JSON it came from, links stay inside
+the repository, and no figure is left without a source (scripts/docs_figures.py)."""
+
+import json
+import os
+import re
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import docs_figures  # noqa: E402
+
+
+def test_every_figure_in_the_docs_matches_its_results_json():
+    problems = docs_figures.check()
+    assert not problems, "\n".join(map(str, problems[:40])) + f"\n... {len(problems)} in all"
+
+
+@pytest.fixture
+def scratch(tmp_path, monkeypatch):
+    """A docs tree of one page and one results file, for checking the checker."""
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    (tmp_path / "docs" / "results" / "r.json").write_text(json.dumps(
+        {"results": {"ours": {"ms": 10.0}, "peer": {"ms": 14.3}}, "rows": [{"tok/s": 1722.4}]}))
+    monkeypatch.setattr(docs_figures, "ROOT", str(tmp_path))
+    monkeypatch.setattr(docs_figures, "RESULTS", str(tmp_path / "docs" / "results"))
+    docs_figures.load_results.cache_clear()
+    yield tmp_path
+    docs_figures.load_results.cache_clear()
+
+
+def _problems(scratch, page: str) -> list[str]:
+    (scratch / "docs" / "page.md").write_text(page)
+    return [p.message for p in docs_figures.check(["docs/page.md"])]
+
+
+def test_the_checker_accepts_figures_that_match(scratch):
+    assert _problems(scratch, 'ours **1.43x**<!--fig r.json: v("results/peer/ms") / v("results/ours/ms")--> faster, '
+                              '1,722 tok/s<!--fig r.json: v("rows", "0", "tok/s")-->; 10 ms<!--fig r.json: '
+                              'v("results/ours/ms")-->\n') == []
+
+
+@pytest.mark.parametrize("page, complaint", [
+    ('ours 1.52x<!--fig r.json: v("results/peer/ms") / v("results/ours/ms")-->\n', "the doc says 1.52"),
+    ('ours 1.4x<!--fig r.json: v("results/peer/ms") / v("results/nobody/ms")-->\n', "KeyError"),
+    ('ours 1.4x<!--fig gone.json: v("results/peer/ms")-->\n', "No such file"),
+    ("the layer runs 1.43x faster than the peer\n", "no source"),
+    ("| config | ms |\n|---|---|\n| a | 14.30 |\n", "no source"),
+    ("<!--fig r.json: 1-->\n", "no number"),
+])
+def test_the_checker_catches_a_stale_or_unsourced_figure(scratch, page, complaint):
+    problems = _problems(scratch, page)
+    assert problems and complaint in problems[0], problems
+
+
+def test_generated_tables_must_equal_what_their_json_renders(scratch):
+    block = "<!-- generated: json:dumps r.json -->\n{}\n<!-- /generated -->\n"
+    (scratch / "docs" / "page.md").write_text(block.format('{"old": 1}'))
+    assert "is stale" in docs_figures.check(["docs/page.md"])[0].message
+    assert docs_figures.update(["docs/page.md"]) == 1
+    assert docs_figures.check(["docs/page.md"]) == []
+    assert json.loads((scratch / "docs" / "page.md").read_text().split("\n")[1]) == docs_figures.load_results("r.json")
+
+
+def test_docs_stand_alone_no_links_out_of_the_repository_and_no_issue_numbers():
+    for doc in docs_figures.DOCS:
+        text = open(os.path.join(ROOT, doc)).read()
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+://", target):
+                continue
+            local = os.path.normpath(os.path.join(ROOT, os.path.dirname(doc), target.split("#")[0]))
+            assert local.startswith(ROOT + os.sep), f"{doc}: link {target} leaves the repository"
+            assert os.path.exists(local), f"{doc}: link {target} points at nothing"
+        assert "../shared" not in text and "ANCHORS.md" not in text, f"{doc} refers to files outside the repository"
+        found = re.findall(r"\b[Ii]ssues? #?\d+|(?<![\w&])#\d+\b", text)
+        assert not found, f"{doc} refers to issue numbers: {found}"
