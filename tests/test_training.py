@@ -43,7 +43,7 @@ def test_trainer_side_by_side_losses_and_final_weights_match(family, device, tmp
     # Mixtral trains with its load-balancing loss on (transformers 5.17 cannot for DBRX: it drops the router logits)
     vanilla, patched = vanilla_and_patched(family, device, output_router_logits=family == "mixtral")
     tokens = _ids(torch.device("cpu"), batch=16, length=12, seed=3)
-    steps = 24
+    steps = 12  # three epochs: the reference learns (loss -12%) and the interpreted kernels stay affordable on CPU
     want = _train(vanilla, tmp_path / "vanilla", steps, tokens)
     got = _train(patched, tmp_path / "patched", steps, tokens)
     assert len(got) == len(want) == steps
