@@ -11,6 +11,14 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
+# transformers' own Mixtral, DBRX and BERT test suites, unpatched then patched; fails if a test that passes
+# unpatched does not pass patched. Slow, so not part of `test` (docs/development.md). Sources: TRANSFORMERS_SRC,
+# else a sparse clone at the installed release's tag into .transformers-src/. Extra pytest arguments:
+# make test-transformers TRANSFORMERS_TESTS_ARGS="--suites bert -- -k embeds"
+.PHONY: test-transformers
+test-transformers: $(STAMP)
+	$(VENV)/bin/python scripts/transformers_tests.py $(TRANSFORMERS_TESTS_ARGS)
+
 install: $(STAMP)
 
 # Re-runs only when the dependencies or the set-up script change.
