@@ -68,9 +68,9 @@ class Plan:
         direction = f"{hf} -> hf-scatter" if self.to == TO_SCATTER else f"hf-scatter -> {hf}"
         cast = f", cast to {str(self.dtype).removeprefix('torch.')}" if self.dtype else ""
         lines = [f"convert {self.src} -> {self.dst}", f"  {self.model_type}, {direction}{cast}",
-                 f"  {n} tensors, {_size(self.total_bytes)} in {len(self.shards)} shard(s)"]
+                 f"  {n} tensors, {format_size(self.total_bytes)} in {len(self.shards)} shard(s)"]
         for name, tensors in self.shards.items():
-            lines.append(f"  {name}: {len(tensors)} tensors, {_size(sum(t.spec.nbytes for t in tensors))}")
+            lines.append(f"  {name}: {len(tensors)} tensors, {format_size(sum(t.spec.nbytes for t in tensors))}")
             for t in tensors:
                 sources = sorted({p.source.name for p in t.pieces})
                 origin = sources[0] if len(sources) == 1 else f"{len(sources)} tensors: {sources[0]} ..."
@@ -83,22 +83,21 @@ class Plan:
         return "\n".join(lines)
 
 
-def _size(nbytes: int) -> str:
+def format_size(nbytes: int) -> str:
+    """Decimal units, as checkpoint shard sizes are written ("5.0 GB")."""
     from tqdm import tqdm
 
     return tqdm.format_sizeof(nbytes, "B", 1000)
 
 
 def parse_size(size: int | str) -> int:
-    from transformers.utils.hub import convert_file_size_to_int
+    """``--max-shard-size``: bytes, or e.g. '5GB' (powers of ten) / '4GiB' (powers of two)."""
+    from hf_scatter.common.units import parse_bytes
 
     try:
-        value = int(size) if str(size).isdigit() else convert_file_size_to_int(size)
-    except (ValueError, TypeError):
-        raise ConversionError(f"max shard size {size!r} is not a size: use bytes or e.g. '5GB', '500MB'") from None
-    if value <= 0:
-        raise ConversionError(f"max shard size must be positive, got {size!r}")
-    return value
+        return parse_bytes(size, "max shard size")
+    except ValueError as e:
+        raise ConversionError(str(e)) from None
 
 
 def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from .plan import INDEX_NAME, TO_HF, TO_SCATTER, OutputTensor, Plan, _size, build_plan
+from .plan import INDEX_NAME, TO_HF, TO_SCATTER, OutputTensor, Plan, build_plan, format_size
 from .safetensors_io import ConversionError, Reader, write_file
 
 _MARKER = ".hf-scatter-convert.json"  # in each directory the converter creates next to DST
@@ -238,7 +238,7 @@ def _remove_leftovers(dst: str) -> None:
                     continue
             size = _tree_bytes(path)
             _remove(path)
-            _say(f"removed {path} ({_size(size)}), left by an interrupted conversion ({writer})")
+            _say(f"removed {path} ({format_size(size)}), left by an interrupted conversion ({writer})")
         except OSError as e:
             _say(f"could not clean up {path}, left by an interrupted conversion ({writer}): {e}")
 

@@ -33,7 +33,7 @@ def save_random_checkpoint(shape: str, path: str, layers: int = 2, dtype: torch.
         raise ParityError(f"--random-layers must be at least 1, got {layers}")
     tokenizer = byte_level_tokenizer()
     if shape == "mixtral-8x7b":
-        from hf_scatter.bench.convert import MIXTRAL_8X7B
+        from hf_scatter.common.shapes import MIXTRAL_8X7B
 
         config = tiny_mixtral_config(layers=layers, **MIXTRAL_8X7B)
         with torch.random.fork_rng(devices=[]), torch.device(device):

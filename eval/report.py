@@ -3,7 +3,7 @@ and a plot of every request's log-likelihood difference."""
 
 from __future__ import annotations
 
-from hf_scatter.bench.timing import markdown_table
+from hf_scatter.common.markdown import markdown_table
 
 
 def _num(x: float) -> str:

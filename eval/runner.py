@@ -209,7 +209,7 @@ def run_parity(model: str, tasks: list[str] | None = None, backends: list[str] |
         _check_tokenizer(tokenizer_dir, encoder)
         leaves, manager, skipped = resolve_tasks(tasks or [SUITE], include_path or [], builtin_tasks, encoder)
         runs = [_run_backend(b, settings, leaves, manager, limit, log) for b in chosen]
-    from hf_scatter.bench.timing import run_header
+    from hf_scatter.common.timing import run_header
 
     report = {**run_header(), "dtype": dtype if dtype != "auto" else str(config.get("dtype") or config.get(
         "torch_dtype") or "float32"), "lm_eval": lm_eval_version, "model": str(model_dir),

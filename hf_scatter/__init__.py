@@ -9,22 +9,8 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-SCATTERMOE = "scattermoe"  # the experts_implementation name
-
 _PUBLIC = {"from_pretrained", "patch_model", "patch_report", "patch_transformers", "supported_model_types",
            "unpatch_model", "unpatch_transformers"}
-
-
-def _scattermoe_experts(self, hidden_states, top_k_index, top_k_weights):
-    from .models.experts import scattermoe_experts_forward
-
-    return scattermoe_experts_forward(self, hidden_states, top_k_index, top_k_weights)
-
-
-def _register_experts_backend() -> None:
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
-    ALL_EXPERTS_FUNCTIONS.register(SCATTERMOE, _scattermoe_experts)
 
 
 def __getattr__(name: str):
@@ -46,6 +32,10 @@ def __dir__():
 from .kernels.backend import enable_interpreter_if_no_gpu as _enable_interpreter_if_no_gpu  # noqa: E402
 
 _enable_interpreter_if_no_gpu()  # before transformers imports Triton (see kernels/backend.py)
+
+from .models.experts import SCATTERMOE  # noqa: E402
+from .models.experts import register_experts_backend as _register_experts_backend  # noqa: E402
+
 _register_experts_backend()
 
 __all__ = ["SCATTERMOE", "__version__", "offload", *sorted(_PUBLIC)]

@@ -40,8 +40,7 @@ def _device() -> torch.device:
 
 def check_group_kernel(quick: bool) -> CheckResult:
     from .kernels.backend import kernel_path
-    from .kernels.group import group_reference
-    from .kernels.ops import group
+    from .kernels.group import group, group_reference
 
     device = _device()
     tokens, dim, fan_out = (37, 100, 2) if quick else (301, 600, 4)

@@ -10,7 +10,7 @@ import importlib
 
 from torch import nn
 
-from .models import FAMILIES, SCATTERMOE, PatchOptions, is_interface_experts, patch_interface_experts
+from .models import SCATTERMOE, PatchOptions, families, is_interface_experts, patch_interface_experts
 from .models.moe_graphs import IMPL as MOE_GRAPHS_IMPL
 from .models.moe_graphs import graphs_of
 from .models.registry import Family
@@ -36,12 +36,12 @@ def _pretrained_root(model: nn.Module) -> nn.Module:
 
 
 def supported_model_types() -> list[str]:
-    return sorted(FAMILIES)
+    return sorted(families())
 
 
 def _family_patch(root: nn.Module):
     model_type = getattr(root.config, "model_type", None)
-    family = FAMILIES.get(model_type)
+    family = families().get(model_type)
     if family is not None:
         return family.patch
     if any(is_interface_experts(m) for m in root.modules()):
@@ -120,7 +120,7 @@ def patch_transformers(**options) -> None:
     ``experts_implementation=...`` at load time still wins. Undo with :func:`unpatch_transformers`."""
     opts = PatchOptions.from_kwargs("patch_transformers", **options)
     unpatch_transformers()
-    for family in FAMILIES.values():
+    for family in families().values():
         cls = _family_base(family)
         attrs = {"post_init": _patching_post_init(opts, family, cls.post_init), **family.class_hooks(opts)}
         for attr, value in attrs.items():

@@ -100,3 +100,7 @@ def tiny_bert(seed: int = 0, dtype: torch.dtype = torch.float32, head: str = "ba
 
 
 TINY_BUILDERS = {"mixtral": tiny_mixtral, "dbrx": tiny_dbrx, "bert": tiny_bert}
+
+
+__all__ = ["TINY_BUILDERS", "TINY_VOCAB", "byte_level_tokenizer", "tiny_bert", "tiny_bert_config", "tiny_dbrx",
+           "tiny_dbrx_config", "tiny_mixtral", "tiny_mixtral_config"]

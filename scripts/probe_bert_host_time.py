@@ -8,7 +8,7 @@ import torch
 
 import hf_scatter
 from hf_scatter.bench.bert import bert_base, padded, requests
-from hf_scatter.bench.timing import median_ms
+from hf_scatter.common.timing import median_ms
 
 vanilla = bert_base("cuda")
 patched = hf_scatter.patch_model(copy.deepcopy(vanilla))

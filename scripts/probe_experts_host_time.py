@@ -167,7 +167,7 @@ def layouts() -> None:
     from triton.testing import do_bench
 
     from hf_scatter.bench.moe import routed_batch
-    from hf_scatter.kernels.ops import swiglu, swiglu_pair
+    from hf_scatter.kernels.swiglu import swiglu, swiglu_pair
     from hf_scatter.moe import expert_mlp
 
     T, H, I, E, k = 8192, 1024, 3584, 8, 2

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_scatter.kernels import norms
-from hf_scatter.kernels.fused_ops import fused_add_layer_norm
+from hf_scatter.kernels.norms import fused_add_layer_norm
 from hf_scatter.models.fused_norms import add_layer_norm
 
 x = torch.randn(2560, 768, device="cuda", dtype=torch.float16)

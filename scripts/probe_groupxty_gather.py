@@ -5,8 +5,10 @@ import json
 
 import torch
 
-from hf_scatter.bench.timing import median_ms
-from hf_scatter.kernels.ops import group, groupXTY, scatter2scatter
+from hf_scatter.common.timing import median_ms
+from hf_scatter.kernels.group import group
+from hf_scatter.kernels.groupxty import groupXTY
+from hf_scatter.kernels.scatter2scatter import scatter2scatter
 from hf_scatter.moe import flatten_sort_count, glu_experts
 
 dev, bf = "cuda", torch.bfloat16

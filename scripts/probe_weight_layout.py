@@ -11,8 +11,8 @@ import sys
 
 import torch
 
-from hf_scatter.bench.timing import median_ms
-from hf_scatter.kernels.ops import swiglu
+from hf_scatter.common.timing import median_ms
+from hf_scatter.kernels.swiglu import swiglu
 from hf_scatter.bench.moe import routed_batch
 from hf_scatter.moe import expert_mlp
 

@@ -101,13 +101,13 @@ def no_work(monkeypatch):
     import hf_scatter.eval.random_checkpoint as random_checkpoint
     import hf_scatter.eval.runner as runner
     import hf_scatter.offload as offload
-    import hf_scatter.offload.profile as profile
+    import hf_scatter.offload.measure as measure
 
     def forbidden(*args, **kwargs):
         raise AssertionError("the input should have been rejected before any work started")
 
     for owner, name in ((runner, "run_parity"), (random_checkpoint, "temporary_random_checkpoint"),
-                        (hf_scatter.bench.moe, "run"), (profile, "measure_profile"), (offload, "search_policy")):
+                        (hf_scatter.bench.moe, "run"), (measure, "measure_profile"), (offload, "search_policy")):
         monkeypatch.setattr(owner, name, forbidden)
 
 

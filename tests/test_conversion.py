@@ -297,7 +297,7 @@ def _du(path) -> int:
 def test_kill_term_and_ctrl_c_during_conversion(tmp_path, capsys, paused_conversions):
     """SIGTERM and Ctrl-C leave nothing and print one line; SIGKILL leaves a marked temporary directory
     that the next conversion into the same DST removes, saying so with its size."""
-    from hf_scatter.conversion.plan import _size
+    from hf_scatter.conversion.plan import format_size
 
     src = tmp_path / "src"
     _checkpoint("mixtral", src)
@@ -322,7 +322,7 @@ def test_kill_term_and_ctrl_c_during_conversion(tmp_path, capsys, paused_convers
     capsys.readouterr()
     convert(str(src), str(tmp_path / "k"), progress=False)
     assert capsys.readouterr().err.splitlines() == [
-        f"hf-scatter convert: removed {tmp_path / left} ({_size(size)}), left by an interrupted conversion "
+        f"hf-scatter convert: removed {tmp_path / left} ({format_size(size)}), left by an interrupted conversion "
         f"(pid {killed.pid})"]
     assert _leftovers(tmp_path) == [unmarked.name] and (tmp_path / "k" / "config.json").exists()
     assert not (tmp_path / "t").exists() and not (tmp_path / "i").exists()
@@ -380,7 +380,7 @@ def test_a_conversion_killed_during_the_swap_loses_no_checkpoint(tmp_path, capsy
 def test_leftovers_of_live_or_other_writers_are_left_alone(tmp_path, capsys):
     """Only a marked directory for this DST, from this host, whose writer is gone is removed: a reused pid
     (another start time) is gone, the pid of a running process on another host proves nothing."""
-    from hf_scatter.conversion.plan import _size
+    from hf_scatter.conversion.plan import format_size
     from hf_scatter.conversion.writer import _start_time
 
     src, dst = tmp_path / "src", tmp_path / "hfs"
@@ -397,7 +397,7 @@ def test_leftovers_of_live_or_other_writers_are_left_alone(tmp_path, capsys):
     size = _du(tmp_path / ".hfs.tmp-reused-pid")
     convert(str(src), str(dst), progress=False)
     assert capsys.readouterr().err.splitlines() == [
-        f"hf-scatter convert: removed {tmp_path / '.hfs.tmp-reused-pid'} ({_size(size)}), left by an interrupted "
+        f"hf-scatter convert: removed {tmp_path / '.hfs.tmp-reused-pid'} ({format_size(size)}), left by an interrupted "
         f"conversion (pid {os.getpid()})"]
     assert sorted(_leftovers(tmp_path)) == sorted(set(markers) - {".hfs.tmp-reused-pid"})
 

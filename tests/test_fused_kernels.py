@@ -11,7 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from hf_scatter.kernels.backend import kernel_path
-from hf_scatter.kernels.fused_ops import fused_add_layer_norm, fused_add_rms_norm, fused_masked_softmax, router_topk
+from hf_scatter.kernels.norms import fused_add_layer_norm, fused_add_rms_norm
+from hf_scatter.kernels.router import router_topk
+from hf_scatter.kernels.softmax import fused_masked_softmax
 from test_scattermoe import poisoned_empty
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}

@@ -4,8 +4,7 @@ import pytest
 import torch
 
 from hf_scatter.kernels.backend import kernel_path
-from hf_scatter.kernels.group import group_reference
-from hf_scatter.kernels.ops import group
+from hf_scatter.kernels.group import group, group_reference
 
 DTYPES = {torch.float32: 1e-6, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 

@@ -16,8 +16,8 @@ from hf_scatter.offload import (
     decode_layer_time, load_profile, operating_points, parse_bytes, plot_roofline, predict, search_policy,
     turning_points,
 )
-from hf_scatter.offload.cost_model import Lin
-from hf_scatter.offload.pwl import minimize
+from hf_scatter.offload.plan.cost_model import Lin
+from hf_scatter.offload.plan.pwl import minimize
 
 GiB = 2**30
 
@@ -348,7 +348,7 @@ def test_plot_roofline_directly(tmp_path):
 
 
 def test_cpu_attention_is_priced_per_length_bucket_as_the_runtime_splits_it():
-    from hf_scatter.offload.cost_model import attention_calls, decode_terms
+    from hf_scatter.offload.plan.cost_model import attention_calls, decode_terms
 
     spread = Workload.from_prompts(list(range(40, 115)), 16)  # MTBench-like: 40..114 tokens
     same = Workload.from_prompts([77] * 75, 16)

@@ -2,7 +2,6 @@
 checkpoints, class-level patching, compile, autocast, gradient checkpointing and accelerate hooks."""
 
 import copy
-import json
 
 import pytest
 import torch

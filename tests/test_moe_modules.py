@@ -174,7 +174,7 @@ def test_torch_fallback_is_selected_visibly(monkeypatch, device):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 def test_fused_swiglu_forward_backward(device, dtype, tol):
-    from hf_scatter.kernels.ops import swiglu
+    from hf_scatter.kernels.swiglu import swiglu
 
     h = torch.randn(37, 2 * 150, device=device, dtype=dtype) * 3
     ref_h = h.detach().double().requires_grad_(True)
@@ -196,7 +196,7 @@ def test_fused_swiglu_forward_backward(device, dtype, tol):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 def test_fused_swiglu_pair_forward_backward(device, dtype, tol):
     """DBRX's gate and up come from two projections: separate operands, strided rows, odd sizes."""
-    from hf_scatter.kernels.ops import swiglu_pair
+    from hf_scatter.kernels.swiglu import swiglu_pair
 
     g = (torch.randn(29, 160, device=device, dtype=dtype) * 3)[:, :77]  # row stride 160, width 77
     u = torch.randn(29, 77, device=device, dtype=dtype) * 3

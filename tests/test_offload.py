@@ -9,9 +9,10 @@ import torch
 
 import hf_scatter
 from hf_scatter.offload import OffloadedModel, PlanError, Policy, plan_batches
-from hf_scatter.offload.cpu_attention import KVCache, length_buckets
-from hf_scatter.offload.families import family_of
-from hf_scatter.offload.paging import Layout, PageTable, WeightStore, split_layer
+from hf_scatter.offload.plan.attention_buckets import length_buckets
+from hf_scatter.offload.runtime.cpu_attention import KVCache
+from hf_scatter.models.pipeline_adapter import adapter_for
+from hf_scatter.offload.runtime.paging import Layout, PageTable, WeightStore, split_layer
 from hf_scatter.tiny import tiny_dbrx, tiny_mixtral
 
 BUILDERS = {"mixtral": tiny_mixtral, "dbrx": tiny_dbrx}
@@ -178,7 +179,7 @@ def test_batch_shrinks_to_what_host_memory_holds():
     alone = vanilla_new_tokens(model, reqs, 4)
     # KV of one request: (40 + 3) tokens x 512 B = 21.5 KiB; ~60 KiB of host memory left fits two at a time
     off = hf_scatter.offload(model, gpu_memory="1GiB", device="cpu", policy=Policy(8, 4), progress=False,
-                             cpu_memory=Layout(family_of(model), 0.0).host_bytes + 60 * 1024)
+                             cpu_memory=Layout(adapter_for(model), 0.0).host_bytes + 60 * 1024)
     result = off.generate(ids, attention_mask=mask, max_new_tokens=4, eos_token_id=[], return_dict=True,
                           progress=False)
     assert result.stats["batch_size"] < 8 and result.stats["batches"] > 1
@@ -264,7 +265,7 @@ def test_min_new_tokens_hold_back_eos_as_vanilla_generate_does(family):
 def test_repetition_penalty_and_no_repeat_ngram_equal_vanilla_generate(family, monkeypatch):
     """Each request against transformers generating it alone: the penalty and the n-grams see the request's own
     tokens, never padding (transformers' batched generate leaves left padding out in 5.23; 5.17 penalised it)."""
-    from hf_scatter.offload import cgopipe
+    from hf_scatter.offload.runtime import cgopipe
 
     model = BUILDERS[family](seed=4)
     reqs = requests(seed=1)
@@ -289,7 +290,7 @@ def test_the_token_history_of_a_short_prompt_holds_only_its_own_tokens():
     padding (here [5, 6, 5] padded with 5s would make (5, 5) a seen bigram and ban 5 after the last 5)."""
     from transformers.generation.logits_process import NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor
 
-    from hf_scatter.offload.sampling import History, Sampling
+    from hf_scatter.offload.runtime.sampling import History, Sampling
 
     prompts = [torch.tensor([9, 9, 8, 9, 7, 9, 7]), torch.tensor([5, 6, 5])]
     history = History.of(prompts, 2, torch.device("cpu"))
@@ -342,7 +343,7 @@ def test_unsupported_generation_options_are_named_before_any_work():
                 {"no_repeat_ngram_size": 1.5}, {"min_new_tokens": True}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             off.generate(ids, progress=False, **bad)
-    from hf_scatter.offload.sampling import Sampling
+    from hf_scatter.offload.runtime.sampling import Sampling
 
     assert not Sampling().uses_history  # no option, no token history: the decode step stays as it was
     assert not Sampling(min_new_tokens=3).uses_history  # no EOS to hold back
@@ -407,7 +408,7 @@ def test_cpu_attention_over_bucketed_cache_matches_plain_attention():
 
 
 def test_cublas_workspace_is_reserved_as_pytorch_sizes_it():
-    from hf_scatter.offload.memory import cublas_workspace_bytes, cublas_workspace_size
+    from hf_scatter.offload.runtime.memory import cublas_workspace_bytes, cublas_workspace_size
 
     assert cublas_workspace_size("", 9) == 32 * 2**20  # Hopper's default
     assert cublas_workspace_size("", 8) == (4096 * 2 + 16 * 8) * 1024
@@ -443,7 +444,7 @@ def test_length_buckets_are_the_cheapest_partition_within_the_padding_bound():
 
 def test_resident_and_streamed_parts_rebuild_every_layer():
     model = tiny_mixtral(intermediate=96)
-    family = family_of(model)
+    family = adapter_for(model)
     layout = Layout(family, 0.5)
     split = layout.splits[0]
     assert split.resident_bytes <= 0.5 * split.layer_bytes and 0 < split.columns < 96 and split.columns % 16 == 0

@@ -32,9 +32,10 @@ def _mixtral_step(device):
 
 
 def _other_calls(device):
-    from hf_scatter.kernels.attention_ops import varlen_attention
-    from hf_scatter.kernels.fused_ops import fused_add_layer_norm, fused_masked_softmax
-    from hf_scatter.kernels.ops import swiglu, swiglu_pair
+    from hf_scatter.kernels.norms import fused_add_layer_norm
+    from hf_scatter.kernels.softmax import fused_masked_softmax
+    from hf_scatter.kernels.swiglu import swiglu, swiglu_pair
+    from hf_scatter.kernels.varlen_attention import varlen_attention
     from hf_scatter.moe import flatten_sort_count, parallel_linear
 
     T, k, E = 5, 2, 3
@@ -81,7 +82,7 @@ def test_every_op_is_named_under_the_profiler(device, kernel_choice):
 
 def test_names_match_the_registered_ops():
     """The eager ranges carry the custom ops' own names: a compiled trace (which runs the ops) reads the same."""
-    from hf_scatter.kernels import ops
+    from hf_scatter.kernels import custom_ops as ops
 
     assert len(ops._profile_names) >= 13
     for op, name in ops._profile_names.items():

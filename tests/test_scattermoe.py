@@ -9,7 +9,9 @@ import contextlib
 import pytest
 import torch
 
-from hf_scatter.kernels.ops import gate_grad, gate_mix, group, groupXTY, scatter2scatter
+from hf_scatter.kernels.gating import gate_grad, gate_mix
+from hf_scatter.kernels.groupxty import groupXTY
+from hf_scatter.kernels.scatter2scatter import scatter2scatter
 from hf_scatter.moe import flatten_sort_count, parallel_linear
 from moe_reference import reference_parallel_linear
 

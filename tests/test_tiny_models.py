@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hf_scatter.tiny import TINY_BUILDERS, byte_level_tokenizer, tiny_bert
+from hf_scatter.tiny import TINY_BUILDERS, tiny_bert
 
 
 def test_tokenizer_round_trips_any_text(tokenizer):

@@ -11,7 +11,7 @@ import torch
 
 import hf_scatter
 from hf_scatter.kernels import varlen_attention as va
-from hf_scatter.kernels.attention_ops import varlen_attention
+from hf_scatter.kernels.varlen_attention import varlen_attention
 from hf_scatter.models.bert import UNPADDED
 from hf_scatter.tiny import tiny_bert
 from hf_scatter.turbo.packing import pack_padded, pack_sequences

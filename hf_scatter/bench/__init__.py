@@ -1,1 +1,24 @@
-"""Benchmarks behind `hf-scatter bench ...`: every peer measured in the same process, JSON + Markdown out."""
+"""Benchmarks behind ``hf-scatter bench SUITE``: every peer measured in the same process, JSON + Markdown out.
+
+A suite is one module here, listed in :data:`SUITES`, exposing ``NEEDS_GPU``, ``add_arguments(parser)`` (its
+own flags, named after ``run``'s keyword arguments), ``run(**flags) -> report``, ``to_markdown(report)`` and
+``plot(report, path)``. The CLI builds one sub-command per suite from these; a new suite is a new module and
+a line here.
+"""
+
+SUITES = {
+    "moe": "one SMoE SwiGLU layer vs HF eager / grouped_mm / batched_mm / a dense MLP of equal FLOPs",
+    "train": "training steps of the paper's 1.5B Mixtral (and a same-shape DBRX), vanilla vs patched",
+    "norms": "fused LayerNorm / RMSNorm / softmax / router vs torch, GB/s against the copy roof, BERT-base forward",
+    "convert": "conversion GB/s and CPU load time, HF vs hf-scatter layout (no GPU needed)",
+    "bert": "packed BERT-base inference vs padded SDPA (latency, throughput, memory)",
+    "serve": "Poisson-arrival BERT serving: no batching / naive / DP batching, vanilla vs packed",
+    "offload": "Mixtral-8x7B-shaped offloaded generation: CGOPipe vs HF accelerate offload vs the HRM prediction",
+}
+
+
+def suite(name: str):
+    """The module of suite ``name`` (imported on first use: suites import torch and the models)."""
+    import importlib
+
+    return importlib.import_module(f".{name}", __name__)

@@ -20,7 +20,9 @@ import gc
 import numpy as np
 import torch
 
-from .timing import markdown_table, median_ms, require_cuda, run_header
+from ..common.markdown import markdown_table
+from ..common.timing import median_ms, run_header
+from .availability import require_cuda
 
 DTYPE = torch.float16
 
@@ -129,6 +131,15 @@ def _stream512(vanilla, patched_factory, device) -> dict:
         "runtime": patched.__dict__["_hf_scatter_runtime"].stats(),
     }
     return results
+
+
+NEEDS_GPU = True
+
+
+def add_arguments(parser) -> None:
+    """Flags of ``hf-scatter bench bert``, named after :func:`run`'s arguments."""
+    parser.add_argument("--configs", nargs="*", metavar="CASE",
+                        help="subset of batch20, b1s40, b20s128, stream512 (default: all)")
 
 
 def run(configs=None) -> dict:

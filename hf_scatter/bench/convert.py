@@ -15,9 +15,11 @@ import time
 
 import torch
 
-from .timing import markdown_table, run_header
+from ..common.argtypes import positive_int
+from ..common.markdown import markdown_table
+from ..common.shapes import MIXTRAL_8X7B
+from ..common.timing import run_header
 
-MIXTRAL_8X7B = dict(hidden=4096, intermediate=14336, experts=8, top_k=2, heads=32, kv_heads=8, vocab=32000)
 LOADS = ("vanilla <- HF checkpoint", "patched <- HF checkpoint", "patched <- hf-scatter checkpoint")
 
 
@@ -46,6 +48,16 @@ def _load_seconds(path: str, patched: bool) -> tuple[float, float]:
     assert bool(hf_scatter.patch_report(model)) == patched
     del model
     return loaded, touched
+
+
+NEEDS_GPU = False  # conversion and CPU load times
+
+
+def add_arguments(parser) -> None:
+    """Flags of ``hf-scatter bench convert``, named after :func:`run`'s arguments."""
+    parser.add_argument("--layers", type=positive_int, default=2,
+                        help="layers of the Mixtral-8x7B-shaped model (default 2)")
+    parser.add_argument("--workdir", help="where the checkpoints are written (default: the temp dir)")
 
 
 def run(layers: int = 2, repeats: int = 2, workdir: str | None = None) -> dict:

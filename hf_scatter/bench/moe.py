@@ -14,7 +14,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .timing import check_names, is_oom, markdown_table, median_ms, peak_extra_gib, require_cuda, run_header
+from ..common.markdown import markdown_table
+from ..common.shapes import MIXTRAL_8X7B
+from ..common.timing import is_oom, median_ms, peak_extra_gib, run_header
+from .availability import check_names, require_cuda
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,16 +33,17 @@ class MoEConfig:
         return 6.0 * self.tokens * self.top_k * self.hidden * self.intermediate
 
 
+_MIXTRAL = tuple(MIXTRAL_8X7B[k] for k in ("hidden", "intermediate", "experts", "top_k"))
 CONFIGS = {
     "paper-unit": MoEConfig(4096, 2048, 32, 4, 61440),
-    "mixtral-prefill": MoEConfig(4096, 14336, 8, 2, 8192),
+    "mixtral-prefill": MoEConfig(*_MIXTRAL, 8192),
     "fine-grained": MoEConfig(4096, 1024, 64, 8, 16384),
-    "mixtral-decode": MoEConfig(4096, 14336, 8, 2, 64, backward=False),
+    "mixtral-decode": MoEConfig(*_MIXTRAL, 64, backward=False),
 }
 IMPLS = ("hf-eager", "hf-grouped_mm", "hf-batched_mm", "hf-scatter", "dense")
 
 
-def _hf_experts(cfg: MoEConfig, device, dtype):
+def hf_experts(cfg: MoEConfig, device, dtype):
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
@@ -112,7 +116,7 @@ def routed_batch(tokens: int, hidden: int, experts: int, top_k: int, device, dty
 def run_config(name: str, cfg: MoEConfig, impls=IMPLS, dtype=torch.bfloat16, seed: int = 0) -> dict:
     device = torch.device("cuda")
     torch.manual_seed(seed)
-    experts = _hf_experts(cfg, device, dtype)
+    experts = hf_experts(cfg, device, dtype)
     x, idx, gates, dy = routed_batch(cfg.tokens, cfg.hidden, cfg.experts, cfg.top_k, device, dtype)
     table = _implementations(cfg, experts, device, dtype)
     results: dict[str, dict] = {"config": dataclasses.asdict(cfg)}
@@ -137,6 +141,14 @@ def run_config(name: str, cfg: MoEConfig, impls=IMPLS, dtype=torch.bfloat16, see
         results[impl] = r
         print(f"  {name:16s} {impl:14s} {json.dumps(r)}", flush=True)
     return results
+
+
+NEEDS_GPU = True
+
+
+def add_arguments(parser) -> None:
+    """Flags of ``hf-scatter bench moe``, named after :func:`run`'s arguments."""
+    parser.add_argument("--configs", nargs="*", metavar="CONFIG", help=f"subset of {', '.join(CONFIGS)} (default: all)")
 
 
 def run(configs=None, impls=IMPLS) -> dict:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .timing import markdown_table, median_ms, require_cuda, run_header
+from ..common.markdown import markdown_table
+from ..common.timing import median_ms, run_header
+from .availability import require_cuda
 
 BIG = (65536, 4096)  # the acceptance shape, bf16
 BERT_ROWS = (65536, 768)  # add + LayerNorm at BERT-base width, fp16
@@ -30,7 +32,7 @@ def _backward_ms(fn, inputs: list[torch.Tensor]) -> float:
 
 
 def _norm_cases(dev) -> dict[str, tuple]:
-    from ..kernels.fused_ops import fused_add_layer_norm, fused_add_rms_norm
+    from ..kernels.norms import fused_add_layer_norm, fused_add_rms_norm
 
     hidden = BIG[1]
     bf16, fp16 = torch.bfloat16, torch.float16
@@ -65,7 +67,8 @@ def _norm_cases(dev) -> dict[str, tuple]:
 
 
 def _softmax_router_cases(dev) -> dict[str, tuple]:
-    from ..kernels.fused_ops import fused_masked_softmax, router_topk
+    from ..kernels.router import router_topk
+    from ..kernels.softmax import fused_masked_softmax
 
     scores = torch.randn(20, 12, 128, 128, device=dev, dtype=torch.float16)
     mask = torch.zeros(20, 1, 1, 128, device=dev, dtype=torch.float16)
@@ -102,6 +105,15 @@ def _bert_forward(dev) -> dict:
         times = {name: median_ms(lambda m=m: m(ids), 50, 500) for name, m in
                  (("vanilla (sdpa)", vanilla), ("hf-scatter (sdpa + fused add+LayerNorm)", patched))}
     return {"batch": [20, 128], "dtype": "float16", "ms": times, "max_abs_diff": err}
+
+
+NEEDS_GPU = True
+
+
+def add_arguments(parser) -> None:
+    """Flags of ``hf-scatter bench norms``, named after :func:`run`'s arguments."""
+    parser.add_argument("--configs", nargs="*", metavar="SUBSTRING",
+                        help="only the cases whose name contains one of these (\"bert\" adds the BERT-base forward)")
 
 
 def run(configs=None) -> dict:

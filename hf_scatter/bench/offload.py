@@ -21,7 +21,10 @@ import time
 
 import torch
 
-from .timing import markdown_table, require_cuda, run_header
+from ..common.argtypes import byte_size, int_at_least, positive_int
+from ..common.markdown import markdown_table
+from ..common.timing import run_header
+from .availability import require_cuda
 
 PROMPT_LENS = (40, 114)  # MTBench-like: mean 77 tokens
 FILL_BLOCK = (1 << 24) + 11  # elements of the random block the weights are tiled from (odd: no two experts alike)
@@ -33,7 +36,7 @@ def build_model(layers: int, seed: int = 0):
     0.02, norms 1), built without running transformers' initialisation on billions of parameters."""
     from transformers import MixtralForCausalLM
 
-    from ..offload.model_spec import builtin_config
+    from ..models.spec import builtin_config
 
     config = builtin_config("mixtral-8x7b")
     config.num_hidden_layers = layers
@@ -132,7 +135,7 @@ def validate_hrm(model, reqs: list[torch.Tensor], prof, spec, budget: int, new_t
     its weights: each policy gets its own weight store, freed before the next)."""
     import hf_scatter
     from ..offload import Workload, predict
-    from ..offload.policy import Policy
+    from ..offload.plan.policy import Policy
 
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -168,6 +171,24 @@ def _validation_row(what: str, gpu_budget: int, policy, stats: dict, prediction,
 
 
 # ----------------------------------------------------------------------------- the run
+NEEDS_GPU = True
+
+
+def add_arguments(parser) -> None:
+    """Flags of ``hf-scatter bench offload``, named after :func:`run`'s arguments."""
+    parser.add_argument("--layers", type=positive_int, default=12,
+                        help="layers of the Mixtral-8x7B-shaped model (default 12)")
+    parser.add_argument("--new-tokens", type=positive_int, default=128, help="tokens generated per request")
+    parser.add_argument("--requests", type=positive_int, default=1024, help="number of MTBench-like requests")
+    parser.add_argument("--gpu-memory", type=byte_size, default="16GiB", help="GPU memory budget of both systems")
+    parser.add_argument("--profile", help="hardware profile for the HRM (a known name or JSON; default: measured "
+                                          "at the start of the run)")
+    parser.add_argument("--trace", help="write the Chrome trace of the measured run here")
+    parser.add_argument("--validate-tokens", type=int_at_least(0), default=16,
+                        help="new tokens of each HRM validation policy (per-layer decode time, predicted vs "
+                             "measured); 0 skips them")
+
+
 def run(layers: int = 12, new_tokens: int = 128, requests: int = 1024, gpu_memory: str = "16GiB",
         peer_batch: int = 16, peer_new_tokens: int = 8, profile: str | None = None, trace: str | None = None,
         validate_tokens: int = 16, progress: bool = True) -> dict:
@@ -188,7 +209,7 @@ def _run(layers, new_tokens, requests, gpu_memory, peer_batch, peer_new_tokens, 
          progress) -> dict:
     import hf_scatter
     from ..offload import ModelSpec, Workload, load_profile, measure_profile, parse_bytes, predict
-    from ..offload.policy import Policy
+    from ..offload.plan.policy import Policy
 
     require_cuda()
     header = run_header()

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from .moe import CONFIGS, _hf_experts
+from .moe import CONFIGS, hf_experts
 
 
 def profile(config_names=None, steps: int = 3) -> dict:
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     from ..moe import glu_experts
 
@@ -16,7 +17,7 @@ def profile(config_names=None, steps: int = 3) -> dict:
     for name in config_names or [n for n, c in CONFIGS.items() if c.backward]:
         cfg = CONFIGS[name]
         torch.manual_seed(0)
-        experts = _hf_experts(cfg, "cuda", torch.bfloat16)
+        experts = hf_experts(cfg, "cuda", torch.bfloat16)
         x = torch.randn(cfg.tokens, cfg.hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         gates, idx = torch.softmax(torch.randn(cfg.tokens, cfg.experts, device="cuda"), -1).topk(cfg.top_k, -1)
         gates.requires_grad_(True)

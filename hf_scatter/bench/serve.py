@@ -20,8 +20,10 @@ import time
 import numpy as np
 import torch
 
+from ..common.markdown import markdown_table
+from ..common.timing import run_header
+from .availability import require_cuda
 from .bert import bert_base, padded, requests
-from .timing import markdown_table, require_cuda, run_header
 
 SYSTEMS = ("PyTorch-NoBatch", "PyTorch-NaiveBatch", "ours-NoBatch", "ours-DP-Batch")
 RATES = (100, 200, 400, 800, 1600, 3200, 6400, 12800)  # requests per second
@@ -86,6 +88,14 @@ def _stats(arrivals, done) -> dict:
     return {"throughput_rps": len(done) / ((done.max() - arrivals.min()) / 1e3),
             "latency_ms": {"mean": float(latency.mean()), "p50": float(np.percentile(latency, 50)),
                            "p99": float(np.percentile(latency, 99)), "max": float(latency.max())}}
+
+
+NEEDS_GPU = True
+
+
+def add_arguments(parser) -> None:
+    """Flags of ``hf-scatter bench serve``, named after :func:`run`'s arguments."""
+    parser.add_argument("--configs", nargs="*", metavar="SYSTEM", help=f"subset of {', '.join(SYSTEMS)} (default: all)")
 
 
 def run(configs=None, num_requests: int = 400, rates=RATES) -> dict:

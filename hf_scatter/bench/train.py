@@ -15,7 +15,10 @@ from typing import Callable
 
 import torch
 
-from .timing import check_names, markdown_table, require_cuda, run_header
+from ..common.argtypes import positive_int
+from ..common.markdown import markdown_table
+from ..common.timing import run_header
+from .availability import check_names, require_cuda
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +179,18 @@ def measure(impl: str, cfg: TrainConfig, ids: torch.Tensor, warmup: int, steps: 
             result["breakdown_error"] = str(error)
     del model, opt, step
     return result
+
+
+NEEDS_GPU = True
+
+
+def add_arguments(parser) -> None:
+    """Flags of ``hf-scatter bench train``, named after :func:`run`'s arguments."""
+    parser.add_argument("--configs", dest="impls", nargs="*", metavar="IMPL", default=list(IMPLS),
+                        help=f"subset of {', '.join(IMPLS)} (default: all)")
+    parser.add_argument("--steps", type=positive_int, default=10, help="timed steps after 3 warm-up steps")
+    parser.add_argument("--no-breakdown", dest="breakdown", action="store_false",
+                        help="skip the per-category time breakdown")
 
 
 def run(impls=IMPLS, cfg: TrainConfig = PAPER_1P5B, warmup: int = 3, steps: int = 10,

@@ -141,6 +141,11 @@ def use_triton(tensor: torch.Tensor, op: str) -> bool:
     return False
 
 
+def triton_runs(tensor: torch.Tensor, op: str) -> bool:
+    """:func:`use_triton` for a kernel without a float64 variant: float64 always takes the torch reference."""
+    return tensor.dtype != torch.float64 and use_triton(tensor, op)
+
+
 def fitting_configs(configs: list, block_limits: dict[str, int]) -> list:
     """Autotune candidates whose blocks do not overshoot the problem (``{"BLOCK_N": N, ...}``); never empty."""
     def fits(cfg) -> bool:

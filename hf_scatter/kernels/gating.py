@@ -9,9 +9,13 @@ expert outputs need not be kept for backward.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from .backend import cdiv, kernels_enabled, next_power_of_2
+from .backend import cdiv, kernels_enabled, next_power_of_2, triton_runs
+from .checks import check_float, check_like, check_out, fail
+from .custom_ops import mutating_op, run_op
 
 if kernels_enabled():
     import triton
@@ -101,4 +105,82 @@ def gate_grad_triton(dx, x, fan_out, coeff, dots, x_scaled_out=None):
         dx, x, coeff if coeff is not None else dots, dots, xs, M, N, dx.stride(0), x.stride(0), xs.stride(0),
         FAN_OUT=fan_out, SCALE=coeff is not None, SCALED_X=x_scaled_out is not None, BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N, num_warps=4)
+    return dots
+
+
+# --------------------------------------------------------------------------------------------- ops
+def _gate_mix_impl(y_slots: torch.Tensor, gates: torch.Tensor, out: torch.Tensor) -> None:
+    if triton_runs(y_slots, "gate_mix"):
+        gate_mix_triton(y_slots, gates, out)
+    else:
+        out.copy_(gate_mix_reference(y_slots, gates))
+
+
+_gate_mix_op = mutating_op("gate_mix", "out")(_gate_mix_impl)
+
+
+def _gate_grad_impl(dx: torch.Tensor, x: torch.Tensor, fan_out: int, coeff: Optional[torch.Tensor],
+                    dots: torch.Tensor, x_scaled_out: Optional[torch.Tensor]) -> None:
+    if triton_runs(dx, "gate_grad"):
+        gate_grad_triton(dx, x, fan_out, coeff, dots, x_scaled_out)
+    else:
+        dots.copy_(gate_grad_reference(dx, x, fan_out, coeff, x_scaled_out))
+
+
+_gate_grad_op = mutating_op("gate_grad", "dx", "dots", "x_scaled_out")(_gate_grad_impl)
+
+
+def gate_mix(y_slots: torch.Tensor, gates: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[t] = sum_j gates[t, j] * y_slots[t*k + j]`` (fp32 accumulation): the k expert outputs of each token,
+    in slot order, mixed by its routing gates."""
+    op = "gate_mix"
+    check_float(op, "y_slots", y_slots, 2)
+    check_float(op, "gates", gates, 2)
+    T, k = gates.shape
+    if y_slots.shape[0] != T * k or gates.device != y_slots.device or y_slots.stride(1) != 1:
+        fail(op, f"y_slots must be [T*k, N] = [{T * k}, N] with contiguous rows on {gates.device}, got "
+                 f"{tuple(y_slots.shape)} strides {y_slots.stride()} on {y_slots.device}")
+    if out is not None:
+        check_out(op, out, (T, y_slots.shape[1]), y_slots)
+        if out.stride(1) != 1:
+            fail(op, "out must have contiguous rows")
+    return gate_mix_unchecked(y_slots, gates, out)
+
+
+def gate_grad(dx: torch.Tensor, x: torch.Tensor, fan_out: int = 1, coeff: torch.Tensor | None = None,
+              x_scaled_out: torch.Tensor | None = None) -> torch.Tensor:
+    """``dots[i] = dx[i] . x[i // fan_out]`` in fp32 ([M]); with ``coeff`` [M], ``dx[i] *= coeff[i]`` in place in
+    the same pass, and ``x_scaled_out[i] = coeff[i] * x[i // fan_out]`` when that [M, N] buffer is given. With
+    ``dx = dY W^T`` these dots are the routing-gate gradients."""
+    op = "gate_grad"
+    check_float(op, "dx", dx, 2)
+    check_float(op, "x", x, 2)
+    check_like(op, "x", x, dx)
+    M, N = dx.shape
+    if fan_out < 1 or x.shape[0] * fan_out != M or x.shape[1] != N or dx.stride(1) != 1 or x.stride(1) != 1:
+        fail(op, f"dx [M, N] and x [M / fan_out, N] need contiguous rows; got dx {tuple(dx.shape)}, x "
+                 f"{tuple(x.shape)}, fan_out={fan_out}")
+    if coeff is not None and (tuple(coeff.shape) != (M,) or coeff.device != dx.device or not coeff.is_contiguous()):
+        fail(op, f"coeff must be a contiguous [{M}] tensor on {dx.device}, got {tuple(coeff.shape)}")
+    if x_scaled_out is not None:
+        if coeff is None:
+            fail(op, "x_scaled_out needs coeff (it receives coeff[i] * x[i // fan_out])")
+        check_out(op, x_scaled_out, (M, N), dx)
+        if x_scaled_out.stride(1) != 1:
+            fail(op, "x_scaled_out must have contiguous rows")
+    return gate_grad_unchecked(dx, x, fan_out, coeff, x_scaled_out)
+
+
+def gate_mix_unchecked(y_slots, gates, out=None) -> torch.Tensor:
+    """:func:`gate_mix` without the checks (see ``custom_ops``: for callers that validated already)."""
+    if out is None:
+        out = y_slots.new_empty((gates.shape[0], y_slots.shape[1]))
+    run_op(_gate_mix_op, _gate_mix_impl, y_slots, gates, out)
+    return out
+
+
+def gate_grad_unchecked(dx, x, fan_out=1, coeff=None, x_scaled_out=None) -> torch.Tensor:
+    """:func:`gate_grad` without the checks (see ``custom_ops``: for callers that validated already)."""
+    dots = dx.new_empty((dx.shape[0],), dtype=torch.promote_types(dx.dtype, torch.float32))
+    run_op(_gate_grad_op, _gate_grad_impl, dx, x, fan_out, coeff, dots, x_scaled_out)
     return dots

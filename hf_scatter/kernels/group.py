@@ -6,9 +6,13 @@ scattered positions, so no intermediate copy of ``x`` exists.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from .backend import cdiv, kernels_enabled, next_power_of_2
+from .backend import cdiv, kernels_enabled, next_power_of_2, triton_runs
+from .checks import check_float, check_index, check_out, fail
+from .custom_ops import mutating_op, run_op
 
 if kernels_enabled():
     import triton
@@ -57,4 +61,46 @@ def group_triton(x, sorted_scattered_idxs, fan_out, coeff, out):
         M, K, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
         FAN_OUT=fan_out, HAS_COEFF=coeff is not None, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K,
     )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- op
+def _group_impl(x: torch.Tensor, sorted_scattered_idxs: torch.Tensor, fan_out: int, coeff: Optional[torch.Tensor],
+                out: torch.Tensor) -> None:
+    if triton_runs(x, "group"):
+        group_triton(x, sorted_scattered_idxs, fan_out, coeff, out)
+    else:
+        out.copy_(group_reference(x, sorted_scattered_idxs, fan_out, coeff))
+
+
+_group_op = mutating_op("group", "out")(_group_impl)
+
+
+def group(x: torch.Tensor, sorted_scattered_idxs: torch.Tensor, fan_out: int = 1,
+          coeff: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows of ``x`` in expert order: ``out[i] = x[idx[i] // fan_out] * coeff[i]`` (fp32 scaling)."""
+    op = "group"
+    check_float(op, "x", x, 2)
+    check_index(op, "sorted_scattered_idxs", sorted_scattered_idxs, None, x.device)
+    if fan_out < 1:
+        fail(op, f"fan_out must be >= 1, got {fan_out}")
+    M = sorted_scattered_idxs.numel()
+    if x.shape[0] * fan_out != M:
+        fail(op, f"x has {x.shape[0]} rows; with fan_out={fan_out} that is {x.shape[0] * fan_out} slots, "
+                 f"but sorted_scattered_idxs has {M}")
+    if coeff is not None:
+        if tuple(coeff.shape) != (M,) or coeff.device != x.device:
+            fail(op, f"coeff must have shape {(M,)} on {x.device}, got {tuple(coeff.shape)} on {coeff.device}")
+        if not coeff.is_contiguous():
+            fail(op, "coeff must be contiguous (call .contiguous())")
+    if out is not None:
+        check_out(op, out, (M, x.shape[1]), x)
+    return group_unchecked(x, sorted_scattered_idxs, fan_out, coeff, out)
+
+
+def group_unchecked(x, sorted_scattered_idxs, fan_out=1, coeff=None, out=None) -> torch.Tensor:
+    """:func:`group` without the checks (see ``custom_ops``: for callers that validated already)."""
+    if out is None:
+        out = x.new_empty((sorted_scattered_idxs.shape[0], x.shape[1]))
+    run_op(_group_op, _group_impl, x, sorted_scattered_idxs, fan_out, coeff, out)
     return out

@@ -8,9 +8,13 @@ memory than it saves time (see ``moe/parallel_linear.py``). Experts without rows
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from .backend import cdiv, fitting_configs, kernels_enabled, launch, next_power_of_2, triton_interpreted
+from .backend import cdiv, fitting_configs, kernels_enabled, launch, next_power_of_2, triton_interpreted, triton_runs
+from .checks import check_float, check_index, check_like, check_out, fail
+from .custom_ops import mutating_op, run_op, tf32_allowed
 
 if kernels_enabled():
     import triton
@@ -133,3 +137,69 @@ def groupxty_triton(x, dy, expert_offsets, dw_out, db_out=None, allow_tf32=False
 def _rows_bucket(rows: int, experts: int) -> int:
     """Autotuning key for the reduction length: rows per expert, rounded to a power of two."""
     return 1 << max(0, (rows // max(1, experts)).bit_length() - 1)
+
+
+# ---------------------------------------------------------------------------------------------- op
+def _groupxty_impl(x: torch.Tensor, dy: torch.Tensor, expert_offsets: torch.Tensor, dw: torch.Tensor,
+                   db: Optional[torch.Tensor], allow_tf32: bool, sorted_scattered_idxs: Optional[torch.Tensor],
+                   x_fan_out: int, dy_fan_out: int) -> None:
+    if triton_runs(x, "groupXTY"):
+        groupxty_triton(x, dy, expert_offsets, dw, db, allow_tf32, sorted_scattered_idxs, x_fan_out, dy_fan_out)
+    else:
+        groupxty_reference(x, dy, expert_offsets, dw, db, sorted_scattered_idxs, x_fan_out, dy_fan_out)
+
+
+_groupxty_op = mutating_op("groupxty", "dw", "db")(_groupxty_impl)
+
+
+def groupXTY(x_grouped: torch.Tensor, dy_grouped: torch.Tensor, expert_offsets: torch.Tensor,
+             dw: torch.Tensor | None = None, db: torch.Tensor | bool | None = None,
+             sorted_scattered_idxs: torch.Tensor | None = None, x_fan_out: int = 0, dy_fan_out: int = 0
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-expert ``dW[e] = X_e^T dY_e`` ([E, d_in, d_out]) and, with ``db`` (a buffer or True), ``db[e] = sum dY_e``.
+
+    ``dw`` may be any [E, d_in, d_out] buffer, e.g. one strided like the weight it is the gradient of.
+    Operands are grouped (expert-sorted rows) by default; ``x_fan_out``/``dy_fan_out`` > 0 reads that operand's
+    sorted row ``i`` from row ``sorted_scattered_idxs[i] // fan_out`` instead, so no grouped copy is needed.
+    """
+    op = "groupXTY"
+    check_float(op, "x_grouped", x_grouped, 2)
+    check_float(op, "dy_grouped", dy_grouped, 2)
+    check_like(op, "dy_grouped", dy_grouped, x_grouped)
+    check_index(op, "expert_offsets", expert_offsets, None, x_grouped.device)
+    if x_fan_out < 0 or dy_fan_out < 0:
+        fail(op, f"fan-outs must be >= 0 (0 = grouped operand), got x_fan_out={x_fan_out}, dy_fan_out={dy_fan_out}")
+    if sorted_scattered_idxs is None:
+        if x_fan_out or dy_fan_out:
+            fail(op, "scattered operands (x_fan_out/dy_fan_out > 0) need sorted_scattered_idxs")
+        M = x_grouped.shape[0]
+    else:
+        check_index(op, "sorted_scattered_idxs", sorted_scattered_idxs, None, x_grouped.device)
+        M = sorted_scattered_idxs.numel()
+    for name, t, fan in (("x_grouped", x_grouped, x_fan_out), ("dy_grouped", dy_grouped, dy_fan_out)):
+        rows = M // fan if fan else M
+        if t.shape[0] != rows or (fan and M % fan):
+            how = f"scattered with fan_out={fan}, that is M/fan_out" if fan else "grouped, one row per slot"
+            fail(op, f"{name} has {t.shape[0]} rows for M={M} slots ({how})")
+    E, K, N = expert_offsets.numel(), x_grouped.shape[1], dy_grouped.shape[1]
+    if dw is not None:
+        check_out(op, dw, (E, K, N), x_grouped)
+    if isinstance(db, torch.Tensor):
+        check_out(op, db, (E, N), x_grouped)
+    return groupxty_unchecked(x_grouped, dy_grouped, expert_offsets, dw, db, sorted_scattered_idxs, x_fan_out,
+                              dy_fan_out)
+
+
+def groupxty_unchecked(x, dy, expert_offsets, dw=None, db=None, sorted_scattered_idxs=None, x_fan_out=0,
+                       dy_fan_out=0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`groupXTY` without the checks (see ``custom_ops``: for callers that validated already)."""
+    E, K, N = expert_offsets.shape[0], x.shape[1], dy.shape[1]
+    if dw is None:
+        dw = x.new_empty((E, K, N))
+    if db is True:
+        db = x.new_empty((E, N))
+    elif db is False:
+        db = None
+    run_op(_groupxty_op, _groupxty_impl, x, dy, expert_offsets, dw, db, tf32_allowed(), sorted_scattered_idxs,
+           x_fan_out, dy_fan_out)
+    return dw, db

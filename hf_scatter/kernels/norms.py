@@ -27,15 +27,23 @@ so the backward reads each row of sum and dy once (twice for rows longer than a 
 and d(residual); d(weight), d(bias) and d(add_bias) are column sums, accumulated per program in fp32 into a
 ``[programs, N]`` buffer and summed by torch afterwards: no atomics, so results are deterministic for a given
 shape and device.
+
+Public calls :func:`fused_add_layer_norm` and :func:`fused_add_rms_norm` check their arguments, then run a
+``torch.autograd.Function`` whose forward and backward call the ``hf_scatter::add_norm_fwd`` /
+``add_norm_bwd`` custom ops (see ``custom_ops``); without autograd the forward op runs alone.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 
-from .backend import cdiv, kernels_enabled, next_power_of_2, triton_interpreted
+from .backend import cdiv, kernels_enabled, next_power_of_2, triton_interpreted, triton_runs
+from .checks import check_eps, check_rows, check_same_place, check_tensor, check_vector, fail
+from .custom_ops import mutating_op, profiled, run_op
 
 if kernels_enabled():
     import triton
@@ -402,3 +410,188 @@ def add_norm_backward_reference(dy: torch.Tensor, s: torch.Tensor, weight: torch
         ds = ds + dsum.to(acc)
     xw = xhat.to(s.dtype).to(acc) if rms else xhat
     return ds.to(s.dtype), (d * xw).sum(0), d.sum(0), ds.sum(0)
+
+
+# ----------------------------------------------------------------------------------------- norm ops
+def _add_norm_fwd_impl(x: torch.Tensor, residual: Optional[torch.Tensor], add_bias: Optional[torch.Tensor],
+                       weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float, rms: bool,
+                       y: torch.Tensor, sum_out: Optional[torch.Tensor], mean: Optional[torch.Tensor],
+                       rstd: torch.Tensor) -> None:
+    if triton_runs(x, "fused_add_rms_norm" if rms else "fused_add_layer_norm"):
+        add_norm_fwd_triton(x, residual, add_bias, weight, bias, eps, rms, y, sum_out, mean, rstd)
+        return
+    y_ref, s_ref, mean_ref, rstd_ref = add_norm_reference(x, residual, add_bias, weight, bias, eps, rms)
+    y.copy_(y_ref)
+    rstd.copy_(rstd_ref)
+    if sum_out is not None:
+        sum_out.copy_(s_ref)
+    if mean is not None:
+        mean.copy_(mean_ref)
+
+
+_add_norm_fwd_op = mutating_op("add_norm_fwd", "y", "sum_out", "mean", "rstd")(_add_norm_fwd_impl)
+
+
+def _add_norm_bwd_impl(dy: torch.Tensor, s: torch.Tensor, weight: Optional[torch.Tensor],
+                       mean: Optional[torch.Tensor], rstd: torch.Tensor, dsum: Optional[torch.Tensor], rms: bool,
+                       dx: torch.Tensor, dweight: Optional[torch.Tensor], dbias: Optional[torch.Tensor],
+                       dadd_bias: Optional[torch.Tensor]) -> None:
+    if triton_runs(s, "fused_add_rms_norm" if rms else "fused_add_layer_norm"):
+        add_norm_bwd_triton(dy, s, weight, mean, rstd, dsum, rms, dx, dweight, dbias, dadd_bias)
+        return
+    grads = add_norm_backward_reference(dy, s, weight, mean, rstd, dsum, rms)
+    for out, grad in zip((dx, dweight, dbias, dadd_bias), grads):
+        if out is not None:
+            out.copy_(grad)
+
+
+_add_norm_bwd_op = mutating_op("add_norm_bwd", "dx", "dweight", "dbias", "dadd_bias")(_add_norm_bwd_impl)
+
+
+class _AddNorm(torch.autograd.Function):
+    """[M, N] rows. Returns y, plus the pre-norm sum when something was added (the sum is what the backward
+    reads, so it exists either way)."""
+
+    @staticmethod
+    @profiled("hf_scatter::add_norm.forward")
+    def forward(ctx, x, residual, weight, bias, add_bias, eps, rms):
+        M, N = x.shape
+        out_dtype = _norm_out_dtype(x, weight, rms)
+        stat_dtype = torch.promote_types(x.dtype, torch.float32)
+        has_add = residual is not None or add_bias is not None
+        y = x.new_empty((M, N), dtype=out_dtype)
+        sum_out = x.new_empty((M, N)) if has_add else None
+        mean = None if rms else x.new_empty((M,), dtype=stat_dtype)
+        rstd = x.new_empty((M,), dtype=stat_dtype)
+        run_op(_add_norm_fwd_op, _add_norm_fwd_impl, x, residual, add_bias, weight, bias, eps, rms, y, sum_out, mean,
+               rstd)
+        ctx.save_for_backward(sum_out if has_add else x, weight, mean, rstd)
+        ctx.rms = rms
+        ctx.out_dtype = out_dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.add_bias_dtype = None if add_bias is None else add_bias.dtype
+        ctx.set_materialize_grads(False)  # an unused sum output should cost nothing in the backward
+        return (y, sum_out) if has_add else y
+
+    @staticmethod
+    @profiled("hf_scatter::add_norm.backward")
+    @once_differentiable
+    def backward(ctx, dy, dsum=None):
+        s, weight, mean, rstd = ctx.saved_tensors
+        need_x, need_res, need_w, need_b, need_ab = ctx.needs_input_grad[:5]
+        dy = s.new_zeros(s.shape, dtype=ctx.out_dtype) if dy is None else dy.contiguous()
+        dx = s.new_empty(s.shape)
+        N = s.shape[1]
+        dweight = weight.new_empty((N,)) if need_w else None
+        dbias = s.new_empty((N,), dtype=ctx.bias_dtype) if need_b else None
+        dadd_bias = s.new_empty((N,), dtype=ctx.add_bias_dtype) if need_ab else None
+        run_op(_add_norm_bwd_op, _add_norm_bwd_impl, dy, s, weight, mean, rstd,
+               None if dsum is None else dsum.contiguous(), ctx.rms, dx, dweight, dbias, dadd_bias)
+        return dx if need_x else None, dx if need_res else None, dweight, dbias, dadd_bias, None, None
+
+
+# ------------------------------------------------------------------------------------- validation
+def _norm_rows(op: str, x, residual, weight, bias, add_bias, rms: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Checks the norm inputs; returns x and residual as [M, N] views (copies only if leading dims must be)."""
+    check_tensor(op, "x", x)
+    if x.shape[-1] == 0:
+        fail(op, f"x's last dimension (the normalised one) is empty: shape {tuple(x.shape)}")
+    check_rows(op, "x", x)
+    if residual is not None:
+        check_tensor(op, "residual", residual)
+        check_same_place(op, "residual", residual, x)
+        if residual.shape != x.shape:
+            fail(op, f"residual has shape {tuple(residual.shape)} but x has {tuple(x.shape)}; they must match "
+                     "(no broadcasting)")
+        if residual.dtype != x.dtype:
+            fail(op, f"residual has dtype {residual.dtype} but x has {x.dtype}; cast them to one dtype")
+        check_rows(op, "residual", residual)
+    params = (x.dtype, torch.float32)
+    check_vector(op, "weight", weight, x, params)
+    if not rms:
+        check_vector(op, "bias", bias, x, params)
+        check_vector(op, "add_bias", add_bias, x, (x.dtype,))
+    N = x.shape[-1]
+    return x.reshape(-1, N), None if residual is None else residual.reshape(-1, N)
+
+
+def _norm_result(x: torch.Tensor, outputs, has_add: bool, return_sum: bool):
+    y, s = outputs if has_add else (outputs, x)
+    y = y.view(x.shape)
+    return (y, s.view(x.shape)) if return_sum else y
+
+
+# ----------------------------------------------------------------------------------- public calls
+def _add_norm(op: str, x, residual, weight, bias, add_bias, eps, rms: bool, return_sum: bool, validate: bool,
+              out: torch.Tensor | None = None):
+    if validate:
+        x2, res2 = _norm_rows(op, x, residual, weight, bias, add_bias, rms)
+        eps = check_eps(op, eps)
+    else:
+        N = x.shape[-1]
+        x2, res2 = x.reshape(-1, N), None if residual is None else residual.reshape(-1, N)
+    has_add = residual is not None or add_bias is not None
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                                 for t in (x, residual, weight, bias, add_bias))
+    if out is not None:
+        _check_norm_out(op, out, x, weight, rms, needs_grad)
+    if needs_grad:
+        outputs = _AddNorm.apply(x2, res2, weight, bias, add_bias, eps, rms)
+    else:
+        outputs = _add_norm_inference(x2, res2, weight, bias, add_bias, eps, rms, return_sum and has_add,
+                                      None if out is None else out.view(x2.shape))
+    return _norm_result(x, outputs, has_add, return_sum)
+
+
+def _norm_out_dtype(x: torch.Tensor, weight: torch.Tensor | None, rms: bool) -> torch.dtype:
+    return torch.promote_types(x.dtype, weight.dtype) if rms and weight is not None else x.dtype
+
+
+def _check_norm_out(op: str, out: torch.Tensor, x: torch.Tensor, weight, rms: bool, needs_grad: bool) -> None:
+    if needs_grad:
+        fail(op, "out= is for inference (an output buffer cannot carry autograd history); call it under "
+                 "torch.no_grad() or drop out=")
+    dtype = _norm_out_dtype(x, weight, rms)
+    if not isinstance(out, torch.Tensor) or out.shape != x.shape or out.dtype != dtype or out.device != x.device \
+            or not out.is_contiguous():
+        got = f"{tuple(out.shape)} {out.dtype} on {out.device}" if isinstance(out, torch.Tensor) else type(out).__name__
+        fail(op, f"out must be a contiguous {tuple(x.shape)} {dtype} tensor on {x.device}, got {got}")
+
+
+def _add_norm_inference(x, residual, weight, bias, add_bias, eps, rms, keep_sum: bool, out=None):
+    """No autograd node: the pre-norm sum is written only when the caller wants it, the statistics go to
+    one scratch allocation (a small call is dominated by host time, so every allocation counts)."""
+    M, N = x.shape
+    y = x.new_empty((M, N), dtype=_norm_out_dtype(x, weight, rms)) if out is None else out
+    sum_out = x.new_empty((M, N)) if keep_sum else None
+    stats = x.new_empty((1 if rms else 2, M), dtype=torch.promote_types(x.dtype, torch.float32))
+    run_op(_add_norm_fwd_op, _add_norm_fwd_impl, x, residual, add_bias, weight, bias, eps, rms, y, sum_out,
+           None if rms else stats[1], stats[0])
+    return (y, sum_out) if residual is not None or add_bias is not None else y
+
+
+def fused_add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None = None, weight: torch.Tensor | None = None,
+                         bias: torch.Tensor | None = None, eps: float = 1e-5, add_bias: torch.Tensor | None = None,
+                         return_sum: bool = False, *, validate: bool = True, out: torch.Tensor | None = None):
+    """``LayerNorm(x + add_bias + residual)`` over the last dimension in one read of each row, differentiable.
+
+    The adds round to x's dtype one at a time, like ``LayerNorm(dense_out + input)`` unfused, so vanilla
+    and fused BERT layers agree. ``add_bias``: the preceding linear layer's bias, folded into the add.
+    ``weight`` / ``bias`` may be x's dtype or float32 (y keeps x's dtype). ``return_sum``: also return the
+    pre-norm sum (the next residual of a pre-norm block): ``(y, sum)``. ``validate=False`` skips the input
+    checks (for callers that built the arguments themselves; wrong input is then undefined behaviour).
+    ``out``: write y there (inference only; a planned buffer of the packed BERT runtime).
+    """
+    return _add_norm("fused_add_layer_norm", x, residual, weight, bias, add_bias, eps, False, return_sum, validate,
+                     out)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None = None, weight: torch.Tensor | None = None,
+                       eps: float = 1e-6, return_sum: bool = False, *, validate: bool = True):
+    """MixtralRMSNorm of ``x + residual`` in one read of each row, differentiable.
+
+    Same rounding as HF: ``weight * (s.float() * rsqrt(mean(s.float()^2) + eps)).to(s.dtype)``, so the output
+    dtype is that of ``weight * x`` (float32 weights give a float32 output). ``return_sum``: also return
+    ``s = x + residual`` (the next residual): ``(y, s)``. ``validate`` as in :func:`fused_add_layer_norm`.
+    """
+    return _add_norm("fused_add_rms_norm", x, residual, weight, None, None, eps, True, return_sum, validate)

@@ -22,15 +22,24 @@ the k-th place (e.g. [1, 3, 3, 2, 3, 0, 3], k=2: torch 2.13 CPU returns experts 
 
 The backward (weights and, optionally, probabilities -> logits) is a few [T, E] torch ops on the saved
 probabilities; ``router_backward`` spells out the chain rule.
+
+The public call :func:`router_topk` checks its arguments, then runs a ``torch.autograd.Function`` whose
+forward calls the ``hf_scatter::router_topk`` custom op (see ``custom_ops``).
 """
 
 from __future__ import annotations
 
 import functools
+import math
+from typing import Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 
-from .backend import cdiv, kernels_enabled, next_power_of_2, triton_interpreted
+from ..common.dtypes import FLOAT_DTYPES
+from .backend import cdiv, kernels_enabled, next_power_of_2, triton_interpreted, triton_runs
+from .checks import check_rows, check_tensor, fail
+from .custom_ops import mutating_op, profiled, run_op
 
 MAX_TRITON_EXPERTS = 256  # wider routers take the torch reference
 
@@ -151,3 +160,83 @@ def router_backward(probs: torch.Tensor, indices: torch.Tensor, dweights: torch.
             dv = (dw - (dw * w).sum(-1, keepdim=True) * dn_dv) / n
         dp.scatter_add_(1, indices, dv)
     return prob * (dp - (dp * prob).sum(-1, keepdim=True))
+
+
+# --------------------------------------------------------------------------------------- router op
+def _router_topk_impl(logits: torch.Tensor, top_k: int, p: Optional[float], weights: torch.Tensor,
+                      indices: torch.Tensor, probs: Optional[torch.Tensor]) -> None:
+    if (logits.shape[1] <= MAX_TRITON_EXPERTS and weights.dtype != torch.float64
+            and triton_runs(logits, "router_topk")):
+        router_topk_triton(logits, top_k, p, weights, indices, probs)
+        return
+    w_ref, idx_ref, probs_ref = router_topk_reference(logits, top_k, p, weights.dtype)
+    weights.copy_(w_ref)
+    indices.copy_(idx_ref)
+    if probs is not None:
+        probs.copy_(probs_ref)
+
+
+_router_topk_op = mutating_op("router_topk", "weights", "indices", "probs")(_router_topk_impl)
+
+
+class _RouterTopK(torch.autograd.Function):
+    @staticmethod
+    @profiled("hf_scatter::router_topk.forward")
+    def forward(ctx, logits, top_k, p, softmax_dtype, return_probs, keep_probs):
+        T, E = logits.shape
+        weights = logits.new_empty((T, top_k), dtype=softmax_dtype)
+        indices = logits.new_empty((T, top_k), dtype=torch.int64)
+        probs = logits.new_empty((T, E), dtype=softmax_dtype) if keep_probs else None
+        run_op(_router_topk_op, _router_topk_impl, logits, top_k, p, weights, indices, probs)
+        ctx.mark_non_differentiable(indices)
+        ctx.save_for_backward(probs, indices)
+        ctx.p, ctx.logits_dtype = p, logits.dtype
+        ctx.set_materialize_grads(False)
+        return (weights, indices, probs) if return_probs else (weights, indices)
+
+    @staticmethod
+    @profiled("hf_scatter::router_topk.backward")
+    @once_differentiable
+    def backward(ctx, dweights, dindices, dprobs=None):
+        probs, indices = ctx.saved_tensors
+        dlogits = router_backward(probs, indices, dweights, dprobs, ctx.p)
+        return dlogits.to(ctx.logits_dtype), None, None, None, None, None
+
+
+# ------------------------------------------------------------------------------------ public call
+def _norm_order(op: str, normalize) -> float | None:
+    if normalize is None:
+        return None
+    if normalize == "sum":
+        return 1.0
+    if isinstance(normalize, bool) or not isinstance(normalize, (int, float)) or not (
+            math.isfinite(normalize) and normalize > 0):
+        fail(op, f"normalize must be 'sum', None or a finite p-norm order > 0 (DBRX's "
+                 f"moe_normalize_expert_weights), got {normalize!r}")
+    return float(normalize)
+
+
+def router_topk(logits: torch.Tensor, top_k: int, normalize: str | float | None = "sum",
+                softmax_dtype: torch.dtype = torch.float32, return_probs: bool = False):
+    """Route tokens: ``softmax(logits.to(softmax_dtype))``, top-k, renormalise, in one kernel; differentiable
+    in the weights (and probabilities) w.r.t. the logits.
+
+    Mixtral: ``normalize='sum'`` with float32. DBRX: ``normalize=moe_normalize_expert_weights`` (a p-norm
+    order, or None) with ``softmax_dtype=logits.dtype``. Returns ``(weights [T, k] in softmax_dtype,
+    indices [T, k] int64)``, plus the probabilities [T, E] with ``return_probs`` (for the aux loss).
+    Among equal probabilities the lower expert index wins (see router.py for how that compares with
+    torch.topk).
+    """
+    op = "router_topk"
+    check_tensor(op, "logits", logits, min_dim=2)
+    if logits.dim() != 2:
+        fail(op, f"logits must be [tokens, experts], got shape {tuple(logits.shape)}; reshape(-1, experts)")
+    check_rows(op, "logits", logits)
+    E = logits.shape[1]
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:
+        fail(op, f"top_k must be an int in [1, {E}] (the number of experts), got {top_k!r}")
+    if softmax_dtype not in FLOAT_DTYPES:
+        fail(op, f"softmax_dtype must be one of {', '.join(map(str, FLOAT_DTYPES))}, got {softmax_dtype!r}")
+    p = _norm_order(op, normalize)
+    keep_probs = bool(return_probs) or (logits.requires_grad and torch.is_grad_enabled())
+    return _RouterTopK.apply(logits, top_k, p, softmax_dtype, bool(return_probs), keep_probs)

@@ -10,9 +10,13 @@ Unlike the original ScatterMoE, a tile never straddles two experts: tiles are la
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from .backend import cdiv, fitting_configs, kernels_enabled, launch, next_power_of_2, triton_interpreted, use_triton
+from .backend import cdiv, fitting_configs, kernels_enabled, launch, next_power_of_2, triton_interpreted, triton_runs, use_triton
+from .checks import check_float, check_index, check_like, check_out, fail
+from .custom_ops import mutating_op, run_op, tf32_allowed
 
 if kernels_enabled():
     import triton
@@ -222,4 +226,66 @@ def scatter2scatter_triton(x, weight, sorted_expert_idxs, sorted_scattered_idxs,
                 out.dtype)
     launch(_scatter2scatter_kernel, _scatter2scatter_tuned, _S2S_CONFIGS, {"BLOCK_N": N, "BLOCK_K": K}, grid,
            args, meta, interpreter_blocks, tune_key)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- op
+def _scatter2scatter_impl(x: torch.Tensor, weight: torch.Tensor, sorted_expert_idxs: torch.Tensor,
+                          sorted_scattered_idxs: torch.Tensor, expert_offsets: torch.Tensor, fan_out: int,
+                          x_grouped: bool, y_grouped: bool, bias: Optional[torch.Tensor], out: torch.Tensor,
+                          allow_tf32: bool) -> None:
+    if triton_runs(x, "scatter2scatter"):
+        scatter2scatter_triton(x, weight, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, fan_out,
+                               x_grouped, y_grouped, bias, out, allow_tf32)
+    else:
+        scatter2scatter_reference(x, weight, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, fan_out,
+                                  x_grouped, y_grouped, bias, out)
+
+
+_scatter2scatter_op = mutating_op("scatter2scatter", "out")(_scatter2scatter_impl)
+
+
+def scatter2scatter(x: torch.Tensor, weight: torch.Tensor, sorted_expert_idxs: torch.Tensor,
+                    sorted_scattered_idxs: torch.Tensor, expert_offsets: torch.Tensor, fan_out: int = 1,
+                    x_grouped: bool = False, y_grouped: bool = False, bias: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """``y[i or idx[i]] = x[i or idx[i] // fan_out] @ weight[e(i)] (+ bias[e(i)])`` over expert-sorted rows ``i``.
+
+    ``weight`` is [E, d_in, d_out] with any strides (a transposed view of an HF [E, d_out, d_in] tensor
+    is read in place). Returns ``out`` of shape [M, d_out], M = number of (token, expert) slots.
+    """
+    op = "scatter2scatter"
+    check_float(op, "x", x, 2)
+    check_float(op, "weight", weight, 3)
+    check_like(op, "weight", weight, x)
+    E, K, N = weight.shape
+    if x.shape[1] != K:
+        fail(op, f"x has {x.shape[1]} features but weight expects d_in={K} (weight is [E, d_in, d_out])")
+    M = sorted_scattered_idxs.numel() if isinstance(sorted_scattered_idxs, torch.Tensor) else None
+    check_index(op, "sorted_scattered_idxs", sorted_scattered_idxs, None, x.device)
+    check_index(op, "sorted_expert_idxs", sorted_expert_idxs, M, x.device)
+    check_index(op, "expert_offsets", expert_offsets, E, x.device)
+    if fan_out < 1:
+        fail(op, f"fan_out must be >= 1, got {fan_out}")
+    expected_rows = M if x_grouped else (M // fan_out if M % fan_out == 0 else None)
+    if x.shape[0] != expected_rows:
+        what = "grouped x needs one row per slot" if x_grouped else f"scattered x with fan_out={fan_out} needs M/fan_out rows"
+        fail(op, f"x has {x.shape[0]} rows for M={M} slots: {what}")
+    if bias is not None:
+        check_like(op, "bias", bias, x)
+        if tuple(bias.shape) != (E, N):
+            fail(op, f"bias must be [E, d_out] = {(E, N)}, got {tuple(bias.shape)}")
+    if out is not None:
+        check_out(op, out, (M, N), x)
+    return scatter2scatter_unchecked(x, weight, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, fan_out,
+                                     x_grouped, y_grouped, bias, out)
+
+
+def scatter2scatter_unchecked(x, weight, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, fan_out=1,
+                              x_grouped=False, y_grouped=False, bias=None, out=None) -> torch.Tensor:
+    """:func:`scatter2scatter` without the checks (see ``custom_ops``: for callers that validated already)."""
+    if out is None:
+        out = x.new_empty((sorted_scattered_idxs.shape[0], weight.shape[2]))
+    run_op(_scatter2scatter_op, _scatter2scatter_impl, x, weight, sorted_expert_idxs, sorted_scattered_idxs,
+           expert_offsets, fan_out, x_grouped, y_grouped, bias, out, tf32_allowed())
     return out

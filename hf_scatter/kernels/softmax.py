@@ -15,15 +15,24 @@ generator, counter = the element's row-major index in the scores. So outputs are
 ``torch.manual_seed``, the backward regenerates the keep mask instead of storing it, and the torch
 reference (``philox_uniform``) reproduces Triton's ``tl.rand`` bit for bit: both paths drop the same
 elements. The stream differs from ``torch.nn.functional.dropout``'s.
+
+The public call :func:`fused_masked_softmax` checks its arguments, then runs a ``torch.autograd.Function``
+whose forward and backward call the ``hf_scatter::masked_softmax_fwd`` / ``masked_softmax_bwd`` custom ops
+(see ``custom_ops``).
 """
 
 from __future__ import annotations
 
 import functools
+import math
+from typing import Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 
-from .backend import cdiv, kernels_enabled, next_power_of_2, triton_interpreted
+from .backend import cdiv, kernels_enabled, next_power_of_2, triton_interpreted, triton_runs
+from .checks import check_rows, check_same_place, check_tensor, fail
+from .custom_ops import mutating_op, profiled, run_op
 
 MAX_TRITON_ROW = 16384  # longer rows take the torch reference: one block per row would spill registers
 
@@ -206,3 +215,99 @@ def masked_softmax_backward_reference(y: torch.Tensor, dout: torch.Tensor, scale
     if dropout_p > 0:
         g = g * dropout_keep_scale(seed, dropout_p, y.shape, y.device, acc)
     return (scale * yy * (g - (g * yy).sum(-1, keepdim=True))).to(y.dtype)
+
+
+# -------------------------------------------------------------------------------------- softmax ops
+def _masked_softmax_fwd_impl(x4: torch.Tensor, mask4: Optional[torch.Tensor], scale: float, mask_min: float,
+                             dropout_p: float, seed: Optional[torch.Tensor], y: Optional[torch.Tensor],
+                             out: torch.Tensor) -> None:
+    seed_value = 0 if seed is None else int(seed.item())
+    if x4.shape[-1] <= MAX_TRITON_ROW and triton_runs(x4, "fused_masked_softmax"):
+        masked_softmax_fwd_triton(x4, mask4, scale, mask_min, dropout_p, seed_value, y, out)
+        return
+    y_ref, out_ref = masked_softmax_reference(x4, mask4, scale, mask_min, dropout_p, seed_value)
+    out.copy_(out_ref)
+    if y is not None:
+        y.copy_(y_ref)
+
+
+_masked_softmax_fwd_op = mutating_op("masked_softmax_fwd", "y", "out")(_masked_softmax_fwd_impl)
+
+
+def _masked_softmax_bwd_impl(y: torch.Tensor, dout: torch.Tensor, scale: float, dropout_p: float,
+                             seed: Optional[torch.Tensor], dx: torch.Tensor) -> None:
+    seed_value = 0 if seed is None else int(seed.item())
+    if y.shape[-1] <= MAX_TRITON_ROW and triton_runs(y, "fused_masked_softmax"):
+        masked_softmax_bwd_triton(y, dout, scale, dropout_p, seed_value, dx)
+    else:
+        dx.copy_(masked_softmax_backward_reference(y, dout, scale, dropout_p, seed_value))
+
+
+_masked_softmax_bwd_op = mutating_op("masked_softmax_bwd", "dx")(_masked_softmax_bwd_impl)
+
+
+class _MaskedSoftmax(torch.autograd.Function):
+    @staticmethod
+    @profiled("hf_scatter::masked_softmax.forward")
+    def forward(ctx, x, mask, scale, mask_min, dropout_p, seed):
+        lead = (None,) * (4 - x.dim())  # a [D0, D1, D2, S] view of the scores and of the expanded mask
+        x4 = x[lead]
+        mask4 = None if mask is None else mask.expand(x.shape)[lead]
+        out = x.new_empty(x4.shape)
+        y = x.new_empty(x4.shape) if dropout_p > 0 else None  # the softmax before dropout, for the backward
+        run_op(_masked_softmax_fwd_op, _masked_softmax_fwd_impl, x4, mask4, scale, mask_min, dropout_p, seed, y, out)
+        ctx.save_for_backward(out if y is None else y, seed)
+        ctx.scale, ctx.dropout_p = scale, dropout_p
+        ctx.mask_shape = None if mask is None else mask.shape
+        return out.view(x.shape)
+
+    @staticmethod
+    @profiled("hf_scatter::masked_softmax.backward")
+    @once_differentiable
+    def backward(ctx, dout):
+        y, seed = ctx.saved_tensors
+        need_x, need_mask = ctx.needs_input_grad[:2]
+        dz = torch.empty_like(y)
+        # A learned additive bias (the mask) gets d(scale * x + mask) = dz: then the kernel runs unscaled.
+        scale = 1.0 if need_mask else ctx.scale
+        run_op(_masked_softmax_bwd_op, _masked_softmax_bwd_impl, y, dout.contiguous().view(y.shape), scale,
+               ctx.dropout_p, seed, dz)
+        dz = dz.view(dout.shape)
+        dx = (dz * ctx.scale if need_mask else dz) if need_x else None
+        dmask = dz.sum_to_size(ctx.mask_shape) if need_mask else None
+        return dx, dmask, None, None, None, None
+
+
+# ------------------------------------------------------------------------------------ public call
+def fused_masked_softmax(x: torch.Tensor, mask: torch.Tensor | None = None, scale: float = 1.0,
+                         dropout_p: float = 0.0, training: bool = False) -> torch.Tensor:
+    """``dropout(softmax(scale * x + mask))`` over the last dimension of 1-D to 4-D scores, differentiable.
+
+    ``mask``: an additive float mask broadcastable to x (BERT's [B, 1, 1, S] or [B, 1, S, S]), read in place.
+    Entries that are -inf or at most ``finfo(mask.dtype).min`` are masked; fully masked rows give zeros.
+    Dropout (only with ``training``) draws its seed from torch's CPU generator: deterministic given
+    ``torch.manual_seed``, and replayed by ``torch.utils.checkpoint``, which restores that generator.
+    """
+    op = "fused_masked_softmax"
+    check_tensor(op, "x", x)
+    if x.dim() > 4:
+        fail(op, f"x must have 1 to 4 dimensions, got shape {tuple(x.shape)}; merge leading dimensions with "
+                 "reshape")
+    check_rows(op, "x", x)
+    if mask is not None:
+        if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
+            fail(op, "mask must be an additive float mask, got a bool tensor; convert it with "
+                     "torch.zeros(mask.shape, dtype=x.dtype).masked_fill(~mask, float('-inf'))")
+        check_tensor(op, "mask", mask, min_dim=0)
+        check_same_place(op, "mask", mask, x)
+        trailing = x.shape[x.dim() - mask.dim():]
+        if mask.dim() > x.dim() or any(m not in (1, n) for m, n in zip(mask.shape, trailing)):
+            fail(op, f"mask of shape {tuple(mask.shape)} does not broadcast to x's shape {tuple(x.shape)}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        fail(op, f"scale must be a finite number, got {scale!r}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p <= 1.0:
+        fail(op, f"dropout_p must be a number in [0, 1], got {dropout_p!r}")
+    p = float(dropout_p) if training else 0.0
+    seed = torch.randint(2 ** 62, (1,), dtype=torch.int64) if p > 0 else None
+    mask_min = float(torch.finfo(mask.dtype).min) if mask is not None else 0.0
+    return _MaskedSoftmax.apply(x, mask, float(scale), mask_min, p, seed)

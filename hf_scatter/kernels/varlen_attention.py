@@ -10,16 +10,25 @@ packer knows them anyway): a header row ``(number of blocks, 0, 0)`` then one in
 row, sequence start, sequence end)`` per block. Programs stride over the blocks the header counts, so a
 fixed grid (sized for the bucket's tokens, not its worst case of one-token sequences) serves every batch
 of a length bucket: what a captured CUDA graph needs, without launching thousands of idle programs.
+
+The public call :func:`varlen_attention` checks its arguments and runs the ``hf_scatter::varlen_attention``
+custom op: the Triton kernel where ``backend.use_triton`` says so and the per-sequence SDPA reference
+otherwise (float64 always takes the reference). Inference only: the packed BERT path runs without
+autograd (training keeps transformers' padded attention).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
-from .backend import kernels_enabled, launch, next_power_of_2, triton_interpreted
+from ..common.dtypes import FLOAT_DTYPES
+from .backend import kernels_enabled, launch, next_power_of_2, triton_interpreted, triton_runs
+from .checks import fail
+from .custom_ops import mutating_op, run_op
 
 if kernels_enabled():
     import triton
@@ -161,4 +170,65 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b
                 UPCAST=interpreted or q.dtype == torch.float32, IEEE=ieee or interpreted)
     launch(_varlen_attention_fwd_kernel, _varlen_attention_tuned, _ATTN_CONFIGS, {}, lambda cfg: (programs, heads),
            args, meta, {"BLOCK_N": 32})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- op
+def _varlen_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: Optional[torch.Tensor],
+                           lengths: list[int], scale: float, block_m: int, out: torch.Tensor) -> None:
+    if blocks is not None and triton_runs(q, "varlen_attention"):
+        varlen_attention_triton(q, k, v, blocks, scale, out, block_m)
+    else:
+        varlen_attention_reference(q, k, v, lengths, scale, out)
+
+
+_varlen_attention_op = mutating_op("varlen_attention", "out")(_varlen_attention_impl)
+
+
+def _check(q, k, v, lengths, out) -> int:
+    op = "varlen_attention"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            fail(op, f"{name} must be a [tokens, heads, head_dim] tensor, got "
+                     f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+        if t.shape != q.shape or t.dtype != q.dtype or t.device != q.device:
+            fail(op, f"q, k and v must share shape, dtype and device; {name} is {tuple(t.shape)} {t.dtype} on "
+                     f"{t.device}, q is {tuple(q.shape)} {q.dtype} on {q.device}")
+        if t.shape[2] > 1 and t.stride(2) != 1:
+            fail(op, f"{name}'s head_dim must be contiguous (stride {t.stride(2)}); pass {name}.contiguous()")
+    if q.dtype not in FLOAT_DTYPES:
+        fail(op, f"q must be float32, float16, bfloat16 or float64, got {q.dtype}")
+    if any(int(n) < 0 for n in lengths):
+        fail(op, f"lengths must be >= 0, got {list(lengths)}")
+    total = sum(int(n) for n in lengths)
+    if total > q.shape[0]:
+        fail(op, f"lengths add up to {total} tokens but q has only {q.shape[0]} rows")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device
+                            or (out.shape[2] > 1 and out.stride(2) != 1)):
+        fail(op, f"out must be {tuple(q.shape)} {q.dtype} on {q.device} with a contiguous head_dim, got "
+                 f"{tuple(out.shape)} {out.dtype} on {out.device}")
+    return total
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: Sequence[int],
+                     scale: float | None = None, *, out: torch.Tensor | None = None,
+                     blocks: torch.Tensor | None = None) -> torch.Tensor:
+    """Bidirectional softmax attention within each of the packed sequences of ``lengths`` (host ints).
+
+    ``q``/``k``/``v``: [T, heads, head_dim] (any row and head strides: slices of one QKV buffer work),
+    sequences back to back from row 0; rows past ``sum(lengths)`` are left untouched. ``scale`` defaults
+    to ``head_dim ** -0.5``. ``out``: where to write (a planned buffer); ``blocks``: a prebuilt device
+    block table (:func:`~hf_scatter.kernels.varlen_attention.block_table` with
+    :func:`~hf_scatter.kernels.varlen_attention.block_m_for`), which the fixed-grid CUDA-graph path passes.
+    """
+    _check(q, k, v, lengths, out)
+    lengths = [int(n) for n in lengths]
+    scale = q.shape[2] ** -0.5 if scale is None else float(scale)
+    if not math.isfinite(scale):
+        fail("varlen_attention", f"scale must be finite, got {scale}")
+    out = torch.empty_like(q) if out is None else out
+    block_m = block_m_for(q.shape[2])
+    if blocks is None and triton_runs(q, "varlen_attention"):
+        blocks = torch.from_numpy(block_table(lengths, block_m)).to(q.device)
+    run_op(_varlen_attention_op, _varlen_attention_impl, q, k, v, blocks, lengths, scale, block_m, out)
     return out

@@ -1,8 +1,11 @@
-"""One adapter per model family (keyed by ``config.model_type``); importing this package registers them."""
+"""Model families hf-scatter patches, one module each, behind one registry (:mod:`.registry`).
 
-from . import bert, dbrx, mixtral  # noqa: F401  (registration)
-from .experts import SCATTERMOE
-from .mixtral import is_interface_experts, patch_interface_experts
-from .registry import FAMILIES, Family, PatchOptions
+Light to import: the family modules (and their transformers modeling code) load on first use of
+:func:`families`.
+"""
 
-__all__ = ["FAMILIES", "Family", "PatchOptions", "SCATTERMOE", "is_interface_experts", "patch_interface_experts"]
+from .experts import SCATTERMOE, is_interface_experts, patch_interface_experts, register_experts_backend
+from .registry import Family, PatchOptions, families
+
+__all__ = ["Family", "PatchOptions", "SCATTERMOE", "families", "is_interface_experts", "patch_interface_experts",
+           "register_experts_backend"]

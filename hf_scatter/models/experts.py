@@ -1,17 +1,71 @@
-"""The ``"scattermoe"`` backend of transformers' ``ExpertsInterface``.
+"""The ``"scattermoe"`` backend of transformers' ``ExpertsInterface``, its name, and the patch that selects it.
 
 Any experts class decorated with ``use_experts_implementation`` (Mixtral, and other families with the
 same contract) dispatches here when ``config._experts_implementation == "scattermoe"``. The decorator's
 flags describe the layout (gate or not, bias, transposed storage, post-expert norm, custom gating) and
-are honoured, so the result is the one the family's eager forward gives.
+are honoured, so the result is the one the family's eager forward gives. ``import hf_scatter`` registers
+the backend (:func:`register_experts_backend`), so ``from_pretrained(..., experts_implementation=
+"scattermoe")`` works without any other call; the kernels load on the first forward.
 """
 
 from __future__ import annotations
 
-import torch
+import types
 
-from .. import SCATTERMOE
-from ..moe.mlp import expert_mlp, glu_activation
+import torch
+from torch import nn
+
+SCATTERMOE = "scattermoe"  # the experts_implementation name
+
+
+_VANILLA_CHOICE = "_hf_scatter_vanilla_experts"
+
+
+def is_interface_experts(module: nn.Module) -> bool:
+    """An experts module built by ``use_experts_implementation`` (dispatches on its config)."""
+    return all(hasattr(module, a) for a in ("config", "has_gate", "is_transposed", "is_concatenated"))
+
+
+def _experts_extra_repr(self) -> str:
+    return f"experts_implementation={self.config._experts_implementation}"
+
+
+def _vanilla_default(model: nn.Module) -> str:
+    from transformers import PreTrainedModel
+
+    return PreTrainedModel.get_correct_experts_implementation(model, None)
+
+
+def _show_choice_in_repr(experts: list[nn.Module], show: bool) -> None:
+    for m in experts:
+        if show:
+            m.extra_repr = types.MethodType(_experts_extra_repr, m)
+        else:
+            m.__dict__.pop("extra_repr", None)
+
+
+def patch_interface_experts(model: nn.Module, options, class_default: bool = False) -> None:
+    """Any family whose experts use transformers' ``ExpertsInterface``: select ``"scattermoe"`` with
+    ``set_experts_implementation`` (``options.moe``), or give the family's own choice back."""
+    experts = [m for m in model.modules() if is_interface_experts(m)]
+    if not experts:
+        return
+    current = model.config._experts_implementation
+    if class_default:  # the class-level default already applied; what the user chose at load time stands
+        _show_choice_in_repr(experts, current == SCATTERMOE)
+        return
+    if options.moe and current != SCATTERMOE:
+        model.__dict__[_VANILLA_CHOICE] = current
+        model.set_experts_implementation(SCATTERMOE)
+    elif not options.moe and current == SCATTERMOE:
+        model.set_experts_implementation(model.__dict__.pop(_VANILLA_CHOICE, None) or _vanilla_default(model))
+    _show_choice_in_repr(experts, options.moe)
+
+
+def register_experts_backend() -> None:
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    ALL_EXPERTS_FUNCTIONS.register(SCATTERMOE, scattermoe_experts_forward)
 
 
 def _uses_default_gate(experts: torch.nn.Module) -> bool:
@@ -22,6 +76,8 @@ def _uses_default_gate(experts: torch.nn.Module) -> bool:
 
 def scattermoe_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                                top_k_weights: torch.Tensor) -> torch.Tensor:
+    from ..moe.mlp import expert_mlp, glu_activation  # the kernels load on first use, not at import
+
     if getattr(self, "_is_expert_parallel", False):
         raise NotImplementedError(
             f"experts_implementation='{SCATTERMOE}' does not run expert-parallel (sharded) experts yet; "

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..kernels.fused_ops import fused_add_layer_norm, fused_add_rms_norm
+from ..kernels.norms import fused_add_layer_norm, fused_add_rms_norm
 
 FUSED_ADD_NORM = "fused_add_norm"
 

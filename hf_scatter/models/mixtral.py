@@ -1,8 +1,9 @@
-"""Mixtral (and any family whose experts use transformers' ``ExpertsInterface``): select ``"scattermoe"``.
+"""Mixtral: experts on the ``"scattermoe"`` backend, fused norms and router, the planner's shapes and the
+offloaded runtime's layer split.
 
-Experts: no class is touched on a live model: ``set_experts_implementation`` switches the registered
-backend, and under ``patch_transformers`` the family's default (what ``experts_implementation=None``
-resolves to) becomes ``"scattermoe"``, so an explicit ``experts_implementation=...`` at load time still wins.
+Experts: no class is touched on a live model (:func:`~.experts.patch_interface_experts`), and under
+``patch_transformers`` the family's default (what ``experts_implementation=None`` resolves to) becomes
+``"scattermoe"``, so an explicit ``experts_implementation=...`` at load time still wins.
 
 Norms and router (Mixtral only): ``MixtralRMSNorm`` carries transformers' hub kernel-layer tag, but using
 it needs the ``kernels`` package and the hub, so the norm, the decoder layer (its post-attention residual
@@ -11,61 +12,22 @@ add joins the RMSNorm) and the router are swapped in place for subclasses.
 
 from __future__ import annotations
 
-import types
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.models.mixtral.modeling_mixtral import (MixtralDecoderLayer, MixtralRMSNorm, MixtralSparseMoeBlock,
                                                           MixtralTopKRouter)
 
-from ..kernels.fused_ops import router_topk
+from ..kernels.norms import fused_add_rms_norm
+from ..kernels.router import router_topk
+from ..moe.mlp import expert_mlp, glu_activation
 from .class_patch import apply_swaps
-from .experts import SCATTERMOE
+from .experts import SCATTERMOE, patch_interface_experts
 from .fused_norms import FUSED_ADD_NORM, add_rms_norm, rms_norm
+from .pipeline_adapter import Dims, PipelineAdapter, Rows
 from .moe_graphs import set_moe_graphs
 from .registry import Family, PatchOptions, register_family
-
-_VANILLA_CHOICE = "_hf_scatter_vanilla_experts"
-
-
-def is_interface_experts(module: nn.Module) -> bool:
-    """An experts module built by ``use_experts_implementation`` (dispatches on its config)."""
-    return all(hasattr(module, a) for a in ("config", "has_gate", "is_transposed", "is_concatenated"))
-
-
-def _experts_extra_repr(self) -> str:
-    return f"experts_implementation={self.config._experts_implementation}"
-
-
-def _vanilla_default(model: nn.Module) -> str:
-    from transformers import PreTrainedModel
-
-    return PreTrainedModel.get_correct_experts_implementation(model, None)
-
-
-def _show_choice_in_repr(experts: list[nn.Module], show: bool) -> None:
-    for m in experts:
-        if show:
-            m.extra_repr = types.MethodType(_experts_extra_repr, m)
-        else:
-            m.__dict__.pop("extra_repr", None)
-
-
-def patch_interface_experts(model: nn.Module, options: PatchOptions, class_default: bool = False) -> None:
-    experts = [m for m in model.modules() if is_interface_experts(m)]
-    if not experts:
-        return
-    current = model.config._experts_implementation
-    if class_default:  # the class-level default already applied; what the user chose at load time stands
-        _show_choice_in_repr(experts, current == SCATTERMOE)
-        return
-    if options.moe and current != SCATTERMOE:
-        model.__dict__[_VANILLA_CHOICE] = current
-        model.set_experts_implementation(SCATTERMOE)
-    elif not options.moe and current == SCATTERMOE:
-        model.set_experts_implementation(model.__dict__.pop(_VANILLA_CHOICE, None) or _vanilla_default(model))
-    _show_choice_in_repr(experts, options.moe)
+from .spec import llama_style_spec
 
 
 class FusedMixtralRMSNorm(MixtralRMSNorm):
@@ -125,9 +87,75 @@ def _default_to_scattermoe(self, requested_experts):
                                                               else requested_experts)
 
 
+class MixtralPipelineAdapter(PipelineAdapter):
+    """Offloaded generation of Mixtral: its layer in pieces, the experts in column layout."""
+
+   
+    model_type = "mixtral"
+    column_dims = {"gate_up": 2, "down": 2}  # gate_up as [E, 2, I, H] ([gate; up]), down [E, H, I]
+
+    def _dims(self, c) -> Dims:
+        return Dims.of(c, getattr(c, "max_position_embeddings", None), getattr(c, "sliding_window", None))
+
+    def layers(self):
+        return list(self.model.model.layers)
+
+    def pre_tensors(self, layer):
+        a = layer.self_attn
+        return {"norm": layer.input_layernorm.weight, "qkv": Rows(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)}
+
+    def post_tensors(self, layer):
+        return {"o": layer.self_attn.o_proj.weight, "post_norm": layer.post_attention_layernorm.weight,
+                "router": layer.mlp.gate.weight}
+
+    def expert_tensors(self, layer):
+        experts = layer.mlp.experts
+        flags = {f: getattr(experts, f, d) for f, d in (("has_gate", True), ("has_bias", False),
+                                                         ("is_concatenated", True))}
+        if flags != {"has_gate": True, "has_bias": False, "is_concatenated": True}:
+            raise NotImplementedError(f"offloading supports Mixtral experts with a concatenated [gate; up] projection "
+                                      f"and no bias; this model's experts have {flags}")
+        gate_up, down = experts.gate_up_proj, experts.down_proj
+        if getattr(experts, "is_transposed", False):  # stored [E, H, 2I] / [E, I, H]
+            gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+        E, two_i, H = gate_up.shape
+        self._act_fn = experts.act_fn
+        return {"gate_up": gate_up.reshape(E, 2, two_i // 2, H), "down": down}
+
+    def other_tensors(self):
+        base = self.model.model
+        self._eps = (self.model.model.layers[0].input_layernorm.variance_epsilon,
+                     self.model.model.layers[0].post_attention_layernorm.variance_epsilon, base.norm.variance_epsilon)
+        return {"embed": base.embed_tokens.weight, "final_norm": base.norm.weight,
+                "lm_head": self.model.lm_head.weight}
+
+    def _rotary_module(self):
+        return self.model.model.rotary_emb
+
+    def _project_qkv(self, w, x):
+        return F.linear(fused_add_rms_norm(x, None, w["norm"], eps=self._eps[0], validate=False), w["qkv"])
+
+    def _post_norm(self, w, o, x):
+        return fused_add_rms_norm(o, x, w["post_norm"], eps=self._eps[1], return_sum=True, validate=False)
+
+    def _route(self, logits):
+        return router_topk(logits, self.dims.top_k, normalize="sum", softmax_dtype=torch.float32)
+
+    def _experts(self, part, x, experts, gates):
+        E, _, c, H = part["gate_up"].shape
+        w_in = part["gate_up"].view(E, 2 * c, H).transpose(1, 2)
+        return expert_mlp(x, (w_in,), part["down"].transpose(1, 2), experts, gates, glu_activation(self._act_fn),
+                          validate=False)
+
+    def _final_norm(self, other, x):
+        return fused_add_rms_norm(x, None, other["final_norm"], eps=self._eps[2], validate=False)
+
+
 MIXTRAL = register_family(Family(
     model_type="mixtral",
     patch=patch_mixtral,
+    spec=lambda config, name, dtype_bytes: llama_style_spec(config, name, dtype_bytes, family="mixtral"),
+    pipeline_adapter=MixtralPipelineAdapter,
     pretrained_class="transformers.models.mixtral.modeling_mixtral:MixtralPreTrainedModel",
     class_hooks=lambda options: {"get_correct_experts_implementation": _default_to_scattermoe} if options.moe else {},
 ))

@@ -1,8 +1,15 @@
-"""Families hf-scatter can patch, keyed by ``config.model_type``, and the options a user can turn off."""
+"""The one registry of model families, keyed by ``config.model_type``, and the options a user can turn off.
+
+Each family is one module of this package (:data:`FAMILY_MODULES`) that registers a :class:`Family`: how to
+patch it for training and inference, how the planner reads its shapes, and how the offloaded runtime splits
+its decoder layers. Adding a family is adding its module and its name here. The modules import on first use
+of :func:`families`, so ``import hf_scatter`` does not load every family's transformers code.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -38,24 +45,38 @@ class PatchOptions:
 
 @dataclass(frozen=True)
 class Family:
-    """How to patch one model family.
+    """How hf-scatter handles one model family.
 
     ``patch(model, options, class_default)`` makes a live model match ``options`` (idempotent; pieces turned
     off are restored to vanilla). ``class_default`` is True when called from a model's own construction under
     ``patch_transformers``: choices the user made explicitly at load time are then respected.
     ``pretrained_class`` (``"module:Class"``) is the family's ``PreTrainedModel`` base, hooked by
     ``patch_transformers``; ``class_hooks(options)`` returns extra class attributes to set while it is active.
+    ``spec(config, name, dtype_bytes)`` reads the shapes the offload planner prices (a ``ModelSpec``);
+    ``pipeline_adapter`` is the class that runs its decoder layers in pieces under offloaded generation (a
+    ``PipelineAdapter``).
+    Families without offloaded generation (BERT) leave both ``None``.
     """
 
     model_type: str
     patch: Callable[[nn.Module, PatchOptions, bool], None]
     pretrained_class: str
     class_hooks: Callable[[PatchOptions], dict[str, object]] = lambda options: {}
+    spec: Callable | None = None
+    pipeline_adapter: type | None = None
 
 
-FAMILIES: dict[str, Family] = {}
+FAMILY_MODULES = ("mixtral", "dbrx", "bert")
+_FAMILIES: dict[str, Family] = {}
 
 
 def register_family(family: Family) -> Family:
-    FAMILIES[family.model_type] = family
+    _FAMILIES[family.model_type] = family
     return family
+
+
+def families() -> dict[str, Family]:
+    """Every registered family by ``model_type`` (importing the family modules the first time)."""
+    for name in FAMILY_MODULES:
+        importlib.import_module(f"{__package__}.{name}")
+    return _FAMILIES

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.ops import swiglu
+from ..kernels.swiglu import swiglu
 from .parallel_linear import parallel_linear
 from .routing import flatten_sort_count
 from .swiglu_experts import swiglu_experts

@@ -14,8 +14,11 @@ from __future__ import annotations
 import torch
 
 # Inputs are validated once, by the forward's checked scatter2scatter; every other call skips the checks.
-from ..kernels.ops import (gate_grad_unchecked, gate_mix_unchecked, group_unchecked, groupxty_unchecked, profiled,
-                           scatter2scatter, scatter2scatter_unchecked)
+from ..kernels.custom_ops import profiled
+from ..kernels.gating import gate_grad_unchecked, gate_mix_unchecked
+from ..kernels.group import group_unchecked
+from ..kernels.groupxty import groupxty_unchecked
+from ..kernels.scatter2scatter import scatter2scatter, scatter2scatter_unchecked
 
 
 def grouped_copy_pays(width: int, other_width: int) -> bool:

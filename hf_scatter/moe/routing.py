@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.ops import profiled
+from ..kernels.custom_ops import profiled
 
 
 @profiled("hf_scatter::flatten_sort_count")

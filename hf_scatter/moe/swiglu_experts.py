@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.ops import (gate_grad_unchecked, gate_mix_unchecked, gate_up_halves, group_unchecked,
-                           groupxty_unchecked, profiled, scatter2scatter, scatter2scatter_unchecked,
-                           swiglu_bwd_unchecked, swiglu_fwd_unchecked)
+from ..kernels.custom_ops import profiled
+from ..kernels.gating import gate_grad_unchecked, gate_mix_unchecked
+from ..kernels.group import group_unchecked
+from ..kernels.groupxty import groupxty_unchecked
+from ..kernels.scatter2scatter import scatter2scatter, scatter2scatter_unchecked
+from ..kernels.swiglu import gate_up_halves, swiglu_bwd_unchecked, swiglu_fwd_unchecked
 from .parallel_linear import autocast_operands, dw_operand, grouped_copy_pays
 
 

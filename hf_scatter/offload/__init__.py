@@ -20,16 +20,18 @@ Running (CGOPipe)::
 import sys as _sys
 import types as _types
 
-from .cost_model import CostOptions, LayerTime, OpTime, Prediction, decode_layer_time, predict, prefill_layer_time
-from .hrm import HierarchicalRoofline, ProfileError, Roofs, TurningPoints, turning_points
-from .model_spec import BUILTIN_MODELS, ModelSpec
-from .policy import PlanError, Policy, Workload
-from .profile import GPU_SPECS, KNOWN_PROFILES, HardwareProfile, default_profile_path, load_profile, measure_profile
-from .roofline_plot import operating_points, plot_roofline
-from .search import search_policy
-from .units import format_bytes, parse_bytes
-from .batching import Batch, MicroBatch, plan_batches
-from .offloaded import GenerationResult, OffloadedModel, RequestTiming, offload
+from ..common.units import format_bytes, parse_bytes
+from ..models.spec import BUILTIN_MODELS, ModelSpec
+from .measure import measure_profile
+from .plan.cost_model import CostOptions, LayerTime, OpTime, Prediction, decode_layer_time, predict, prefill_layer_time
+from .plan.hrm import HierarchicalRoofline, ProfileError, Roofs, TurningPoints, turning_points
+from .plan.known_profiles import KNOWN_PROFILES, load_profile
+from .plan.policy import PlanError, Policy, Workload
+from .plan.profile import GPU_SPECS, HardwareProfile, default_profile_path
+from .plan.roofline_plot import operating_points, plot_roofline
+from .plan.search import search_policy
+from .runtime.batching import Batch, MicroBatch, plan_batches
+from .runtime.offloaded import GenerationResult, OffloadedModel, RequestTiming, offload
 
 __all__ = [
     "BUILTIN_MODELS", "CostOptions", "GPU_SPECS", "HardwareProfile", "HierarchicalRoofline", "KNOWN_PROFILES",

@@ -10,7 +10,8 @@ from .encoder import Encoder
 from .packing import PackedBatch, pack_padded, pack_sequences
 from .planner import MemoryPlanner, UsageRecord, plan_records, record_usage
 from .runtime import UnpaddedRuntime
-from .scheduler import BatchScheduler, CostTable, dp_schedule
+from ..common.partition import dp_schedule
+from .scheduler import BatchScheduler, CostTable
 
 __all__ = ["BatchScheduler", "CostTable", "Encoder", "MemoryPlanner", "PackedBatch", "UnpaddedRuntime",
            "UsageRecord", "dp_schedule", "pack_padded", "pack_sequences", "plan_records", "record_usage"]

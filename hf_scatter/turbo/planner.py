@@ -5,7 +5,7 @@ sizes. TurboTransformers instead plans all intermediates of a forward at once, p
 
 1. *Usage records* ``{first_op, last_op, size}`` of every intermediate, taken from the real computation:
    the forward runs once with a recording allocator under a ``TorchDispatchMode`` that sees every op
-   (kernel calls included, through :class:`~hf_scatter.kernels.ops.dispatch_ops`) and which planned
+   (kernel calls included, through :class:`~hf_scatter.kernels.custom_ops.dispatch_ops`) and which planned
    buffers it touches. Nothing about lifetimes is written by hand. The recording runs on fake tensors
    (shapes, dtypes and devices without memory or arithmetic), so planning never needs the memory that
    planning is there to save.
@@ -32,7 +32,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..kernels.ops import dispatch_ops
+from ..common.units import align_up
+from ..kernels.custom_ops import dispatch_ops
 
 MiB = 1 << 20
 ALIGN = 512  # bytes, as torch's allocator aligns blocks (keeps every planned view 16-byte aligned for kernels)
@@ -65,7 +66,7 @@ class Placement:
 
 
 def _aligned(nbytes: int) -> int:
-    return max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+    return max(ALIGN, align_up(nbytes, ALIGN))
 
 
 # ------------------------------------------------------------------------------------ usage records

@@ -24,6 +24,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ..common.jsonfile import write_json
+from ..common.partition import dp_schedule
+
 DEFAULT_LENGTHS = (8, 16, 32, 64, 128, 192, 256, 384, 512)
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -84,12 +87,8 @@ class CostTable:
     # ------------------------------------------------------------------------------------ persistence
     def save(self, path: str | os.PathLike) -> None:
         """Write JSON atomically."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps({"lengths": self.lengths, "batches": self.batches, "ms": self.ms,
-                                   "padded": self.padded, "key": self.key}, indent=1))
-        os.replace(tmp, path)
+        write_json(path, {"lengths": self.lengths, "batches": self.batches, "ms": self.ms, "padded": self.padded,
+                          "key": self.key}, make_parents=True)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "CostTable":
@@ -139,32 +138,6 @@ def _stats(sorted_lengths: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.nd
     return np.array([len(sorted_lengths)]), np.array([sum(sorted_lengths)]), np.array([sorted_lengths[-1]])
 
 
-def dp_schedule(lengths: Sequence[int], group_costs: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray],
-                max_batch: int | None = None) -> list[list[int]]:
-    """Algorithm 3: split the requests (any order) into batches minimising the summed group cost of
-    consecutive runs of the length-sorted requests. ``group_costs(sizes, token_totals, longest)`` prices
-    many candidate groups at once. Returns request indices per batch, shortest batch first."""
-    n = len(lengths)
-    if n == 0:
-        return []
-    if max_batch is not None and max_batch < 1:
-        raise ValueError(f"dp_schedule: max_batch must be >= 1, got {max_batch}")
-    order = sorted(range(n), key=lambda i: (lengths[i], i))
-    sorted_lengths = np.array([lengths[i] for i in order], dtype=float)
-    prefix = np.concatenate([[0.0], np.cumsum(sorted_lengths)])
-    limit = n if max_batch is None else max_batch
-    best = np.zeros(n + 1)
-    split = [0] * (n + 1)
-    for i in range(1, n + 1):
-        j = np.arange(max(0, i - limit), i)  # the group j..i-1
-        total = best[j] + group_costs(i - j, prefix[i] - prefix[j], np.full(len(j), sorted_lengths[i - 1]))
-        k = int(np.argmin(total))  # the first minimum, like the scalar scan it replaces
-        best[i], split[i] = total[k], int(j[k])
-    groups, i = [], n
-    while i > 0:
-        groups.append(order[split[i]:i])
-        i = split[i]
-    return groups[::-1]
 
 
 # ------------------------------------------------------------------------------------------ policies

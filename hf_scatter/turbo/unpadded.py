@@ -17,8 +17,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..kernels.attention_ops import varlen_attention
-from ..kernels.fused_ops import fused_add_layer_norm
+from ..kernels.norms import fused_add_layer_norm
+from ..kernels.varlen_attention import varlen_attention
 from .packing import PackedBatch
 
 Alloc = Callable[[str, tuple, torch.dtype, torch.device], torch.Tensor]

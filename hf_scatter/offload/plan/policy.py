@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Sequence
 
-from .units import format_bytes
+from ...common.units import format_bytes
 
 
 class PlanError(ValueError):
@@ -155,7 +155,7 @@ class Policy:
         return text.strip()
 
     def to_markdown(self) -> str:
-        from ..bench.timing import markdown_table
+        from ...common.markdown import markdown_table
 
         p = self._predicted()
         d = p.decode_layer

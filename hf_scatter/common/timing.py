@@ -1,4 +1,4 @@
-"""Shared measurement helpers: CUDA-event medians after warm-up, and peak extra memory of a call."""
+"""GPU measurement helpers: where a run happened, CUDA-event medians after warm-up, peak extra memory of a call."""
 
 from __future__ import annotations
 
@@ -20,22 +20,6 @@ def run_header() -> dict:
     return {"device": device, "torch": torch.__version__, "triton": triton.__version__,
             "transformers": transformers.__version__, "host": platform.node(),
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "dtype": "bfloat16"}
-
-
-class BenchUnavailable(RuntimeError):
-    """A suite cannot run here (no GPU) or was asked for a config it does not have: said before measuring."""
-
-
-def require_cuda() -> None:
-    """Every suite but ``convert`` times GPU work: one message for all of them, before anything runs."""
-    if not torch.cuda.is_available():
-        raise BenchUnavailable("needs a CUDA GPU (the figures are GPU timings)")
-
-
-def check_names(kind: str, names, known) -> None:
-    unknown = sorted(set(names) - set(known))
-    if unknown:
-        raise BenchUnavailable(f"unknown {kind}(s) {', '.join(unknown)}; choose from {', '.join(known)}")
 
 
 def median_ms(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 200, grad_to_none=None) -> float:
@@ -60,7 +44,4 @@ def is_oom(error: BaseException) -> bool:
     return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
 
 
-def markdown_table(header: list[str], rows: list[list[object]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
+__all__ = ["is_oom", "median_ms", "peak_extra_gib", "run_header"]

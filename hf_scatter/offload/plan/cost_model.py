@@ -20,21 +20,22 @@ import functools
 import math
 from dataclasses import asdict, dataclass
 
+from ...models.spec import ModelSpec
 from .hrm import HierarchicalRoofline
-from .model_spec import ModelSpec
 from .policy import Policy, Workload
 from .profile import HardwareProfile
 
 # CPU-side torch ops per micro-batch: attention (gather, SDPA, copy out) and a CPU expert FFN (routing,
 # three GEMMs, activation, combine). Each costs the profile's per-op dispatch time.
 CPU_OPS = {"attention": 3, "ffn": 6}
+PREFILL_CHUNK_TOKENS = 4096  # prompt tokens per prefill kernel call at most (the runtime chunks prefill so too)
 
 
 @dataclass(frozen=True)
 class CostOptions:
     """Knobs of the model that are choices, not measurements."""
 
-    prefill_chunk_tokens: int = 4096  # prompt tokens per prefill kernel call
+    prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS  # prompt tokens per prefill kernel call
     decode_samples: int = 8  # context lengths at which the generation is integrated (midpoint rule)
     gpu_margin: float = 0.05  # part of the GPU budget left to allocator fragmentation
     cpu_memory_fraction: float = 0.9  # default CPU budget: this share of the profile's CPU memory
@@ -180,7 +181,7 @@ def _link_pieces(hrm: HierarchicalRoofline, h2d: Lin, d2h: Lin, h2d_copies: floa
 def attention_calls(size: int, workload: Workload | None, row_token_bytes: float, call_s: float, byte_s: float
                     ) -> tuple[tuple[float, float], ...]:
     """``(rows, longest prompt - mean prompt)`` of each CPU attention call of a micro-batch of ``size``
-    requests: the runtime's own bucketing (:func:`~hf_scatter.offload.cpu_attention.length_buckets`) of
+    requests: the runtime's own bucketing (:func:`~hf_scatter.offload.plan.attention_buckets.length_buckets`) of
     prompts spread like the workload's (uniform with its mean and variance, capped at its longest)."""
     if workload is None or workload.prompt_len_sq <= workload.prompt_len ** 2 * (1 + 1e-9) or size <= 1:
         return ((float(size), 0.0),)
@@ -191,7 +192,7 @@ def attention_calls(size: int, workload: Workload | None, row_token_bytes: float
 
 @functools.lru_cache(maxsize=4096)
 def _attention_calls(size, mean, mean_sq, longest, gen_len, row_token_bytes, call_s, byte_s):
-    from .cpu_attention import SLACK, length_buckets
+    from .attention_buckets import SLACK, length_buckets
 
     reps = min(size, 64)  # representative requests, each standing for size / reps of them
     half = math.sqrt(3 * max(mean_sq - mean * mean, 0.0))

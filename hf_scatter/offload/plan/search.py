@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import math
 
+from ...common.units import format_bytes, parse_bytes
+from ...models.spec import ModelSpec
 from .cost_model import CostOptions, Lin, as_roofline, default_cpu_limit, memory_use, objective, predict
 from .hrm import HierarchicalRoofline
-from .model_spec import ModelSpec
+from .known_profiles import load_profile
 from .policy import PlanError, Policy, Workload
-from .profile import HardwareProfile, load_profile
+from .profile import HardwareProfile
 from .pwl import minimize
-from .units import format_bytes, parse_bytes
 
 MAX_BATCH = 16384
 MAX_MICRO_BATCHES = 256  # CGOPipe pages a layer's weights into one page per micro-batch

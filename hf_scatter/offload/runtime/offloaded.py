@@ -17,22 +17,24 @@ from typing import Sequence
 
 import torch
 
-from ..kernels.backend import autotune_override
+from ...common.units import format_bytes, parse_bytes
+from ...kernels.backend import autotune_override
+from ...models.pipeline_adapter import adapter_for
+from ...models.spec import ModelSpec
+from ..plan.attention_buckets import SLACK, BucketCosts
+from ..plan.known_profiles import load_profile
+from ..plan.policy import PlanError, Policy, Workload
+from ..plan.profile import HardwareProfile, host_memory_bytes
+from ..plan.search import search_policy
 from .batching import plan_batches
 from .cgopipe import CGOPipe, StagingBuffers
-from .cpu_attention import SLACK, AttentionWorker, BucketCosts, attention_threads
-from .families import family_of
+from .cpu_attention import AttentionWorker, attention_threads
 from .memory import DevicePlan, cublas_workspace_bytes, decode_bytes, plan_device, prefill_bytes
-from .model_spec import ModelSpec
 from .paging import WeightStore, WeightStreamer
-from .policy import PlanError, Policy, Workload
-from .profile import HardwareProfile, load_profile
 from .sampling import Sampling
-from .search import search_policy
 from .stopping import Stopping
 from .streams import Streams
 from .trace import NullTracer, Tracer
-from .units import format_bytes, parse_bytes
 
 # What the policy is planned for when offload() is not told the workload: `hf-scatter plan`'s defaults.
 DEFAULT_WORKLOAD = Workload(prompt_len=512, gen_len=64)
@@ -81,6 +83,18 @@ class GenerationResult:
     stats: dict = field(default_factory=dict)
 
 
+@dataclass
+class _BatchesRun:
+    """What running a request list's batches produced: tokens and timings per request, and the clocks."""
+
+    tokens: list[list[int]]
+    timings: list[RequestTiming | None]
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    steps: int = 0
+    wall_s: float = 0.0
+
+
 def offload(model, gpu_memory: int | float | str = "16GiB", cpu_memory: int | float | str | None = None,
             policy: Policy | None = None, device: str | torch.device = "cuda", *, profile=None,
             workload: Workload | None = None, release_weights: bool = True, progress: bool = True) -> "OffloadedModel":
@@ -97,7 +111,7 @@ def offload(model, gpu_memory: int | float | str = "16GiB", cpu_memory: int | fl
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(model, dtype="auto")
-    family = family_of(model)
+    adapter = adapter_for(model)
     if any(p.is_meta for p in model.parameters()):
         raise ValueError("the model's weights are on the meta device: an earlier hf_scatter.offload(model) moved them "
                          "into its OffloadedModel (release_weights=True, the default), or the model was built "
@@ -107,7 +121,7 @@ def offload(model, gpu_memory: int | float | str = "16GiB", cpu_memory: int | fl
     gpu_budget = parse_bytes(gpu_memory, "gpu_memory")
     prof = _profile(profile, device, required=policy is None)
     cpu_budget = parse_bytes(cpu_memory, "cpu_memory") if cpu_memory is not None else _default_cpu_budget(prof)
-    dtype_bytes = family.other_tensors()["embed"].element_size()
+    dtype_bytes = adapter.other_tensors()["embed"].element_size()
     if policy is None:
         if prof is None:
             policy = CPU_DEVICE_POLICY
@@ -120,7 +134,7 @@ def offload(model, gpu_memory: int | float | str = "16GiB", cpu_memory: int | fl
     if (policy.attention_on_gpu, policy.experts_on_gpu) != CGOPIPE_PLACEMENT:
         raise ValueError(f"the offloaded runtime runs attention on the CPU and the experts on the GPU (CGOPipe); this "
                          f"policy asks for {policy.placement()}: pass attention_on_gpu=False, experts_on_gpu=True")
-    plan = plan_device(family, policy.weights_gpu_fraction, gpu_budget, policy.batch_size,
+    plan = plan_device(adapter, policy.weights_gpu_fraction, gpu_budget, policy.batch_size,
                        policy.micro_batch_size, dtype_bytes, reserved=cublas_workspace_bytes(device))
     if plan.layout.host_bytes > cpu_budget:
         raise PlanError(f"the streamed weights take {format_bytes(plan.layout.host_bytes)} of pinned host memory but "
@@ -135,19 +149,19 @@ class OffloadedModel:
                  profile: HardwareProfile | None, release_weights: bool, progress: bool):
         self.model, self.config, self.policy, self.plan = model, model.config, policy, plan
         self.device, self.cpu_budget, self.profile = device, cpu_budget, profile
-        self.family = plan.layout.family
-        self.dims = self.family.dims
+        self.adapter = plan.layout.adapter
+        self.dims = self.adapter.dims
         with torch.no_grad():
             self.store = WeightStore(plan.layout, device, release=release_weights, progress=progress)
-            self.other = _to_device(self.family.other_tensors(), device)
-            self.rotary = self.family.rotary(device)
+            self.other = _to_device(self.adapter.other_tensors(), device)
+            self.rotary = self.adapter.rotary(device)
         if release_weights:  # the class's own .to: accelerate wraps the instance's and refuses meta
             torch.nn.Module.to(model, "meta")
         self.dtype = self.other["embed"].dtype
         self.streams = Streams(device)
         self.worker = AttentionWorker(attention_threads(profile))
         self.streamer = WeightStreamer(self.store, self.streams, NullTracer())
-        self.pipe = CGOPipe(self.family, self.streamer, self.other, self.rotary, self.streams, self.worker,
+        self.pipe = CGOPipe(self.adapter, self.streamer, self.other, self.rotary, self.streams, self.worker,
                             StagingBuffers(pin=device.type == "cuda"), plan.chunk_tokens, plan.group_tokens,
                             BucketCosts.from_profile(profile))
         self.generation_config = getattr(model, "generation_config", None)
@@ -185,52 +199,18 @@ class OffloadedModel:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         requests, ids = self._requests(input_ids, attention_mask, prompts, tokenizer)
-        eos = self._eos(o["eos_token_id"])
-        sampling = Sampling(bool(o["do_sample"]), o["temperature"], o["top_k"], o["top_p"], seed, o["min_new_tokens"],
-                            o["repetition_penalty"], o["no_repeat_ngram_size"], tuple(eos))
-        pad = o["pad_token_id"] if o["pad_token_id"] is not None else self._pad(eos)
-        stops = o["stop_strings"] or ()
-        stopping = Stopping(eos, [stops] if isinstance(stops, str) else stops, tokenizer)
+        sampling, stopping, pad = self._decoding(o, seed, tokenizer)
         lens = [len(r) for r in requests]
         batch_size, micro = self._fit(lens, max_new_tokens, sampling.uses_history)
         batches = plan_batches(lens, batch_size, micro)
         tracer = Tracer(self.streams) if trace else NullTracer()
-        generator = sampling.generator(self.device)
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(batches) * max_new_tokens, desc="offloaded generate", unit="step",
-                   disable=not progress)
-        new_tokens: list[list[int]] = [[] for _ in requests]
-        timings: list[RequestTiming | None] = [None] * len(requests)
-        prefill_s = decode_s = 0.0
-        steps = 0
-        driver_threads = torch.get_num_threads()
-        if self.device.type == "cpu":  # the CPU stands in for the GPU: one core drives, the rest attend
-            torch.set_num_threads(1)
-        start = time.perf_counter()
-        with autotune_override(False):  # fixed block sizes: the tuner's 256 MB scratch would break the budget
-            try:
-                for b, batch in enumerate(batches):
-                    bar.set_postfix_str(f"batch {b + 1}/{len(batches)} ({batch.size} requests)")
-                    result = self.pipe.run(batch, requests, max_new_tokens, sampling, generator, stopping, tracer,
-                                           on_step=lambda: bar.update(1), clock_origin=start)
-                    prefill_s += result.prefill_s
-                    decode_s += result.decode_s
-                    steps += result.steps
-                    for r, toks in result.tokens.items():
-                        new_tokens[r] = toks
-                        timings[r] = RequestTiming(r, b, lens[r], len(toks), result.first_token_s[r],
-                                                   result.finish_s[r])
-                self.streams.synchronize()
-            finally:
-                bar.close()
-                torch.set_num_threads(driver_threads)
-        wall = time.perf_counter() - start
+        run = self._run_batches(batches, requests, max_new_tokens, sampling, stopping, tracer, progress)
+        new_tokens, timings = run.tokens, run.timings
         generated = sum(len(t) for t in new_tokens)
-        stats = {"requests": len(requests), "generated_tokens": generated, "wall_s": wall,
-                 "tokens_per_s": generated / wall if wall > 0 else float("inf"), "prefill_s": prefill_s,
-                 "decode_s": decode_s, "decode_steps": steps, "batches": len(batches), "batch_size": batch_size,
-                 "micro_batch_size": micro,
+        stats = {"requests": len(requests), "generated_tokens": generated, "wall_s": run.wall_s,
+                 "tokens_per_s": generated / run.wall_s if run.wall_s > 0 else float("inf"),
+                 "prefill_s": run.prefill_s, "decode_s": run.decode_s, "decode_steps": run.steps,
+                 "batches": len(batches), "batch_size": batch_size, "micro_batch_size": micro,
                  "weights_gpu_fraction": self.store.layout.fraction}
         if self.device.type == "cuda":
             stats["max_memory_allocated"] = torch.cuda.max_memory_allocated(self.device)
@@ -245,6 +225,49 @@ class OffloadedModel:
         if return_dict:
             return GenerationResult(sequences, new_tokens, texts, timings, stats)
         return sequences if ids is not None else texts
+
+    def _decoding(self, o: dict, seed: int | None, tokenizer) -> tuple[Sampling, Stopping, int]:
+        """How each step picks its token and when a request ends, from the resolved generation options."""
+        eos = self._eos(o["eos_token_id"])
+        sampling = Sampling(bool(o["do_sample"]), o["temperature"], o["top_k"], o["top_p"], seed, o["min_new_tokens"],
+                            o["repetition_penalty"], o["no_repeat_ngram_size"], tuple(eos))
+        pad = o["pad_token_id"] if o["pad_token_id"] is not None else self._pad(eos)
+        stops = o["stop_strings"] or ()
+        return sampling, Stopping(eos, [stops] if isinstance(stops, str) else stops, tokenizer), pad
+
+    def _run_batches(self, batches, requests, max_new_tokens: int, sampling: Sampling, stopping: Stopping, tracer,
+                     progress: bool) -> "_BatchesRun":
+        """Every batch through CGOPipe, one after another, with the progress bar and untuned kernels."""
+        from tqdm import tqdm
+
+        run = _BatchesRun(tokens=[[] for _ in requests], timings=[None] * len(requests))
+        lens = [len(r) for r in requests]
+        generator = sampling.generator(self.device)
+        bar = tqdm(total=len(batches) * max_new_tokens, desc="offloaded generate", unit="step",
+                   disable=not progress)
+        driver_threads = torch.get_num_threads()
+        if self.device.type == "cpu":  # the CPU stands in for the GPU: one core drives, the rest attend
+            torch.set_num_threads(1)
+        start = time.perf_counter()
+        with autotune_override(False):  # fixed block sizes: the tuner's 256 MB scratch would break the budget
+            try:
+                for b, batch in enumerate(batches):
+                    bar.set_postfix_str(f"batch {b + 1}/{len(batches)} ({batch.size} requests)")
+                    result = self.pipe.run(batch, requests, max_new_tokens, sampling, generator, stopping, tracer,
+                                           on_step=lambda: bar.update(1), clock_origin=start)
+                    run.prefill_s += result.prefill_s
+                    run.decode_s += result.decode_s
+                    run.steps += result.steps
+                    for r, toks in result.tokens.items():
+                        run.tokens[r] = toks
+                        run.timings[r] = RequestTiming(r, b, lens[r], len(toks), result.first_token_s[r],
+                                                       result.finish_s[r])
+                self.streams.synchronize()
+            finally:
+                bar.close()
+                torch.set_num_threads(driver_threads)
+        run.wall_s = time.perf_counter() - start
+        return run
 
     def logits(self, input_ids, attention_mask=None, *, progress: bool = False) -> torch.Tensor:
         """fp32 logits ``[batch, length, vocab]`` on the CPU, as ``model(input_ids).logits`` gives them
@@ -370,7 +393,7 @@ class OffloadedModel:
 
     def describe(self) -> str:
         """The policy table (with the HRM's prediction when it planned it) and what the runtime realised."""
-        from ..bench.timing import markdown_table
+        from ...common.markdown import markdown_table
 
         self._check_open()
         layout = self.store.layout
@@ -481,12 +504,11 @@ def _profile(profile, device: torch.device, required: bool) -> HardwareProfile |
 
 
 def _default_cpu_budget(profile: HardwareProfile | None) -> int:
-    from .cost_model import CostOptions, default_cpu_limit
-    from .profile import _cpu_memory_bytes
+    from ..plan.cost_model import CostOptions, default_cpu_limit
 
     if profile is not None and profile.cpu_memory:
         return int(default_cpu_limit(profile, CostOptions()))
-    return int(CostOptions().cpu_memory_fraction * (_cpu_memory_bytes() or 16 * 2**30))
+    return int(CostOptions().cpu_memory_fraction * (host_memory_bytes() or 16 * 2**30))
 
 
 def _to_device(tensors: dict, device: torch.device) -> dict:

@@ -33,9 +33,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ...models.pipeline_adapter import PipelineAdapter
+from ..plan.attention_buckets import BucketCosts
 from .batching import Batch
-from .cpu_attention import AttentionWorker, BucketCosts, KVCache
-from .families import Family
+from .cpu_attention import AttentionWorker, KVCache
 from .memory import HEAD_ROWS
 from .paging import WeightStreamer
 from .sampling import History, Sampling
@@ -117,15 +118,15 @@ class StagingBuffers:
 
 
 class CGOPipe:
-    """Runs batches on ``family``'s model whose layer weights ``streamer`` pages through the device."""
+    """Runs batches on ``adapter``'s model whose layer weights ``streamer`` pages through the device."""
 
-    def __init__(self, family: Family, streamer: WeightStreamer, other: dict, rotary, streams: Streams,
+    def __init__(self, adapter: PipelineAdapter, streamer: WeightStreamer, other: dict, rotary, streams: Streams,
                  worker: AttentionWorker, staging: StagingBuffers, chunk_tokens: int, group_tokens: int,
                  bucket_costs: BucketCosts = BucketCosts()):
-        self.family, self.streamer, self.other, self.rotary = family, streamer, other, rotary
+        self.adapter, self.streamer, self.other, self.rotary = adapter, streamer, other, rotary
         self.bucket_costs = bucket_costs
         self.streams, self.worker, self.staging = streams, worker, staging
-        self.dims = family.dims
+        self.dims = adapter.dims
         self.chunk_tokens, self.group_tokens = chunk_tokens, group_tokens
         self.device = streams.device
         self.dtype = other["embed"].dtype
@@ -222,14 +223,14 @@ class CGOPipe:
         mbs = [SimpleNamespace(index=j, requests=micro.requests, prompt_lens=[len(prompts[r]) for r in micro.requests])
                for j, micro in enumerate(batch.micro_batches)]
         out: dict[int, torch.Tensor] = {}
-        fam = self.family
+        adapter = self.adapter
         with torch.no_grad(), self.streams.on("compute"):
             for group in self._groups(self._chunks(mbs, prompts)):
                 for s in range(self.num_stages):
                     w = self.streamer.enter(s)
                     for c in group:
                         if self._prompt_stage(c, s, w) is None:  # past the last layer: every token's logits
-                            rows = torch.cat([fam.logits(self.other, c.x[i:i + HEAD_ROWS]).cpu()
+                            rows = torch.cat([adapter.logits(self.other, c.x[i:i + HEAD_ROWS]).cpu()
                                               for i in range(0, c.tokens, HEAD_ROWS)])
                             for row, a, b in c.rows:
                                 out[mbs[c.mb].requests[row]] = rows[a:b]
@@ -242,24 +243,24 @@ class CGOPipe:
     def _decode_step(self, t: int, mbs: list[_MicroBatch], kv: KVCache, sampling: Sampling, generator,
                      token_host: torch.Tensor, token_events: list) -> None:
         """Feed token t of every row (position prompt + t), produce token t + 1."""
-        fam, streams, tracer, L = self.family, self.streams, self.tracer, self.dims.layers
+        adapter, streams, tracer, L = self.adapter, self.streams, self.tracer, self.dims.layers
         for s in range(self.num_stages):
             w = self.streamer.enter(s)
             for mb in mbs:
                 label = f"step {t} stage {s} mb {mb.index}"
                 if s == 0:
                     with tracer.device_span("compute", f"embed {label}"):
-                        mb.x = fam.embed(self.other, mb.tokens)
+                        mb.x = adapter.embed(self.other, mb.tokens)
                         cos, sin = self.rotary(mb.x, (mb.positions + t).unsqueeze(0))
                         mb.cos, mb.sin = cos[0], sin[0]
                 else:
                     self._upload_attention(mb, label)
                     with tracer.device_span("compute", f"post L{s - 1} {label}"):
-                        mb.x = fam.post(w.post, w.experts, mb.x, mb.attn_in)
+                        mb.x = adapter.post(w.post, w.experts, mb.x, mb.attn_in)
                     mb.post_done = streams.record("compute")
                 if s < L:
                     with tracer.device_span("compute", f"pre L{s} {label}"):
-                        qkv = fam.qkv(w.pre, mb.x, mb.cos, mb.sin)
+                        qkv = adapter.qkv(w.pre, mb.x, mb.cos, mb.sin)
                     done = self._download(qkv, mb.qkv_host, f"qkv {label}")
                     mb.pending = self.worker.submit(self._attend, kv, s, mb, t, done, mb.out_free)
                 else:
@@ -276,7 +277,7 @@ class CGOPipe:
                      history: History | None = None) -> torch.Tensor:
         """Final norm, LM head and the token choice, HEAD_ROWS rows at a time (bounded [rows, vocab]
         temporaries); ``history``: these rows' tokens, where a logits processor reads them."""
-        return torch.cat([sampling.choose(self.family.logits(self.other, x[i:i + HEAD_ROWS]), generator,
+        return torch.cat([sampling.choose(self.adapter.logits(self.other, x[i:i + HEAD_ROWS]), generator,
                                           history and history.view(slice(i, i + HEAD_ROWS)))
                           for i in range(0, x.shape[0], HEAD_ROWS)])
 
@@ -354,17 +355,17 @@ class CGOPipe:
         """Stage ``s`` of a chunk of whole prompts on the GPU: the embedding (s = 0) or layer s-1's
         post-attention, then layer s's QKV and attention within each prompt; returns the QKV (None past
         the last layer)."""
-        fam = self.family
+        adapter = self.adapter
         if s == 0:
-            c.x = fam.embed(self.other, c.ids)
+            c.x = adapter.embed(self.other, c.ids)
             cos, sin = self.rotary(c.x, c.positions.unsqueeze(0))
             c.cos, c.sin = cos[0], sin[0]
         else:
-            c.x = fam.post(w.post, w.experts, c.x, c.attn)
+            c.x = adapter.post(w.post, w.experts, c.x, c.attn)
         if s == self.dims.layers:
             c.attn = None
             return None
-        qkv = fam.qkv(w.pre, c.x, c.cos, c.sin)
+        qkv = adapter.qkv(w.pre, c.x, c.cos, c.sin)
         c.attn = self._prompt_attention(qkv, c.rows)
         return qkv
 

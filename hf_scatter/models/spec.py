@@ -11,6 +11,8 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
+from ..common.shapes import MIXTRAL_8X7B, MIXTRAL_8X7B_LAYERS
+
 # GPU kernel launches per op and micro-batch, counted on the patched Mixtral layer (norm, GEMM, rotary
 # embedding, residual add, routing and expert kernels). Launch-bound ops cost this many launches.
 KERNELS = {"qkv": 4, "attention": 2, "o_proj": 2, "router": 4, "ffn": 6, "head": 3}
@@ -19,9 +21,11 @@ DENSE_FFN_KERNELS = 3
 # Published configs of the models users plan for, as (transformers config class, keyword arguments).
 BUILTIN_MODELS: dict[str, tuple[str, dict]] = {
     "mixtral-8x7b": ("MixtralConfig", dict(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
-        max_position_embeddings=32768, rope_theta=1e6)),
+        hidden_size=MIXTRAL_8X7B["hidden"], intermediate_size=MIXTRAL_8X7B["intermediate"],
+        num_hidden_layers=MIXTRAL_8X7B_LAYERS, num_attention_heads=MIXTRAL_8X7B["heads"],
+        num_key_value_heads=MIXTRAL_8X7B["kv_heads"], num_local_experts=MIXTRAL_8X7B["experts"],
+        num_experts_per_tok=MIXTRAL_8X7B["top_k"], vocab_size=MIXTRAL_8X7B["vocab"], max_position_embeddings=32768,
+        rope_theta=1e6)),
     "mixtral-8x22b": ("MixtralConfig", dict(
         hidden_size=6144, intermediate_size=16384, num_hidden_layers=56, num_attention_heads=48,
         num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
@@ -94,30 +98,16 @@ class ModelSpec:
             config = AutoConfig.for_model(**config)
         model_type = getattr(config, "model_type", "")
         label = name or getattr(config, "_name_or_path", "") or model_type
-        if model_type == "dbrx":
-            attn, ffn = config.attn_config, config.ffn_config
-            return cls(name=label, family="dbrx", hidden=config.d_model, layers=config.n_layers, heads=config.n_heads,
-                       kv_heads=attn.kv_n_heads, head_dim=config.d_model // config.n_heads,
-                       intermediate=ffn.ffn_hidden_size, experts=ffn.moe_num_experts, top_k=ffn.moe_top_k,
-                       vocab=config.vocab_size, tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-                       dtype_bytes=dtype_bytes)
-        needed = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
-        missing = [a for a in needed if getattr(config, a, None) is None]
-        if missing:
-            raise ValueError(f"model_type {model_type!r} is not supported: no {', '.join(missing)} in its config "
-                             "(supported: mixtral, dbrx and dense Llama-style decoders)")
-        experts = getattr(config, "num_local_experts", None)
-        if model_type != "mixtral" and (experts or getattr(config, "num_experts", None)):
+        from .registry import families
+
+        family = families().get(model_type)
+        if family is not None and family.spec is not None:
+            return family.spec(config, label, dtype_bytes)
+        if getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None):
             raise ValueError(f"model_type {model_type!r} is a mixture-of-experts layout hf-scatter cannot describe "
-                             "yet (supported: mixtral, dbrx and dense Llama-style decoders)")
-        heads = config.num_attention_heads
-        return cls(name=label, family="mixtral" if model_type == "mixtral" else "dense", hidden=config.hidden_size,
-                   layers=config.num_hidden_layers, heads=heads,
-                   kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-                   head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-                   intermediate=config.intermediate_size, experts=experts or 1,
-                   top_k=(getattr(config, "num_experts_per_tok", None) or 1) if experts else 1, vocab=config.vocab_size,
-                   tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)), dtype_bytes=dtype_bytes)
+                             f"yet (supported: {', '.join(sorted(f for f, v in families().items() if v.spec))} "
+                             "and dense Llama-style decoders)")
+        return llama_style_spec(config, label, dtype_bytes, family="dense")
 
     @classmethod
     def _from_name_or_path(cls, ref: str, dtype_bytes: int) -> "ModelSpec":
@@ -242,6 +232,25 @@ class ModelSpec:
         return (f"{self.name}: {self.layers} layers, hidden {self.hidden}, {kind}, {self.weight_bytes / 1e9:.1f} GB "
                 f"of weights ({self.layer_weight_bytes / 1e9:.2f} GB per layer), KV "
                 f"{self.kv_bytes_per_token * self.layers / 1024:.0f} KiB per token")
+
+
+def llama_style_spec(config, label: str, dtype_bytes: int, family: str) -> ModelSpec:
+    """Shapes of a Llama-style decoder config (``hidden_size``, ``num_attention_heads``, ...): dense, or with
+    ``num_local_experts`` / ``num_experts_per_tok`` as Mixtral has them."""
+    needed = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+    missing = [a for a in needed if getattr(config, a, None) is None]
+    if missing:
+        raise ValueError(f"model_type {getattr(config, 'model_type', '')!r} is not supported: no {', '.join(missing)} "
+                         "in its config (supported: mixtral, dbrx and dense Llama-style decoders)")
+    experts = getattr(config, "num_local_experts", None) if family != "dense" else None
+    heads = config.num_attention_heads
+    return ModelSpec(name=label, family=family, hidden=config.hidden_size, layers=config.num_hidden_layers,
+                     heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+                     head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+                     intermediate=config.intermediate_size, experts=experts or 1,
+                     top_k=(getattr(config, "num_experts_per_tok", None) or 1) if experts else 1,
+                     vocab=config.vocab_size, tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+                     dtype_bytes=dtype_bytes)
 
 
 def builtin_config(name: str):

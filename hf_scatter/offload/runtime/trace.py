@@ -9,10 +9,10 @@ https://ui.perfetto.dev.
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import threading
 import time
+
+from ...common.jsonfile import write_json
 
 LANES = ("GPU compute", "CPU attention", "H2D hidden", "D2H qkv", "H2D weights")
 ROLE_LANES = {"compute": "GPU compute", "h2d": "H2D hidden", "d2h": "D2H qkv", "weights": "H2D weights"}
@@ -82,11 +82,7 @@ class Tracer:
                         "dur": max(end - start, 0.0) * 1e6} for lane, name, start, end in self.spans()]
 
     def save(self, path: str) -> str:
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({"traceEvents": self.events(), "displayTimeUnit": "ms"}, f)
-        os.replace(tmp, path)
-        return path
+        return write_json(path, {"traceEvents": self.events(), "displayTimeUnit": "ms"}, indent=None)
 
     def summary(self) -> dict:
         """Busy seconds per lane, how much of the weight transfer ran while the GPU or the CPU computed, and

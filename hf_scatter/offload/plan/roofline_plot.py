@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import math
 
+from ...models.spec import ModelSpec
 from .hrm import HierarchicalRoofline
-from .model_spec import ModelSpec
 from .policy import Policy
 
 _OP_COLORS = {"qkv": "tab:purple", "attention": "tab:orange", "o_proj": "tab:brown", "router": "tab:gray",

@@ -1,4 +1,4 @@
-"""Byte sizes as people write them ("16GiB", "1.5 GB", 17179869184) and back."""
+"""Byte sizes as people write them ("16GiB", "1.5 GB", 17179869184) and back, and byte alignment."""
 
 from __future__ import annotations
 
@@ -45,3 +45,11 @@ def format_bytes(nbytes: float) -> str:
         if abs(nbytes) >= scale:
             return f"{nbytes / scale:.3g} {unit}"
     return f"{nbytes:.0f} B"
+
+
+def align_up(nbytes: int, alignment: int) -> int:
+    """``nbytes`` rounded up to a multiple of ``alignment``."""
+    return -(-nbytes // alignment) * alignment
+
+
+__all__ = ["MAX_BYTES", "align_up", "format_bytes", "parse_bytes"]

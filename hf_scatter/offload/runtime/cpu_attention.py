@@ -4,11 +4,11 @@ The KV cache of a batch lives in CPU memory in the model's dtype (bf16 for a bf1
 micro-batch, requests (longest first, as :mod:`batching` orders them) are grouped into *length buckets*;
 each bucket is one ``[requests, kv_heads, capacity, head_dim]`` tensor per layer, so a decode step is one
 fused SDPA call per bucket (:func:`decode_attention`): grouped-query attention reads each KV head once for
-all the query heads that share it (expanding K/V per query head was 10-25x slower on the H100 host). The buckets
-trade the two costs of a call: a fixed one (the handoff to the worker and its thread team; about 0.3 ms on
-the 16-core H100 host) and the padded rows it reads. :func:`length_buckets` picks them with the batch
-scheduler's DP, never padding a bucket beyond ``1 + slack`` of its real tokens (which bounds the cache's
-memory).
+all the query heads that share it (expanding K/V per query head was 10-25x slower on the H100 host).
+The buckets trade the two costs of a call: a fixed one (the handoff to the worker and its thread team; about 0.3 ms on
+the 16-core H100 host) and the padded rows it reads. :func:`~hf_scatter.offload.plan.attention_buckets.length_buckets`
+picks them with the partition DP, never padding a bucket beyond ``1 + slack`` of its real tokens (which bounds
+the cache's memory).
 
 :class:`AttentionWorker` is a single thread, so tasks run in the order the pipeline submits them, whose
 intra-op thread count comes from the hardware profile (one core is left to the thread driving the GPU).
@@ -21,12 +21,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-SLACK = 0.25  # a bucket's largest capacity is at most 1.25x its smallest
-
+from ..plan.attention_buckets import BucketCosts
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
                      ) -> torch.Tensor:
@@ -40,60 +38,6 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     out = F.scaled_dot_product_attention(q.reshape(n, Hkv, H // Hkv, d), k, v,
                                          attn_mask=None if mask is None else mask.view(n, 1, 1, -1))
     return out.reshape(n, H, d)
-
-
-# Bucketing costs where no hardware profile gives them (the profile's fit replaces both): per SDPA call,
-# and per byte of cached K/V read.
-CALL_S = 250e-6
-BYTE_S = 1 / 50e9
-
-
-@dataclass(frozen=True)
-class BucketCosts:
-    """What a CPU attention call costs: ``call_s`` fixed, ``byte_s`` per byte of K/V it reads."""
-
-    call_s: float = CALL_S
-    byte_s: float = BYTE_S
-    slack: float = SLACK
-
-    @classmethod
-    def from_profile(cls, profile, context: float = 512.0) -> "BucketCosts":
-        """The profile's fitted CPU attention (rate at ``context``, per-call overhead); defaults without one."""
-        if profile is None or not getattr(profile, "cpu_attention", None):
-            return cls()
-        from .hrm import HierarchicalRoofline
-
-        rate, overhead = HierarchicalRoofline(profile).cpu_attention_rate(context)
-        return cls(call_s=overhead, byte_s=1.0 / rate)
-
-    def buckets(self, capacities: Sequence[int], row_token_bytes: int) -> list[tuple[int, int, int]]:
-        return length_buckets(capacities, self.slack, self.call_s, self.byte_s * row_token_bytes)
-
-
-def length_buckets(capacities: Sequence[int], slack: float = SLACK, call_s: float = CALL_S,
-                   token_s: float = 0.0) -> list[tuple[int, int, int]]:
-    """``(start, end, capacity)`` row ranges over ``capacities`` (non-increasing) minimising
-    ``calls * call_s + padded row-tokens * token_s``, each range padded to at most ``1 + slack`` times its
-    real tokens. ``token_s`` 0: the fewest buckets."""
-    from ..turbo.scheduler import dp_schedule
-
-    caps = [int(c) for c in capacities]
-    if any(a < b for a, b in zip(caps, caps[1:])):
-        raise ValueError("capacities must be sorted longest first")
-    if not caps:
-        return []
-    n = len(caps)
-
-    def group_costs(sizes, totals, longest):
-        padded = sizes * longest
-        return np.where(padded <= (1 + slack) * totals + 1e-9, call_s + token_s * padded, np.inf)
-
-    # reversed, the capacities ascend, so the DP's runs are contiguous ranges of rows
-    out = []
-    for group in dp_schedule(caps[::-1], group_costs):
-        start, end = n - 1 - max(group), n - min(group)
-        out.append((start, end, caps[start]))
-    return sorted(out)
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Exact minimum of a convex piecewise-linear cost of the two placement fractions over a polygon.
+"""pwl: the exact minimum of a convex piecewise-linear cost of the two placement fractions over a polygon.
 
 The cost is ``sum_i w_i * max_j (c_ij + a_ij x + b_ij y)`` and the feasible set is ``0 <= x, y <= 1`` plus
 linear constraints ``c + a x + b y <= 0`` (memory limits). A convex piecewise-linear function on a polygon

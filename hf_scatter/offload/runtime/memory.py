@@ -12,20 +12,21 @@ import os
 import re
 from dataclasses import dataclass
 
-from .families import Dims, Family
+from ...common.units import format_bytes
+from ...models.pipeline_adapter import Dims, PipelineAdapter
+from ..plan.cost_model import PREFILL_CHUNK_TOKENS
+from ..plan.policy import PlanError
 from .paging import Layout
-from .policy import PlanError
-from .units import format_bytes
 
-CHUNK_TOKENS = 4096  # prompt tokens per prefill chunk at most (the HRM's prefill chunk)
+CHUNK_TOKENS = PREFILL_CHUNK_TOKENS  # prompt tokens per prefill chunk at most, as the planner prices them
 MIN_CHUNK_TOKENS = 64
 HEAD_ROWS = 64  # rows through the LM head and sampling at a time: bounds the [rows, vocab] fp32 temporaries
 
 
-def other_bytes(family: Family) -> int:
+def other_bytes(adapter: PipelineAdapter) -> int:
     """Embedding, final norm and LM head (a tied head counted once)."""
     seen, total = set(), 0
-    for t in family.other_tensors().values():
+    for t in adapter.other_tensors().values():
         key = t.data_ptr() if t.device.type != "meta" else id(t)
         if key in seen:
             continue
@@ -100,16 +101,16 @@ class DevicePlan:
                 "activations (at most)": self.available}
 
 
-def plan_device(family: Family, fraction: float, budget: int, batch: int, micro: int, b: int,
+def plan_device(adapter: PipelineAdapter, fraction: float, budget: int, batch: int, micro: int, b: int,
                 reserved: int = 0) -> DevicePlan:
     """The largest resident fraction <= ``fraction`` whose weights leave room for decoding ``batch``
     requests in micro-batches of ``micro`` and for prefill chunks of at least MIN_CHUNK_TOKENS tokens
     (``reserved``: device bytes taken besides weights and activations)."""
-    d = family.dims
-    other = other_bytes(family)
+    d = adapter.dims
+    other = other_bytes(adapter)
     x = fraction
     while True:
-        layout = Layout(family, x)
+        layout = Layout(adapter, x)
         available = budget - other - reserved - layout.device_bytes
         chunk = _chunk_tokens(d, batch, available, b)
         if chunk >= MIN_CHUNK_TOKENS and decode_bytes(d, batch, micro, b) <= available:

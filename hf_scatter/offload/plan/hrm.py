@@ -1,4 +1,4 @@
-"""Hierarchical roofline (MoE-Lightning, section 3): one roofline per memory level plus a cross-level roof.
+"""HRM, the hierarchical roofline model (MoE-Lightning, sec. 3): one roofline per memory level, one across them.
 
 For an op of ``F`` FLOPs over ``B`` bytes at intensity ``I = F / B``:
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .model_spec import ModelSpec, OpCost
+from ...models.spec import ModelSpec, OpCost
 from .profile import HardwareProfile
 
 
@@ -45,7 +45,8 @@ class Roofs:
     def from_profile(cls, profile: HardwareProfile) -> "Roofs":
         missing = profile.missing()
         if missing:
-            from .profile import GPU_SPECS, KNOWN_PROFILES
+            from .known_profiles import KNOWN_PROFILES
+            from .profile import GPU_SPECS
 
             raise ProfileError(f"profile {profile.name!r} lacks {', '.join(missing)}: run `hf-scatter profile` on the "
                                f"GPU host, plan for a spec-sheet GPU on this host with --gpu "

@@ -10,8 +10,8 @@ so a hidden-state copy, which the copy engine takes in issue order, never waits 
 
 *Residency.* The same fraction x of every layer stays on the GPU (the HRM's ``weights_gpu_fraction``):
 dense tensors first (QKV, then output projection, norm, router), then the first r intermediate columns of
-every expert (``families.py``: a column range of all experts is itself a set of smaller experts); the rest
-of the layer is streamed.
+every expert (``models/pipeline_adapter.py``: a column range of all experts is itself a set of smaller
+experts); the rest of the layer is streamed.
 
 *Page table.* Each stage's streamed tensors have fixed byte offsets (:class:`PageTable`), identical in the
 pinned CPU buffer and in either GPU slot. A page is copied byte for byte, and once the stage's last page
@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .families import Family, copy_weight
+from ...common.units import align_up
+from ...models.pipeline_adapter import PipelineAdapter, copy_weight
 from .streams import DONE, Streams
 
 ALIGN = 256  # bytes: every tensor starts on a 256-byte boundary (vectorised kernel loads)
@@ -58,10 +59,6 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _aligned(n: int, align: int = ALIGN) -> int:
-    return (n + align - 1) // align * align
-
-
 @dataclass
 class PageTable:
     """Byte layout of a set of tensors; :meth:`views` gives them from any buffer with this layout."""
@@ -72,7 +69,7 @@ class PageTable:
     def add(self, name: str, shape, dtype: torch.dtype) -> Entry:
         entry = Entry(self.nbytes, tuple(int(s) for s in shape), dtype)
         self.entries[name] = entry
-        self.nbytes = _aligned(self.nbytes + entry.nbytes)
+        self.nbytes = align_up(self.nbytes + entry.nbytes, ALIGN)
         return entry
 
     def views(self, buffer: torch.Tensor, base: int = 0) -> dict[str, torch.Tensor]:
@@ -84,7 +81,7 @@ class PageTable:
         if self.nbytes == 0:
             return []
         count = max(1, min(count, self.nbytes // ALIGN))
-        bounds = [_aligned(self.nbytes * i // count) for i in range(count)] + [self.nbytes]
+        bounds = [align_up(self.nbytes * i // count, ALIGN) for i in range(count)] + [self.nbytes]
         return [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
 
 
@@ -164,10 +161,10 @@ class Layout:
     """Where every weight goes for a resident ``fraction``: a resident table per layer, a streamed table per
     stage and their offsets. Computed from shapes alone, so budgets can be checked before anything moves."""
 
-    def __init__(self, family: Family, fraction: float):
-        self.family = family
+    def __init__(self, adapter: PipelineAdapter, fraction: float):
+        self.adapter = adapter
         self.requested_fraction = fraction
-        layers = family.layers()
+        layers = adapter.layers()
         self.num_layers = L = len(layers)
         self.splits = [self._split(layer, fraction) for layer in layers]
         self.resident_tables = [PageTable() for _ in range(L)]
@@ -180,12 +177,12 @@ class Layout:
         self.stage_offsets, offset = [], 0
         for table in self.stage_tables:
             self.stage_offsets.append(offset)
-            offset = _aligned(offset + table.nbytes, 4096)
+            offset = align_up(offset + table.nbytes, 4096)
         self.host_bytes = offset
         self.resident_offsets, offset = [], 0
         for table in self.resident_tables:
             self.resident_offsets.append(offset)
-            offset = _aligned(offset + table.nbytes)
+            offset = align_up(offset + table.nbytes, ALIGN)
         self.resident_bytes = offset
         self.slot_bytes = max((t.nbytes for t in self.stage_tables), default=0)
 
@@ -205,7 +202,7 @@ class Layout:
         return self.resident_bytes + 2 * self.slot_bytes
 
     def _split(self, layer, fraction: float) -> LayerSplit:
-        f = self.family
+        f = self.adapter
         dense = {f"pre.{k}": _nbytes(v) for k, v in f.pre_tensors(layer).items()}
         dense.update({f"post.{k}": _nbytes(v) for k, v in f.post_tensors(layer).items()})
         columns = f.dims.intermediate
@@ -213,15 +210,15 @@ class Layout:
         return split_layer(dense, column_bytes, columns, fraction)
 
     def _lay_out_pre(self, l: int, layer) -> None:
-        for name, t in self.family.pre_tensors(layer).items():
+        for name, t in self.adapter.pre_tensors(layer).items():
             self._place(l, l, f"pre.{name}", t.shape, t.dtype)
 
     def _lay_out_post(self, l: int, layer) -> None:
-        for name, t in self.family.post_tensors(layer).items():
+        for name, t in self.adapter.post_tensors(layer).items():
             self._place(l, l + 1, f"post.{name}", t.shape, t.dtype)
-        r, columns = self.splits[l].columns, self.family.dims.intermediate
-        for name, t in self.family.expert_tensors(layer).items():
-            dim = self.family.column_dims[name]
+        r, columns = self.splits[l].columns, self.adapter.dims.intermediate
+        for name, t in self.adapter.expert_tensors(layer).items():
+            dim = self.adapter.column_dims[name]
             if r > 0:
                 self.resident_tables[l].add(f"resident.{name}", _with(t.shape, dim, r), t.dtype)
             if r < columns:
@@ -248,8 +245,8 @@ class WeightStore:
 
         self.layout = layout
         self.device = torch.device(device)
-        family = layout.family
-        layers = family.layers()
+        adapter = layout.adapter
+        layers = adapter.layers()
         L = self.num_layers = layout.num_layers
         self.stage_tables, self.stage_offsets = layout.stage_tables, layout.stage_offsets
         self.host = HostBuffer(layout.host_bytes, pin=self.device.type == "cuda")
@@ -272,7 +269,7 @@ class WeightStore:
         self._views: dict[tuple[int, int], StageWeights] = {}
 
     def _fill(self, l: int, layer, part: str, stage: int) -> None:
-        f = self.layout.family
+        f = self.layout.adapter
         tensors = f.pre_tensors(layer) if part == "pre" else f.post_tensors(layer)
         for name, t in tensors.items():
             key = f"{part}.{name}"

@@ -1,0 +1,306 @@
+"""``hf-scatter profile``: measure this machine's roofs into a :class:`HardwareProfile` (GPU, CPU, PCIe; under a
+minute). It runs the offloaded runtime's own CPU attention and expert kernels, so it sits above both the
+planner (whose profile format it fills) and the runtime (whose kernels it times)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import statistics
+import threading
+import time
+from typing import Callable
+
+import torch
+
+from ..common.shapes import MIXTRAL_8X7B
+from ..common.timing import median_ms
+from ..kernels.backend import autotune_override
+from ..moe.mlp import expert_mlp, glu_activation
+from .plan.profile import HardwareProfile, current_machine, host_memory_bytes
+from .runtime.cpu_attention import AttentionWorker, KVCache, attention_threads
+
+
+def _median_s(fn: Callable[[], object], budget_s: float = 0.3, min_reps: int = 3, max_reps: int = 50) -> float:
+    """Median wall time of ``fn`` (host work, or device work that ends in a synchronize)."""
+    fn()
+    times = []
+    start = time.perf_counter()
+    while len(times) < min_reps or (len(times) < max_reps and time.perf_counter() - start < budget_s):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _cpu_matmul_flops(dtype, n: int) -> float:
+
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    return 2.0 * n**3 / _median_s(lambda: torch.mm(a, b))
+
+
+def _cpu_copy_bandwidth(nbytes: int) -> float:
+
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    return 2.0 * nbytes / _median_s(lambda: dst.copy_(src))
+
+
+def _sdpa_decode(q, k, v):
+    import torch.nn.functional as F
+
+    try:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    except TypeError:  # torch < 2.5: expand the KV heads
+        rep = q.shape[1] // k.shape[1]
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1))
+
+
+def _attention_inputs(batch, context, q_heads, kv_heads, head_dim, device="cpu"):
+
+    q = torch.randn(batch, q_heads, 1, head_dim, dtype=torch.bfloat16, device=device)
+    k = torch.randn(batch, kv_heads, context, head_dim, dtype=torch.bfloat16, device=device)
+    return q, k, torch.randn_like(k)
+
+
+def _cpu_attention_point(worker, batch: int, context: int, q_heads=32, kv_heads=8, head_dim=128) -> dict:
+    """One decode step of ``batch`` requests of about ``context`` cached tokens through the runtime's own
+    path: :meth:`KVCache.attend` (new K/V written, masked SDPA over one length bucket of prompts within
+    +-10% of each other) on the attention worker thread, waited for by another thread: the per-call cost
+    the runtime pays (about 0.3 ms on the H100 host)."""
+
+
+    # longest first, mean ``context``
+    lens = [round(context * (1.1 - 0.2 * i / (batch - 1))) for i in range(batch)] if batch > 1 else [context]
+    cache = KVCache([[(p, p + 1) for p in lens]], 1, kv_heads, head_dim, q_heads, torch.bfloat16)
+    qkv = torch.randn(batch, (q_heads + 2 * kv_heads) * head_dim).to(torch.bfloat16)
+    out = torch.empty(batch, q_heads * head_dim, dtype=torch.bfloat16)
+    seconds = _median_s(lambda: worker.submit(cache.attend, 0, 0, 0, qkv, out).result(), budget_s=0.5)
+    return dict(batch=batch, context=context, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=2,
+                seconds=seconds)
+
+
+@contextlib.contextmanager
+def _link_traffic():
+    """Pinned host->device copies running meanwhile (as the weights stream during decode: they take host
+    memory bandwidth from the CPU's attention); nothing without a GPU."""
+
+    if not torch.cuda.is_available():
+        yield False
+        return
+    src = torch.empty(256 * 2**20, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty_like(src, device="cuda")
+    stop = threading.Event()
+
+    def pump():
+        stream = torch.cuda.Stream()
+        while not stop.is_set():
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+            stream.synchronize()
+
+    thread = threading.Thread(target=pump, daemon=True)
+    thread.start()
+    try:
+        yield True
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _cpu_op_seconds(calls: int = 2000) -> float:
+
+    a, b, out = torch.ones(8), torch.ones(8), torch.empty(8)
+    torch.add(a, b, out=out)
+    start = time.perf_counter()
+    for _ in range(calls):
+        torch.add(a, b, out=out)
+    return (time.perf_counter() - start) / calls
+
+
+def _copy_bytes(quick: bool) -> int:
+    return (64 if quick else 256) * 2**20
+
+
+def _gpu_flops(p: HardwareProfile, quick: bool) -> None:
+    """bf16 matmul rate of a large square product, and the GPU's memory."""
+    dev = torch.device("cuda")
+    n = 4096 if quick else 8192
+    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    p.gpu_flops = 2.0 * n**3 / (median_ms(lambda: a @ b) / 1e3)
+    p.gpu_memory = float(torch.cuda.get_device_properties(0).total_memory)
+
+def _gpu_bandwidth(p: HardwareProfile, quick: bool) -> None:
+    """Device-to-device copy rate (bytes read + written)."""
+    dev = torch.device("cuda")
+    x = torch.empty((2**28 if quick else 2**30) // 2, device=dev, dtype=torch.bfloat16)  # 256 MiB / 1 GiB
+    y = torch.empty_like(x)
+    p.gpu_bandwidth = 2.0 * x.numel() * 2 / (median_ms(lambda: y.copy_(x)) / 1e3)
+
+def _gemm_efficiency(p: HardwareProfile, quick: bool) -> None:
+    """Achieved / roofline of an [M, 4096] x [4096, 14336] GEMM for M from 1 row up: small-M decode GEMMs reach less."""
+    dev = torch.device("cuda")
+    k, n = 4096, 14336
+    w = torch.randn(k, n, device=dev, dtype=torch.bfloat16)
+    points = []
+    for m in ((1, 16, 256, 4096) if quick else (1, 4, 16, 64, 256, 1024, 4096, 16384)):
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        seconds = median_ms(lambda: x @ w) / 1e3
+        roofline = max(2.0 * m * k * n / p.gpu_flops, 2.0 * (k * n + m * k + m * n) / p.gpu_bandwidth)
+        points.append([m, min(1.0, roofline / seconds)])
+    p.gemm_efficiency = points
+
+def _moe_efficiency(p: HardwareProfile, quick: bool) -> None:
+    """Achieved / roofline of the offloaded runtime's SwiGLU expert kernels on Mixtral-8x7B's experts, untuned
+    as it runs them."""
+    dev = torch.device("cuda")
+    shape = MIXTRAL_8X7B  # its experts (quick: narrower)
+    E, H, k = shape["experts"], shape["hidden"], shape["top_k"]
+    inter = 4096 if quick else shape["intermediate"]
+    w_in = torch.randn(E, 2 * inter, H, device=dev, dtype=torch.bfloat16).transpose(1, 2)
+    w_out = torch.randn(E, H, inter, device=dev, dtype=torch.bfloat16).transpose(1, 2)
+    act = glu_activation(torch.nn.functional.silu)
+    points = []
+    with torch.no_grad(), autotune_override(False):  # as the offloaded runtime runs them
+        for tokens in ((8, 128, 2048) if quick else (4, 16, 64, 256, 1024, 4096)):
+            x = torch.randn(tokens, H, device=dev, dtype=torch.bfloat16)
+            experts = torch.randint(0, E, (tokens, k), device=dev)
+            gates = torch.rand(tokens, k, device=dev, dtype=torch.bfloat16)
+            seconds = median_ms(lambda: expert_mlp(x, (w_in,), w_out, experts, gates, act, validate=False)) / 1e3
+            active = torch.unique(experts).numel()
+            flops = 6.0 * tokens * k * H * inter
+            roofline = max(flops / p.gpu_flops, 3.0 * active * H * inter * 2 / p.gpu_bandwidth)
+            points.append([tokens * k / E, min(1.0, roofline / seconds)])
+    p.moe_efficiency = points
+
+def _gpu_attention(p: HardwareProfile, quick: bool) -> None:
+    """KV bytes/s of bf16 decode attention on the GPU."""
+    dev = torch.device("cuda")
+    q, kk, v = _attention_inputs(64, 2048, 32, 8, 128, device=dev)
+    p.gpu_attention_bandwidth = 2.0 * kk.numel() * 2 / (median_ms(lambda: _sdpa_decode(q, kk, v)) / 1e3)
+
+def _gpu_launch(p: HardwareProfile, quick: bool, calls: int = 2000) -> None:
+    """Host time of one small module call on the GPU: Python, nn.Module, dispatcher and launch."""
+    dev = torch.device("cuda")
+    # A tiny module call, as a decoder layer issues its ops: Python + nn.Module + dispatcher + launch.
+    layer = torch.nn.Linear(16, 16, device=dev)
+    x = torch.ones(1, 16, device=dev)
+    with torch.no_grad():
+        layer(x)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            layer(x)
+        torch.cuda.synchronize()
+    p.gpu_launch_s = (time.perf_counter() - start) / calls
+    p.notes["gpu_launch_s"] = "measured: host time of one small nn.Linear call on the GPU"
+
+def _link(p: HardwareProfile, quick: bool) -> None:
+    """PCIe: pinned and pageable copies each way, both ways at once, and one small copy's latency."""
+    dev = torch.device("cuda")
+    copy_bytes = _copy_bytes(quick)
+    n = copy_bytes // 2
+    pinned_h = torch.empty(n, dtype=torch.bfloat16, pin_memory=True)
+    pageable_h = torch.empty(n, dtype=torch.bfloat16)
+    d = torch.empty(n, device=dev, dtype=torch.bfloat16)
+    d2 = torch.empty_like(d)
+    rate = lambda fn: copy_bytes / (median_ms(fn) / 1e3)  # noqa: E731
+    p.h2d_pinned = rate(lambda: d.copy_(pinned_h, non_blocking=True))
+    p.h2d_pageable = rate(lambda: d.copy_(pageable_h))
+    p.d2h_pinned = rate(lambda: pinned_h.copy_(d, non_blocking=True))
+    p.d2h_pageable = rate(lambda: pageable_h.copy_(d))
+    back_h = torch.empty(n, dtype=torch.bfloat16, pin_memory=True)
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def both():
+        with torch.cuda.stream(s1):
+            d.copy_(pinned_h, non_blocking=True)
+        with torch.cuda.stream(s2):
+            back_h.copy_(d2, non_blocking=True)
+        torch.cuda.synchronize()
+
+    p.duplex_pinned = 2 * copy_bytes / _median_s(both)
+    small_h = torch.empty(2048, dtype=torch.bfloat16, pin_memory=True)
+    small_d = torch.empty(2048, device=dev, dtype=torch.bfloat16)
+
+    def small():
+        small_d.copy_(small_h, non_blocking=True)
+        torch.cuda.synchronize()
+
+    p.transfer_latency_s = _median_s(small, budget_s=0.1)
+
+def _host_dram(p: HardwareProfile, quick: bool) -> None:
+    """Host memory bandwidth shared by CPU copies and pinned host-to-device transfers running together."""
+    dev = torch.device("cuda")
+    copy_bytes = _copy_bytes(quick)
+    n = copy_bytes // 2
+    pinned_h = torch.empty(n, dtype=torch.bfloat16, pin_memory=True)
+    d = torch.empty(n, device=dev, dtype=torch.bfloat16)
+    src, dst = torch.ones(copy_bytes // 4), torch.empty(copy_bytes // 4)
+    repeats = 16
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.cuda.stream(side):
+        for _ in range(repeats):
+            d.copy_(pinned_h, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+    cpu_bytes = 0
+    while not done.query():
+        dst.copy_(src)
+        cpu_bytes += 2 * copy_bytes
+    elapsed = time.perf_counter() - start
+    if cpu_bytes < 4 * copy_bytes:  # the copies did not overlap long enough to say anything
+        p.notes["host_dram_bandwidth"] = "not measured: the CPU copies did not overlap the transfers"
+        return
+    p.host_dram_bandwidth = (cpu_bytes + repeats * copy_bytes) / elapsed
+    p.notes["host_dram_bandwidth"] = (f"measured: CPU copy {cpu_bytes / elapsed / 1e9:.1f} GB/s while pinned H2D "
+                                      f"ran {repeats * copy_bytes / elapsed / 1e9:.1f} GB/s")
+
+
+# (label, step) pairs that fill the GPU and link fields, in order (the efficiency fits read the roofs).
+GPU_STEPS = [("GPU matmul", _gpu_flops), ("GPU copy", _gpu_bandwidth), ("GEMM efficiency", _gemm_efficiency),
+             ("MoE kernel efficiency", _moe_efficiency), ("GPU attention", _gpu_attention), ("GPU launch", _gpu_launch),
+             ("PCIe", _link), ("host DRAM", _host_dram)]
+
+
+def measure_profile(quick: bool = False, progress: bool = True) -> HardwareProfile:
+    """Measure this machine (about 30 s with a GPU, ``quick``: a few seconds). Without a CUDA GPU only the CPU
+    terms are filled and ``notes['gpu']`` says the GPU terms are missing."""
+    from tqdm import tqdm
+
+    host, device = current_machine()
+    profile = HardwareProfile(name=f"{host} / {device}", host=host, device=device, source="measured",
+                              date=time.strftime("%Y-%m-%d %H:%M:%S"), cpu_cores=os.cpu_count(),
+                              cpu_threads=torch.get_num_threads(), cpu_memory=host_memory_bytes())
+    n = 1024 if quick else 2048
+    contexts = (256, 2048) if quick else (256, 1024, 4096)
+
+    def attention(p):
+        worker = AttentionWorker(attention_threads(p))
+        try:
+            with _link_traffic() as busy:
+                p.cpu_attention = [_cpu_attention_point(worker, b, c) for c in contexts for b in (1, 4, 32)]
+        finally:
+            worker.close()
+        p.notes["cpu_attention"] = ("measured: KVCache.attend on the attention worker, one masked length bucket"
+                                    + (", pinned host->device copies running meanwhile" if busy else ""))
+
+    steps = [
+        ("CPU fp32 matmul", lambda p: setattr(p, "cpu_flops_fp32", _cpu_matmul_flops(torch.float32, n))),
+        ("CPU bf16 matmul", lambda p: setattr(p, "cpu_flops_bf16", _cpu_matmul_flops(torch.bfloat16, n))),
+        ("CPU copy", lambda p: setattr(p, "cpu_bandwidth", _cpu_copy_bandwidth(_copy_bytes(quick)))),
+        ("CPU attention", attention),
+        ("CPU op overhead", lambda p: setattr(p, "cpu_op_s", _cpu_op_seconds())),
+    ]
+    if torch.cuda.is_available():
+        steps += [(label, functools.partial(step, quick=quick)) for label, step in GPU_STEPS]
+    else:
+        profile.notes["gpu"] = ("no CUDA device: GPU and PCIe terms not measured (run `hf-scatter profile` on the "
+                                "GPU host)")
+    for label, step in tqdm(steps, desc="profile", disable=not progress):
+        step(profile)
+    return profile
