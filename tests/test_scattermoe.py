@@ -392,3 +392,37 @@ def test_autotune_override_wins_over_the_environment_in_its_own_thread(monkeypat
     assert autotune_enabled()
     monkeypatch.setenv("HF_SCATTER_AUTOTUNE", "0")
     assert not autotune_enabled()
+
+
+def test_measured_table_config_launches_without_a_sweep_unless_autotuning_is_asked_for(monkeypatch):
+    """A kernel with a table launches its table config directly (no Triton autotuner, so no seconds of
+    sweeping at first use); HF_SCATTER_AUTOTUNE=1 sweeps; =0 also keeps the table."""
+    from hf_scatter.kernels import backend
+
+    calls = []
+
+    class Config:
+        kwargs, num_warps, num_stages = {"BLOCK_N": 32}, 8, 4
+
+    class Tuned:
+        best_config = None
+
+        def __getitem__(self, grid):
+            return lambda *args, **meta: calls.append("swept")
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **meta: calls.append(("table", grid, meta["BLOCK_N"], meta["num_warps"]))
+
+    monkeypatch.setattr(backend, "triton_interpreted", lambda: False)
+    grid = lambda cfg: (128 // cfg["BLOCK_N"],)  # noqa: E731
+    for setting, want in [(None, ("table", (4,), 32, 8)), ("0", ("table", (4,), 32, 8)), ("1", "swept")]:
+        if setting is None:
+            monkeypatch.delenv("HF_SCATTER_AUTOTUNE", raising=False)
+        else:
+            monkeypatch.setenv("HF_SCATTER_AUTOTUNE", setting)
+        calls.clear()
+        backend.launch(Kernel(), Tuned(), [], {}, grid, (), {}, {}, tune_key=("k", setting), table_config=Config())
+        assert calls == [want], setting
+    monkeypatch.delenv("HF_SCATTER_AUTOTUNE")
+    assert backend.autotune_setting() is None and backend.autotune_enabled()  # untabled kernels still sweep

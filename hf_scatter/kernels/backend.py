@@ -63,13 +63,22 @@ def enable_interpreter_if_no_gpu() -> bool:
 _autotune_override = threading.local()  # per thread: a stack of overrides
 
 
-def autotune_enabled() -> bool:
-    """GPU kernels measure candidate block sizes per shape unless ``HF_SCATTER_AUTOTUNE=0`` (then: first config)
-    or inside :func:`autotune_override`."""
+def autotune_setting() -> bool | None:
+    """``HF_SCATTER_AUTOTUNE`` (or :func:`autotune_override`): True sweeps every kernel's candidate configs
+    per shape, False sweeps none, None (unset) leaves it to each kernel: the MoE GEMMs launch the config of
+    their measured table (:func:`launch`'s ``table_config``), kernels without a table sweep."""
     stack = getattr(_autotune_override, "stack", None)
     if stack:
         return stack[-1]
-    return os.environ.get("HF_SCATTER_AUTOTUNE", "1").strip().lower() not in {"0", "false", "no", "off"}
+    value = os.environ.get("HF_SCATTER_AUTOTUNE", "").strip().lower()
+    if not value:
+        return None
+    return value not in {"0", "false", "no", "off"}
+
+
+def autotune_enabled() -> bool:
+    """Whether kernels without a measured table sweep their candidates (all of them unless turned off)."""
+    return autotune_setting() is not False
 
 
 @contextlib.contextmanager
@@ -159,9 +168,14 @@ _chosen_configs: dict = {}  # (autotuner, launch key) -> the config Triton's aut
 
 
 def launch(kernel, tuned, configs: list, block_limits: dict[str, int], grid, args: tuple, meta: dict,
-           interpreter_blocks: dict, tune_key: tuple | None = None) -> None:
+           interpreter_blocks: dict, tune_key: tuple | None = None, table_config=None) -> None:
     """Run a kernel the way the current path wants it: fixed large blocks under the interpreter (its cost grows
-    with programs x loop trips), autotuned on a GPU, or the first fitting config with ``HF_SCATTER_AUTOTUNE=0``.
+    with programs x loop trips); on a GPU the kernel's ``table_config`` (its measured choice for this shape
+    class) unless ``HF_SCATTER_AUTOTUNE=1``; autotuned where there is no table; the first fitting config
+    with ``HF_SCATTER_AUTOTUNE=0``.
+
+    A table saves the sweep at first use: Triton compiles and times every candidate per launch key, 1.5 to
+    8 s per key on the H100 machine, which made the first fwd+bwd of a fine-grained MoE layer take 10-50 s.
 
     ``tune_key`` (at least as fine as the autotuner's own key): once Triton's autotuner has chosen a config
     for it, later calls launch that config directly. The autotuner's per-call bookkeeping cost about 75 us of
@@ -170,7 +184,9 @@ def launch(kernel, tuned, configs: list, block_limits: dict[str, int], grid, arg
     if triton_interpreted():
         kernel[grid(interpreter_blocks)](*args, **meta, **interpreter_blocks)
         return
-    if autotune_enabled():
+    if table_config is not None and autotune_setting() is not True:
+        cfg = table_config
+    elif autotune_enabled():
         cfg = _chosen_configs.get((id(tuned), tune_key)) if tune_key is not None else None
         if cfg is None:
             tuned[grid](*args, **meta)
@@ -180,3 +196,25 @@ def launch(kernel, tuned, configs: list, block_limits: dict[str, int], grid, arg
     else:
         cfg = fitting_configs(configs, block_limits)[0]
     kernel[grid(cfg.kwargs)](*args, **meta, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def fitted_block(preferred: int, dim: int) -> int:
+    """``preferred`` block size, shrunk to the power of two covering ``dim`` (at least 32) for small problems."""
+    return min(preferred, max(32, next_power_of_2(dim)))
+
+
+SHARED_MEMORY_BYTES = 200 * 1024  # what a table config may pipeline through (H100: 227 KiB per block)
+
+
+def fit_shared_memory(step: int, stages: int, bytes_per_step_unit: int) -> tuple[int, int]:
+    """A GEMM tile's pipelined operand tiles take ``step * bytes_per_step_unit * stages`` bytes of shared
+    memory (``step``: the reduction block); halve the step (not below 32), then drop stages (not below 2),
+    until they fit."""
+    while step * bytes_per_step_unit * stages > SHARED_MEMORY_BYTES:
+        if step > 32:
+            step //= 2
+        elif stages > 2:
+            stages -= 1
+        else:
+            break
+    return step, stages

@@ -10,11 +10,12 @@ Unlike the original ScatterMoE, a tile never straddles two experts: tiles are la
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 
-from .backend import cdiv, fitting_configs, kernels_enabled, launch, next_power_of_2, triton_interpreted, triton_runs, use_triton
+from .backend import cdiv, fit_shared_memory, fitted_block, fitting_configs, kernels_enabled, launch, next_power_of_2, triton_interpreted, triton_runs, use_triton
 from .checks import check_float, check_index, check_like, check_out, fail
 from .custom_ops import mutating_op, run_op, tf32_allowed
 
@@ -78,7 +79,7 @@ if kernels_enabled():
     def _s2s_configs():
         configs = []
         for bn, bk, warps, stages in [(128, 64, 4, 4), (128, 64, 8, 4), (256, 64, 8, 3), (256, 64, 8, 4),
-                                      (64, 64, 4, 4), (64, 128, 4, 4), (128, 128, 8, 3)] + _STREAMING:
+                                      (256, 32, 8, 4), (64, 64, 4, 4), (64, 128, 4, 4), (128, 128, 8, 3)] + _STREAMING:
             configs.append(triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=warps,
                                          num_stages=stages))
         return configs
@@ -90,7 +91,8 @@ if kernels_enabled():
                                               c.num_stages) not in streaming]
         return fitting_configs(configs, {"BLOCK_N": named_args["N"], "BLOCK_K": named_args["K"]})
 
-    # GPU path: block sizes chosen per shape by measurement (BLOCK_M is set by the caller, it shapes the tiles).
+    # With HF_SCATTER_AUTOTUNE=1: block sizes chosen per shape by measurement (BLOCK_M is set by the caller,
+    # it shapes the tiles); otherwise :func:`_table_config`.
     _S2S_CONFIGS = _s2s_configs()
     _scatter2scatter_tuned = triton.autotune(
         configs=_S2S_CONFIGS, key=["K", "N", "BLOCK_M", "X_GROUPED", "Y_GROUPED", "FAN_OUT"],
@@ -117,6 +119,21 @@ if kernels_enabled():
         p_mask = pids < NUM_PROGRAMS
         tl.store(tile_expert_ptr + pids, expert.to(tl.int32), mask=p_mask)
         tl.store(tile_row_ptr + pids, row.to(tl.int32), mask=p_mask)
+
+
+@functools.lru_cache(maxsize=None)
+def _table_config(K: int, N: int, block_m: int, itemsize: int):
+    """The launch config without a sweep, from Triton's autotuner over 49 launch keys (every projection, forward
+    and backward, of the bench moe shapes from Mixtral-8x7B to Qwen3-30B-A3B, H100): 128-row tiles run
+    256-wide, 64-deep, 8 warps, 4 stages (the best config, or within 1.9% of it on average and 7.4% at worst);
+    decode-sized tiles stream weights 128 x 128 with 4 warps (within 0.7% of the best)."""
+    if block_m >= 128:
+        bn, bk, warps, stages = 256, 64, 8, 4
+    else:
+        bn, bk, warps, stages = 128, 128, 4, 4
+    bn, bk = fitted_block(bn, N), fitted_block(bk, K)
+    bk, stages = fit_shared_memory(bk, stages, (block_m + bn) * itemsize)  # fp32 operands: half as deep
+    return triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=warps, num_stages=stages)
 
 
 def _num_tile_programs(num_rows: int, num_experts: int, block_m: int) -> int:
@@ -225,7 +242,7 @@ def scatter2scatter_triton(x, weight, sorted_expert_idxs, sorted_scattered_idxs,
     tune_key = (K, N, block_m, x_grouped, y_grouped, fan_out, bias is not None, allow_tf32, x.dtype, weight.dtype,
                 out.dtype)
     launch(_scatter2scatter_kernel, _scatter2scatter_tuned, _S2S_CONFIGS, {"BLOCK_N": N, "BLOCK_K": K}, grid,
-           args, meta, interpreter_blocks, tune_key)
+           args, meta, interpreter_blocks, tune_key, None if interpreted else _table_config(K, N, block_m, x.element_size()))
     return out
 
 
