@@ -56,7 +56,7 @@ def test_swiglu_experts_backward_frees_its_activations_and_refuses_a_second_pass
     x = torch.randn(11, 32, device=device, requires_grad=True)
     idx, gates = _routing(11, 2, 4, device)
     y = glu_experts(x, mlp.gate_up_proj, mlp.down_proj, idx, gates)
-    saved = [t for t in y.grad_fn.saved_tensors if t.dim() == 2 and t.shape[0] == 22]  # the [T*k, *] ones
+    saved = [t for t in y.grad_fn.saved_tensors if t is not None and t.dim() == 2 and t.shape[0] == 22]  # [T*k, *]
     assert sorted(t.shape[1] for t in saved) == [24, 48]
     y.sum().backward(retain_graph=True)
     assert all(t.untyped_storage().nbytes() == 0 for t in saved)
@@ -215,3 +215,52 @@ def test_fused_swiglu_pair_forward_backward(device, dtype, tol):
     assert _rel(ig.grad, rg.grad) < tol and _rel(iu.grad, ru.grad) < tol
     with pytest.raises(ValueError, match="swiglu_pair"):
         swiglu_pair(g, u[:, :70])
+
+
+def _gpt_oss_gate_reference(gate_up, alpha=1.702, limit=7.0):
+    """GPT-OSS's own formula (transformers' GptOssExperts._apply_gate), in whatever dtype it is given."""
+    gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_fused_gpt_oss_gate_forward_backward_with_clamping(device, dtype, tol):
+    """GPT-OSS's clamped gate over interleaved [g0, u0, g1, u1, ...] columns, forward and backward, against a
+    float64 reference; values straddle the clamp limits, so both clamp branches (and their zero gradients)
+    are exercised; outputs are poisoned first; odd sizes."""
+    from hf_scatter.kernels.swiglu import _interleaved, gpt_oss_gate, swiglu_bwd_unchecked, swiglu_fwd_unchecked
+
+    form = gpt_oss_gate(1.702, 7.0)
+    M, I = 37, 75
+    h = torch.randn(M, 2 * I, device=device, dtype=dtype) * 6
+    assert (h[:, 0::2] > 7).any() and (h[:, 1::2].abs() > 7).any()
+    assert _interleaved(*form.halves(h)), "the kernel reads interleaved rows as one contiguous tile"
+    ref_h = h.detach().double().requires_grad_(True)
+    ref = _gpt_oss_gate_reference(ref_h)
+    out = torch.full((M, I), float("nan"), device=device, dtype=dtype)
+    swiglu_fwd_unchecked(h, out, form)
+    assert _rel(out, ref) < tol
+    dout = torch.randn(M, I, device=device, dtype=dtype)
+    ref.backward(dout.double())
+    dh = torch.full_like(h, float("nan"))
+    swiglu_bwd_unchecked(h, dout, dh, form)
+    assert _rel(dh, ref_h.grad) < tol
+    assert (dh[:, 0::2][h[:, 0::2] > 7] == 0).all() and (dh[:, 1::2][h[:, 1::2].abs() > 7] == 0).all()
+    inplace = h.clone()
+    swiglu_bwd_unchecked(inplace, dout, inplace, form)  # the experts' backward writes over its input
+    assert torch.equal(inplace, dh)
+
+
+def test_the_backend_runs_gpt_oss_experts_on_the_fused_gate():
+    """GPT-OSS's own gate is recognised and handed to the fused SwiGLU experts (its eager equality, past the
+    clamp, is tests/test_experts_backend.py's)."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    from hf_scatter.kernels.swiglu import gpt_oss_gate
+    from hf_scatter.models.experts import _fused_gate_form
+
+    eager = GptOssExperts(GptOssConfig(hidden_size=40, intermediate_size=24, num_local_experts=5))
+    assert _fused_gate_form(eager) == gpt_oss_gate(eager.alpha, eager.limit)

@@ -74,9 +74,26 @@ def _uses_default_gate(experts: torch.nn.Module) -> bool:
     return getattr(type(experts), "_apply_gate", _default_apply_gate) is _default_apply_gate
 
 
+def _fused_gate_form(experts: torch.nn.Module):
+    """The fused kernel's form of a family's own gate, where it has one (GPT-OSS's clamped, interleaved gate);
+    None for the default gate (handled by ``glu_activation``) and gates the kernel does not know."""
+    gate = getattr(type(experts), "_apply_gate", None)
+    if gate is None or getattr(experts, "is_concatenated", True):
+        return None
+    try:
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+    except ImportError:
+        return None
+    if gate is GptOssExperts._apply_gate:
+        from ..kernels.swiglu import gpt_oss_gate
+
+        return gpt_oss_gate(float(experts.alpha), float(experts.limit))
+    return None
+
+
 def scattermoe_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                                top_k_weights: torch.Tensor) -> torch.Tensor:
-    from ..moe.mlp import expert_mlp, glu_activation  # the kernels load on first use, not at import
+    from ..moe.mlp import FusedSwiGLU, expert_mlp, glu_activation  # the kernels load on first use
 
     if getattr(self, "_is_expert_parallel", False):
         raise NotImplementedError(
@@ -89,7 +106,10 @@ def scattermoe_experts_forward(self: torch.nn.Module, hidden_states: torch.Tenso
     has_bias = getattr(self, "has_bias", False)
     if getattr(self, "has_gate", True):
         w_in, b_in = self.gate_up_proj, (self.gate_up_proj_bias if has_bias else None)
-        if getattr(self, "is_concatenated", True) and _uses_default_gate(self):
+        fused_form = _fused_gate_form(self)
+        if fused_form is not None:
+            activation = FusedSwiGLU(fused_form)
+        elif getattr(self, "is_concatenated", True) and _uses_default_gate(self):
             activation = glu_activation(self.act_fn)
         else:
             activation = self._apply_gate  # interleaved [g0, u0, ...] or a family-specific gate (clamps, alpha)

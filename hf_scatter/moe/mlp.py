@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.swiglu import swiglu
+from ..kernels.swiglu import SILU, GateForm, swiglu, swiglu_reference
 from .parallel_linear import parallel_linear
 from .routing import flatten_sort_count
 from .swiglu_experts import swiglu_experts
@@ -40,9 +40,9 @@ def expert_mlp(x: torch.Tensor, w_in: Sequence[torch.Tensor], w_out: torch.Tenso
     E = w_out.shape[0]
     routing = flatten_sort_count(expert_idxs, E, validate)
     b_in = b_in if b_in is not None else (None,) * len(w_in)
-    if isinstance(activation, FusedSwiGLU) and len(w_in) == 1 and b_in[0] is None and b_out is None \
-            and post_norm is None and not torch.compiler.is_compiling():
-        return swiglu_experts(x, w_in[0], w_out, gates, routing)  # one autograd node: lower backward peak
+    if isinstance(activation, FusedSwiGLU) and len(w_in) == 1 and post_norm is None \
+            and not torch.compiler.is_compiling():  # one autograd node: lower backward peak
+        return swiglu_experts(x, w_in[0], w_out, gates, routing, b_in[0], b_out, activation.form)
     hs = [parallel_linear(x, w, k, *routing, bias=b, grouped_out=True) for w, b in zip(w_in, b_in)]
     h = activation(*hs)
     if post_norm is None:
@@ -74,11 +74,18 @@ def glu_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Te
 
 
 class FusedSwiGLU:
-    """``silu(gate) * up`` over expert_mlp's own grouped [gate; up] rows (the backward may overwrite them);
-    recognised by :func:`expert_mlp`, which then runs the whole MLP as one autograd function."""
+    """A gate of the fused kernel's forms (``silu(gate) * up``, or GPT-OSS's clamped gate) over expert_mlp's
+    own grouped [gate, up] rows (the backward may overwrite them); recognised by :func:`expert_mlp`, which
+    then runs the whole MLP as one autograd function. Called directly (under ``torch.compile``), the SiLU
+    form runs the fused kernel, other forms their torch formula."""
+
+    def __init__(self, form: GateForm = SILU):
+        self.form = form
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        return swiglu(h, reuse_input_buffer=True)
+        if self.form == SILU:
+            return swiglu(h, reuse_input_buffer=True)
+        return swiglu_reference(*self.form.halves(h), *self.form.numbers)
 
 
 def glu_activation(act_fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -97,7 +97,7 @@ class _ParallelLinear(torch.autograd.Function):
                     # dX[t] sums token t's k slots, each scaled by its gate: gate_mix over the gates as [T, k].
                     d_x = gate_mix_unchecked(dxp, gates if j == k else gates.reshape(-1, k)) if need_x else None
                 del dxp
-                d_gates = _with_bias_term(d_gates.view(gates.shape), dy, bias, routing).to(gates.dtype) \
+                d_gates = with_bias_term(d_gates.view(gates.shape), dy, bias, routing).to(gates.dtype) \
                     if need_g else None
         d_weight = d_bias = None
         if need_w or need_b:
@@ -117,7 +117,7 @@ class _ParallelLinear(torch.autograd.Function):
             None, None, None, None, None, None
 
 
-def _with_bias_term(d_gates: torch.Tensor, dy: torch.Tensor, bias: torch.Tensor | None, routing) -> torch.Tensor:
+def with_bias_term(d_gates: torch.Tensor, dy: torch.Tensor, bias: torch.Tensor | None, routing) -> torch.Tensor:
     """With a bias, slot output is ``x W_e + b_e``: its gate gradient gains ``dY[s // j] . b_e`` (d_gates [S, j])."""
     if bias is None:
         return d_gates

@@ -17,8 +17,8 @@ from ..kernels.gating import gate_grad_unchecked, gate_mix_unchecked
 from ..kernels.group import group_unchecked
 from ..kernels.groupxty import groupxty_unchecked
 from ..kernels.scatter2scatter import scatter2scatter, scatter2scatter_unchecked
-from ..kernels.swiglu import gate_up_halves, swiglu_bwd_unchecked, swiglu_fwd_unchecked
-from .parallel_linear import autocast_operands, dw_operand, grouped_copy_pays
+from ..kernels.swiglu import SILU, GateForm, swiglu_bwd_unchecked, swiglu_fwd_unchecked
+from .parallel_linear import autocast_operands, dw_operand, grouped_copy_pays, with_bias_term
 
 
 def _release(t: torch.Tensor) -> None:
@@ -30,15 +30,16 @@ def _release(t: torch.Tensor) -> None:
 class _SwiGLUExperts(torch.autograd.Function):
     @staticmethod
     @profiled("hf_scatter::swiglu_experts.forward")
-    def forward(ctx, x, w_in, w_out, gates, k, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets):
+    def forward(ctx, x, w_in, w_out, gates, b_in, b_out, form, k, sorted_expert_idxs, sorted_scattered_idxs,
+                expert_offsets):
         routing = (sorted_expert_idxs, sorted_scattered_idxs, expert_offsets)
-        gate_up = scatter2scatter(x, w_in, *routing, k, x_grouped=False, y_grouped=True)  # checks the inputs
+        gate_up = scatter2scatter(x, w_in, *routing, k, x_grouped=False, y_grouped=True, bias=b_in)  # checks
         h = gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
-        swiglu_fwd_unchecked(*gate_up_halves(gate_up), h)
-        y = gate_mix_unchecked(scatter2scatter_unchecked(h, w_out, *routing, 1, x_grouped=True), gates)
-        ctx.k = k
+        swiglu_fwd_unchecked(gate_up, h, form)
+        y = gate_mix_unchecked(scatter2scatter_unchecked(h, w_out, *routing, 1, x_grouped=True, bias=b_out), gates)
+        ctx.k, ctx.form = k, form
         ctx.consumed = False
-        ctx.save_for_backward(x, w_in, w_out, gates, gate_up, h, *routing)
+        ctx.save_for_backward(x, w_in, w_out, gates, b_in, b_out, gate_up, h, *routing)
         return y
 
     @staticmethod
@@ -48,23 +49,24 @@ class _SwiGLUExperts(torch.autograd.Function):
             raise RuntimeError("hf_scatter: backward through the SwiGLU experts ran twice; the first one consumed "
                                "their activations (run the forward again rather than retain_graph=True)")
         ctx.consumed = True
-        x, w_in, w_out, gates, gate_up, h, sorted_expert_idxs, idx, expert_offsets = ctx.saved_tensors
+        x, w_in, w_out, gates, b_in, b_out, gate_up, h, sorted_expert_idxs, idx, expert_offsets = ctx.saved_tensors
         routing = (sorted_expert_idxs, idx, expert_offsets)
-        k = ctx.k
-        need_x, need_w_in, need_w_out, need_g = ctx.needs_input_grad[:4]
+        k, form = ctx.k, ctx.form
+        need_x, need_w_in, need_w_out, need_g, need_b_in, need_b_out = ctx.needs_input_grad[:6]
         d, inter = x.shape[1], h.shape[1]
         dy = dy.contiguous()
         coeff = gates.reshape(-1).index_select(0, idx).to(torch.float32)
 
-        # Output projection: ungated dH'[s] = dY[t] W_e^T, gate gradients h . dH', then dH = g dH' in place.
-        # When dW_out will read dY in place, h takes the gate instead (h is ours and dead after dW_out).
-        gather_dy = not grouped_copy_pays(d, inter)
+        # Output projection: ungated dH'[s] = dY[t] W_e^T, gate gradients h . dH' (+ dY . b_e with a bias), then
+        # dH = g dH' in place. When dW_out will read dY in place, h takes the gate instead (h is ours and dead
+        # after dW_out); the output bias's gradient needs the gate on dY's rows, so with it dY is copied.
+        gather_dy = not grouped_copy_pays(d, inter) and not need_b_out
         dh = scatter2scatter_unchecked(dy, w_out.transpose(1, 2), *routing, k, x_grouped=False, y_grouped=True)
         dots = gate_grad_unchecked(dh, h, 1, coeff, x_scaled_out=h if need_w_out and gather_dy else None)
-        d_gates = torch.empty_like(dots).index_copy_(0, idx, dots).view(gates.shape).to(gates.dtype) \
-            if need_g else None
-        # SwiGLU backward writes d[gate; up] into [gate; up]'s own buffer.
-        swiglu_bwd_unchecked(*gate_up_halves(gate_up), dh, *gate_up_halves(gate_up))
+        d_gates = with_bias_term(torch.empty_like(dots).index_copy_(0, idx, dots).view(gates.shape), dy, b_out,
+                                 routing).to(gates.dtype) if need_g else None
+        # SwiGLU backward writes d(gate_up) into gate_up's own buffer.
+        swiglu_bwd_unchecked(gate_up, dh, gate_up, form)
         del dh, dots
         d_gate_up = gate_up
         d_x = None
@@ -72,34 +74,38 @@ class _SwiGLUExperts(torch.autograd.Function):
             d_slots = scatter2scatter_unchecked(d_gate_up, w_in.transpose(1, 2), *routing, 1, x_grouped=True)
             d_x = d_slots.view(-1, k, d).sum(1) if k > 1 else d_slots
             del d_slots
-        d_w_in = None
-        if need_w_in:
+        d_w_in = d_b_in = None
+        if need_w_in or need_b_in:
             x_op, x_fan = dw_operand(x, k, d_gate_up.shape[1], idx)
-            d_w_in, _ = groupxty_unchecked(x_op, d_gate_up, expert_offsets, torch.empty_like(w_in), None, idx,
-                                           x_fan, 0)
+            d_w_in, d_b_in = groupxty_unchecked(x_op, d_gate_up, expert_offsets, torch.empty_like(w_in),
+                                                bool(need_b_in), idx, x_fan, 0)
             del x_op
         _release(gate_up)
         del d_gate_up, gate_up
-        d_w_out = None
-        if need_w_out:
+        d_w_out = d_b_out = None
+        if need_w_out or need_b_out:
             if gather_dy:
                 dy_op, dy_fan = dy, k  # h already carries the gates
             else:
                 dy_op, dy_fan = group_unchecked(dy, idx, k, coeff=coeff), 0
-            d_w_out, _ = groupxty_unchecked(h, dy_op, expert_offsets, torch.empty_like(w_out), None, idx, 0, dy_fan)
+            d_w_out, d_b_out = groupxty_unchecked(h, dy_op, expert_offsets, torch.empty_like(w_out),
+                                                  bool(need_b_out), idx, 0, dy_fan)
         _release(h)
-        return d_x, d_w_in, d_w_out, d_gates, None, None, None, None
+        return (d_x, d_w_in if need_w_in else None, d_w_out if need_w_out else None, d_gates,
+                d_b_in if need_b_in else None, d_b_out if need_b_out else None, None, None, None, None, None)
 
 
 def swiglu_experts(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, gates: torch.Tensor,
-                   routing: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """``sum_j gates[t,j] * w_out[e](silu(g) * u)`` with ``[g; u] = x_t w_in[e]`` over the routed slots.
+                   routing: tuple[torch.Tensor, torch.Tensor, torch.Tensor], b_in: torch.Tensor | None = None,
+                   b_out: torch.Tensor | None = None, form: GateForm = SILU) -> torch.Tensor:
+    """``sum_j gates[t,j] * (w_out[e] act(x_t w_in[e] + b_in[e]) + b_out[e])`` over the routed slots, with
+    ``act`` the gate ``form`` over the [gate, up] columns (SiLU: ``silu(g) * u``).
 
-    ``w_in`` [E, d, 2I] ([gate; up] columns) and ``w_out`` [E, I, d] in kernel layout (transposed views
-    welcome); ``routing`` from :func:`flatten_sort_count`. Same result and gradients as the ParallelLinear
-    chain, at a lower backward peak.
+    ``w_in`` [E, d, 2I] and ``w_out`` [E, I, d] in kernel layout (transposed views welcome), biases [E, 2I] /
+    [E, d] or None; ``routing`` from :func:`flatten_sort_count`. Same result and gradients as the
+    ParallelLinear chain, at a lower backward peak.
     """
     k = gates.shape[1]
-    x, w_in, _ = autocast_operands(x, w_in, None)
-    _, w_out, _ = autocast_operands(x, w_out, None)
-    return _SwiGLUExperts.apply(x, w_in, w_out, gates, k, *routing)
+    x, w_in, b_in = autocast_operands(x, w_in, b_in)
+    _, w_out, b_out = autocast_operands(x, w_out, b_out)
+    return _SwiGLUExperts.apply(x, w_in, w_out, gates, b_in, b_out, form, k, *routing)
