@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from hf_scatter.cli import main
 
@@ -60,3 +61,28 @@ def test_bench_convert_runs_on_the_cpu_and_writes_json_table_png(tmp_path, monke
     assert "patched <- hf-scatter checkpoint" in capsys.readouterr().out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["convert.json", "convert.png"], "checkpoints left behind"
+
+
+@pytest.mark.parametrize("family,shared", [("mixtral", 0), ("mixtral", 2), ("gpt_oss", 0)])
+def test_bench_moe_peers_compute_the_same_layer(family, shared):
+    """Every implementation bench moe times computes transformers' eager experts (plus the same shared
+    experts), so the timings compare one computation; peers that cannot run the family say why."""
+    from hf_scatter.bench import moe
+
+    cfg = moe.MoEConfig(hidden=24, intermediate=20, experts=5, top_k=2, tokens=9, shared_experts=shared,
+                        family=family)
+    torch.manual_seed(0)
+    experts = moe.hf_experts(cfg, "cpu", torch.float32)
+    x, idx, gates, _ = moe.routed_batch(cfg.tokens, cfg.hidden, cfg.experts, cfg.top_k, "cpu", torch.float32)
+    table = moe._implementations(cfg, experts, "cpu", torch.float32)
+    assert set(table) == set(moe.IMPLS)
+    ref = table["hf-eager"][0](x, idx, gates)
+    assert ref.abs().max() > 0
+    for impl in ("hf-grouped_mm", "hf-scatter"):
+        torch.testing.assert_close(table[impl][0](x, idx, gates), ref, rtol=1e-4, atol=1e-5, msg=impl)
+    if family == "gpt_oss":
+        assert table["liger"].startswith("n/a")
+    dense, params = table["dense"]
+    assert dense(x, idx, gates).shape == ref.shape
+    # equal active FLOPs: as many weights as the (k + shared) experts a token passes through
+    assert sum(p.numel() for p in params) == 3 * (cfg.top_k + shared) * cfg.intermediate * cfg.hidden

@@ -7,7 +7,7 @@ a line here.
 """
 
 SUITES = {
-    "moe": "one SMoE SwiGLU layer vs HF eager / grouped_mm / batched_mm / a dense MLP of equal FLOPs",
+    "moe": "one SMoE SwiGLU layer (Mixtral to Qwen3 / GPT-OSS / DeepSeek shapes) vs HF eager / grouped_mm / batched_mm, Liger and a dense MLP of equal FLOPs",
     "train": "training steps of the paper's 1.5B Mixtral (and a same-shape DBRX), vanilla vs patched",
     "norms": "fused LayerNorm / RMSNorm / softmax / router vs torch, GB/s against the copy roof, BERT-base forward",
     "convert": "conversion GB/s and CPU load time, HF vs hf-scatter layout (no GPU needed)",

@@ -1,21 +1,27 @@
 """`hf-scatter bench moe`: one SMoE SwiGLU layer, hf-scatter against every peer in one process.
 
-Peers: transformers' Mixtral experts with ``experts_implementation`` eager / grouped_mm / batched_mm, and a
-dense SwiGLU MLP with the same active FLOPs (k x d_expert hidden units) as the practical ceiling.
-Reports median ms, achieved TFLOP/s and peak extra memory for forward (inference) and forward+backward.
+Peers: transformers' own experts module of the family (Mixtral's, or GPT-OSS's with biases and its clamped
+gate) with ``experts_implementation`` eager / grouped_mm / batched_mm; Liger-Kernel's fused MoE
+(``LigerFusedMoEFunction``, the same [E, 2I, H] layout; its autotuner on unless ``--liger-autotune off``);
+and a dense SwiGLU MLP with the same active FLOPs ((k + shared) x d_expert hidden units) as the practical
+ceiling. Shared experts (DeepSeek) are one dense SwiGLU added to every implementation alike. Reports median
+ms, achieved TFLOP/s, peak extra memory for forward (inference) and forward+backward, and how long each
+implementation's first call took (Triton compilation and autotuning included).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import time
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from ..common.markdown import markdown_table
-from ..common.shapes import MIXTRAL_8X7B
+from ..common.shapes import MIXTRAL_8X7B, MOE_BLOCKS
 from ..common.timing import is_oom, median_ms, peak_extra_gib, run_header
 from .availability import check_names, require_cuda
 
@@ -28,35 +34,93 @@ class MoEConfig:
     top_k: int
     tokens: int
     backward: bool = True
+    shared_experts: int = 0  # always-on experts of the same size (DeepSeek), run densely beside the routed ones
+    family: str = "mixtral"  # transformers experts class: "mixtral" (plain SwiGLU) or "gpt_oss" (biases, clamp)
 
     def active_flops(self) -> float:
-        return 6.0 * self.tokens * self.top_k * self.hidden * self.intermediate
+        return 6.0 * self.tokens * (self.top_k + self.shared_experts) * self.hidden * self.intermediate
 
 
 _MIXTRAL = tuple(MIXTRAL_8X7B[k] for k in ("hidden", "intermediate", "experts", "top_k"))
+
+
+def _block(name: str, tokens: int, **extra) -> MoEConfig:
+    return MoEConfig(**MOE_BLOCKS[name], tokens=tokens, **extra)
+
+
 CONFIGS = {
     "paper-unit": MoEConfig(4096, 2048, 32, 4, 61440),
     "mixtral-prefill": MoEConfig(*_MIXTRAL, 8192),
     "fine-grained": MoEConfig(4096, 1024, 64, 8, 16384),
+    "qwen3-30b-a3b": _block("qwen3-30b-a3b", 16384),
+    "olmoe-1b-7b": _block("olmoe-1b-7b", 16384),
+    "deepseek-v2-lite": _block("deepseek-v2-lite", 16384),
+    "gpt-oss-20b": _block("gpt-oss-20b", 16384),
+    "gpt-oss-20b-bias": _block("gpt-oss-20b", 16384, family="gpt_oss"),
     "mixtral-decode": MoEConfig(*_MIXTRAL, 64, backward=False),
+    "qwen3-decode": _block("qwen3-30b-a3b", 64, backward=False),
 }
-IMPLS = ("hf-eager", "hf-grouped_mm", "hf-batched_mm", "hf-scatter", "dense")
+IMPLS = ("hf-eager", "hf-grouped_mm", "hf-batched_mm", "liger", "hf-scatter", "dense")
 
 
 def hf_experts(cfg: MoEConfig, device, dtype):
-    from transformers import MixtralConfig
-    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+    """transformers' experts module of the config's family, random weights at the usual init scale."""
+    if cfg.family == "gpt_oss":
+        from transformers import GptOssConfig
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
-    config = MixtralConfig(hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
-                           num_local_experts=cfg.experts, num_experts_per_tok=cfg.top_k)
-    experts = MixtralExperts(config).to(device=device, dtype=dtype)
+        config = GptOssConfig(hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
+                              num_local_experts=cfg.experts, num_experts_per_tok=cfg.top_k)
+        experts = GptOssExperts(config).to(device=device, dtype=dtype)
+        fan_in = {"gate_up_proj": cfg.hidden, "down_proj": cfg.intermediate}  # stored [E, d_in, d_out]
+    else:
+        from transformers import MixtralConfig
+        from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+        config = MixtralConfig(hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
+                               num_local_experts=cfg.experts, num_experts_per_tok=cfg.top_k)
+        experts = MixtralExperts(config).to(device=device, dtype=dtype)
+        fan_in = {"gate_up_proj": cfg.hidden, "down_proj": cfg.intermediate}
     with torch.no_grad():
-        experts.gate_up_proj.normal_(std=cfg.hidden ** -0.5)
-        experts.down_proj.normal_(std=cfg.intermediate ** -0.5)
+        for name, p in experts.named_parameters():
+            if name.endswith("_bias"):
+                p.normal_(std=0.02)
+            else:
+                p.normal_(std=fan_in[name] ** -0.5)
     return experts
 
 
-def _implementations(cfg: MoEConfig, experts, device, dtype) -> dict[str, tuple[Callable, list]]:
+def _liger_experts(cfg: MoEConfig, experts, autotune: bool) -> Callable | str:
+    """Liger's fused MoE over the same weights, or why it cannot run this config."""
+    if cfg.family != "mixtral":
+        return "n/a: no biases or clamped gate"
+    os.environ.setdefault("LIGER_FUSED_MOE_AUTOTUNE", "1" if autotune else "0")  # read once, at import
+    try:
+        from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
+    except ImportError:
+        return "not installed (pip install liger-kernel)"
+
+    def run(x, idx, gates):
+        return LigerFusedMoEFunction.apply(x, experts.gate_up_proj, experts.down_proj, idx.to(torch.int32), gates)
+
+    return run
+
+
+def _dense_swiglu(units: int, hidden: int, device, dtype) -> tuple[Callable, list]:
+    up = torch.randn(2 * units, hidden, device=device, dtype=dtype) * hidden ** -0.5
+    down = torch.randn(hidden, units, device=device, dtype=dtype) * units ** -0.5
+
+    def mlp(x):
+        gate, value = F.linear(x, up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * value, down)
+
+    return mlp, [up, down]
+
+
+def _implementations(cfg: MoEConfig, experts, device, dtype, liger_autotune: bool = True
+                     ) -> dict[str, tuple[Callable, list] | str]:
+    """Each implementation as (fn(x, idx, gates) -> y, its parameters), or a string saying why it cannot run."""
+    from ..models.experts import SCATTERMOE
     from ..moe import glu_experts
 
     def hf(name):
@@ -65,20 +129,29 @@ def _implementations(cfg: MoEConfig, experts, device, dtype) -> dict[str, tuple[
             return experts(x, idx, gates)
         return run
 
-    dense_up = torch.randn(2 * cfg.top_k * cfg.intermediate, cfg.hidden, device=device, dtype=dtype) * cfg.hidden ** -0.5
-    dense_down = torch.randn(cfg.hidden, cfg.top_k * cfg.intermediate, device=device, dtype=dtype) * cfg.intermediate ** -0.5
-
-    def dense(x, idx, gates):
-        gate, up = F.linear(x, dense_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, dense_down)
-
-    def ours(x, idx, gates):
+    def ours_plain(x, idx, gates):
         return glu_experts(x, experts.gate_up_proj, experts.down_proj, idx, gates, validate=False)
 
-    expert_params = [experts.gate_up_proj, experts.down_proj]
-    return {"hf-eager": (hf("eager"), expert_params), "hf-grouped_mm": (hf("grouped_mm"), expert_params),
-            "hf-batched_mm": (hf("batched_mm"), expert_params), "hf-scatter": (ours, expert_params),
-            "dense": (dense, [dense_up, dense_down])}
+    expert_params = list(experts.parameters())
+    routed: dict[str, Callable | str] = {
+        "hf-eager": hf("eager"), "hf-grouped_mm": hf("grouped_mm"), "hf-batched_mm": hf("batched_mm"),
+        "liger": _liger_experts(cfg, experts, liger_autotune),
+        # the experts backend for families with their own gate; the SwiGLU experts directly otherwise
+        "hf-scatter": ours_plain if cfg.family == "mixtral" else hf(SCATTERMOE),
+    }
+    dense, dense_params = _dense_swiglu((cfg.top_k + cfg.shared_experts) * cfg.intermediate, cfg.hidden, device,
+                                        dtype)
+    table: dict[str, tuple[Callable, list] | str] = {"dense": (lambda x, idx, gates: dense(x), dense_params)}
+    shared, shared_params = (_dense_swiglu(cfg.shared_experts * cfg.intermediate, cfg.hidden, device, dtype)
+                             if cfg.shared_experts else (None, []))
+    for name, fn in routed.items():
+        if isinstance(fn, str):
+            table[name] = fn
+        elif shared is None:
+            table[name] = (fn, expert_params)
+        else:
+            table[name] = (lambda x, idx, gates, fn=fn: fn(x, idx, gates) + shared(x), expert_params + shared_params)
+    return table
 
 
 def _measure(fn, params, x, idx, gates, dy, backward: bool) -> dict:
@@ -113,22 +186,52 @@ def routed_batch(tokens: int, hidden: int, experts: int, top_k: int, device, dty
     return x, idx, gates / gates.sum(-1, keepdim=True), torch.randn_like(x)
 
 
-def run_config(name: str, cfg: MoEConfig, impls=IMPLS, dtype=torch.bfloat16, seed: int = 0) -> dict:
+def _first_call_s(fn, params, x, idx, gates, dy, backward: bool) -> float:
+    """Seconds of the implementation's first call (forward, and backward where measured): what a user waits
+    for at the first step, Triton compilation and autotuning included."""
+    leaves = [x, gates, *params] if backward else []
+    for t in leaves:
+        t.requires_grad_(True)
+    try:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        if backward:
+            fn(x, idx, gates).backward(dy)
+        else:
+            with torch.no_grad():
+                fn(x, idx, gates)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+    finally:
+        for t in leaves:
+            t.grad = None
+            t.requires_grad_(False)
+
+
+def run_config(name: str, cfg: MoEConfig, impls=IMPLS, dtype=torch.bfloat16, seed: int = 0,
+               liger_autotune: bool = True) -> dict:
     device = torch.device("cuda")
     torch.manual_seed(seed)
     experts = hf_experts(cfg, device, dtype)
     x, idx, gates, dy = routed_batch(cfg.tokens, cfg.hidden, cfg.experts, cfg.top_k, device, dtype)
-    table = _implementations(cfg, experts, device, dtype)
+    table = _implementations(cfg, experts, device, dtype, liger_autotune)
     results: dict[str, dict] = {"config": dataclasses.asdict(cfg)}
-    with torch.no_grad():  # correctness of ours against transformers' eager loop, same weights and routing
+    with torch.no_grad():  # every implementation's output against transformers' eager loop, same weights
         ref = table["hf-eager"][0](x, idx, gates).float()
-        got = table["hf-scatter"][0](x, idx, gates).float()
-        results["hf-scatter_rel_err_vs_eager"] = ((got - ref).norm() / ref.norm()).item()
-        del ref, got
     for impl in impls:
-        fn, params = table[impl]
+        entry = table[impl]
+        if isinstance(entry, str):
+            results[impl] = r = {"error": entry}
+            print(f"  {name:16s} {impl:14s} {json.dumps(r)}", flush=True)
+            continue
+        fn, params = entry
+        r = {}
         try:
-            r = _measure(fn, params, x, idx, gates, dy, cfg.backward)
+            r["first_call_s"] = _first_call_s(fn, params, x, idx, gates, dy, cfg.backward)
+            if impl != "dense":
+                with torch.no_grad():
+                    r["rel_err_vs_eager"] = ((fn(x, idx, gates).float() - ref).norm() / ref.norm()).item()
+            r.update(_measure(fn, params, x, idx, gates, dy, cfg.backward))
         except Exception as error:  # noqa: BLE001 - an OOM peer is a result, not a crash
             if not is_oom(error):
                 raise
@@ -149,15 +252,21 @@ NEEDS_GPU = True
 def add_arguments(parser) -> None:
     """Flags of ``hf-scatter bench moe``, named after :func:`run`'s arguments."""
     parser.add_argument("--configs", nargs="*", metavar="CONFIG", help=f"subset of {', '.join(CONFIGS)} (default: all)")
+    parser.add_argument("--impls", nargs="*", metavar="IMPL", default=list(IMPLS),
+                        help=f"subset of {', '.join(IMPLS)} (default: all; hf-eager always runs once as the "
+                             "correctness reference)")
+    parser.add_argument("--liger-autotune", choices=("on", "off"), default="on",
+                        help="Liger's own autotuner (its default: on; minutes per shape)")
 
 
-def run(configs=None, impls=IMPLS) -> dict:
+def run(configs=None, impls=IMPLS, liger_autotune="on") -> dict:
     require_cuda()
     names = configs or list(CONFIGS)
     check_names("config", names, CONFIGS)
-    report = {**run_header(), "results": {}}
+    check_names("implementation", impls, IMPLS)
+    report = {**run_header(), "liger_autotune": liger_autotune, "results": {}}
     for name in names:
-        report["results"][name] = run_config(name, CONFIGS[name], impls)
+        report["results"][name] = run_config(name, CONFIGS[name], impls, liger_autotune=liger_autotune == "on")
     return report
 
 
@@ -170,14 +279,15 @@ def to_markdown(report: dict) -> str:
             if r is None:
                 continue
             if "error" in r:
-                rows.append([name, impl, r["error"], "", "", "", "", ""])
+                rows.append([name, impl, r["error"], "", "", "", "", "", ""])
                 continue
             ratio = f"{r['fwdbwd_ms'] / dense['fwdbwd_ms']:.2f}" if "fwdbwd_ms" in r and "fwdbwd_ms" in dense else ""
             rows.append([name, impl, f"{r['fwd_ms']:.2f}", f"{r['fwd_tflops']:.0f}", f"{r['fwd_peak_gib']:.2f}",
                          f"{r['fwdbwd_ms']:.2f}" if "fwdbwd_ms" in r else "",
-                         f"{r['fwdbwd_peak_gib']:.2f}" if "fwdbwd_peak_gib" in r else "", ratio])
+                         f"{r['fwdbwd_peak_gib']:.2f}" if "fwdbwd_peak_gib" in r else "", ratio,
+                         f"{r['first_call_s']:.1f}" if "first_call_s" in r else ""])
     return markdown_table(["config", "impl", "fwd ms", "fwd TFLOP/s", "fwd peak GiB", "fwd+bwd ms",
-                           "fwd+bwd peak GiB", "fwd+bwd / dense"], rows)
+                           "fwd+bwd peak GiB", "fwd+bwd / dense", "first call s"], rows)
 
 
 def results_table(report: dict) -> str:
