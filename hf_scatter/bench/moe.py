@@ -72,7 +72,6 @@ def hf_experts(cfg: MoEConfig, device, dtype):
         config = GptOssConfig(hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
                               num_local_experts=cfg.experts, num_experts_per_tok=cfg.top_k)
         experts = GptOssExperts(config).to(device=device, dtype=dtype)
-        fan_in = {"gate_up_proj": cfg.hidden, "down_proj": cfg.intermediate}  # stored [E, d_in, d_out]
     else:
         from transformers import MixtralConfig
         from transformers.models.mixtral.modeling_mixtral import MixtralExperts
@@ -80,7 +79,7 @@ def hf_experts(cfg: MoEConfig, device, dtype):
         config = MixtralConfig(hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
                                num_local_experts=cfg.experts, num_experts_per_tok=cfg.top_k)
         experts = MixtralExperts(config).to(device=device, dtype=dtype)
-        fan_in = {"gate_up_proj": cfg.hidden, "down_proj": cfg.intermediate}
+    fan_in = {"gate_up_proj": cfg.hidden, "down_proj": cfg.intermediate}
     with torch.no_grad():
         for name, p in experts.named_parameters():
             if name.endswith("_bias"):
