@@ -11,6 +11,7 @@ implementation's first call took (Triton compilation and autotuning included).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -153,28 +154,33 @@ def _implementations(cfg: MoEConfig, experts, device, dtype, liger_autotune: boo
     return table
 
 
+@contextlib.contextmanager
+def _grad_leaves(leaves: list[torch.Tensor]):
+    """The inputs and parameters a fwd+bwd differentiates, requiring grad inside and left clean after."""
+    for t in leaves:
+        t.requires_grad_(True)
+    try:
+        yield leaves
+    finally:
+        for t in leaves:
+            t.grad = None
+            t.requires_grad_(False)
+
+
 def _measure(fn, params, x, idx, gates, dy, backward: bool) -> dict:
     out = {}
     with torch.no_grad():
         out["fwd_ms"] = median_ms(lambda: fn(x, idx, gates))
         out["fwd_peak_gib"] = peak_extra_gib(lambda: fn(x, idx, gates))
     if backward:
-        leaves = [x, gates, *params]
-        for t in leaves:
-            t.requires_grad_(True)
-
         def step():
             fn(x, idx, gates).backward(dy)
 
-        try:
+        with _grad_leaves([x, gates, *params]) as leaves:
             out["fwdbwd_ms"] = median_ms(step, grad_to_none=leaves)
             for t in leaves:
                 t.grad = None
             out["fwdbwd_peak_gib"] = peak_extra_gib(step)
-        finally:
-            for t in leaves:
-                t.grad = None
-                t.requires_grad_(False)
     return out
 
 
@@ -188,10 +194,7 @@ def routed_batch(tokens: int, hidden: int, experts: int, top_k: int, device, dty
 def _first_call_s(fn, params, x, idx, gates, dy, backward: bool) -> float:
     """Seconds of the implementation's first call (forward, and backward where measured): what a user waits
     for at the first step, Triton compilation and autotuning included."""
-    leaves = [x, gates, *params] if backward else []
-    for t in leaves:
-        t.requires_grad_(True)
-    try:
+    with _grad_leaves([x, gates, *params] if backward else []):
         torch.cuda.synchronize()
         start = time.perf_counter()
         if backward:
@@ -201,10 +204,6 @@ def _first_call_s(fn, params, x, idx, gates, dy, backward: bool) -> float:
                 fn(x, idx, gates)
         torch.cuda.synchronize()
         return time.perf_counter() - start
-    finally:
-        for t in leaves:
-            t.grad = None
-            t.requires_grad_(False)
 
 
 def run_config(name: str, cfg: MoEConfig, impls=IMPLS, dtype=torch.bfloat16, seed: int = 0,

@@ -143,16 +143,8 @@ def run(configs=None) -> dict:
 
 
 def to_markdown(report: dict) -> str:
-    roof = report["copy_gbps"]
-    rows = []
-    for name, r in report["results"].items():
-        ours, peer = r["gbps"]["hf-scatter"], r["gbps"]["torch"]
-        rows.append([name, f"{r['ms']['hf-scatter']:.3f}", f"{ours:.0f}", f"{ours / roof:.0%}",
-                     f"{r['ms']['torch']:.3f}", f"{peer:.0f}", f"{peer / roof:.0%}",
-                     f"{r['ms']['torch'] / r['ms']['hf-scatter']:.2f}x"])
-    parts = [f"{report['device']}, device copy {roof:.0f} GB/s (bytes = each tensor read or written once)\n",
-             markdown_table(["case", "ours ms", "ours GB/s", "of copy", "torch ms", "torch GB/s", "of copy",
-                             "speedup"], rows)]
+    parts = [f"{report['device']}, device copy {report['copy_gbps']:.0f} GB/s (bytes = each tensor read or "
+             "written once)\n", results_table(report)]
     bert = report.get("bert_base_forward")
     if bert:
         (va, vt), (pa, pt) = bert["ms"].items()
