@@ -1,10 +1,12 @@
-"""Tiny random Mixtral, DBRX and BERT models and a byte-level tokenizer, built offline.
+"""Tiny random models of every family hf-scatter patches, and a byte-level tokenizer, built offline.
 
 Tests, the demo and the eval harness need real transformers models without a hub download: these
 builders make them from configs in milliseconds, seeded, with odd sizes on request.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -99,8 +101,83 @@ def tiny_bert(seed: int = 0, dtype: torch.dtype = torch.float32, head: str = "ba
     return _seeded(lambda: cls(tiny_bert_config(**config)), seed, dtype)
 
 
-TINY_BUILDERS = {"mixtral": tiny_mixtral, "dbrx": tiny_dbrx, "bert": tiny_bert}
+def _decoder(hidden, layers, heads, kv_heads, vocab) -> dict:
+    return dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                num_key_value_heads=kv_heads, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
+                eos_token_id=2)
 
 
-__all__ = ["TINY_BUILDERS", "TINY_VOCAB", "byte_level_tokenizer", "tiny_bert", "tiny_bert_config", "tiny_dbrx",
-           "tiny_dbrx_config", "tiny_mixtral", "tiny_mixtral_config"]
+def _qwen3_moe(hidden, layers, experts, top_k, intermediate, heads, kv_heads, vocab):
+    return "Qwen3MoeConfig", dict(intermediate_size=2 * intermediate, moe_intermediate_size=intermediate,
+                                  head_dim=hidden // heads, num_experts=experts, num_experts_per_tok=top_k,
+                                  norm_topk_prob=True)
+
+
+def _qwen2_moe(hidden, layers, experts, top_k, intermediate, heads, kv_heads, vocab):
+    return "Qwen2MoeConfig", dict(intermediate_size=2 * intermediate, moe_intermediate_size=intermediate,
+                                  shared_expert_intermediate_size=intermediate + 8, num_experts=experts,
+                                  num_experts_per_tok=top_k, norm_topk_prob=False)
+
+
+def _olmoe(hidden, layers, experts, top_k, intermediate, heads, kv_heads, vocab):
+    return "OlmoeConfig", dict(intermediate_size=intermediate, num_experts=experts, num_experts_per_tok=top_k)
+
+
+def _deepseek(version):
+    def config(hidden, layers, experts, top_k, intermediate, heads, kv_heads, vocab):
+        groups = 2 if experts % 2 == 0 and experts >= 4 else 1  # group-limited routing at tiny sizes
+        extra = dict(topk_method="group_limited_greedy") if version == 2 else dict(norm_topk_prob=True)
+        return f"DeepseekV{version}Config", dict(
+            intermediate_size=2 * intermediate, moe_intermediate_size=intermediate, n_routed_experts=experts,
+            num_experts_per_tok=top_k, n_shared_experts=1, first_k_dense_replace=1, n_group=groups, topk_group=1,
+            routed_scaling_factor=1.5, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8,
+            v_head_dim=hidden // heads, num_key_value_heads=heads, **extra)
+
+    return config
+
+
+def _gpt_oss(hidden, layers, experts, top_k, intermediate, heads, kv_heads, vocab):
+    return "GptOssConfig", dict(intermediate_size=intermediate, num_local_experts=experts, num_experts_per_tok=top_k,
+                                head_dim=hidden // heads, sliding_window=8,
+                                rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
+
+def _granitemoe(hidden, layers, experts, top_k, intermediate, heads, kv_heads, vocab):
+    return "GraniteMoeConfig", dict(intermediate_size=intermediate, num_local_experts=experts,
+                                    num_experts_per_tok=top_k, residual_multiplier=0.7, embedding_multiplier=2.0,
+                                    attention_multiplier=0.3, logits_scaling=1.5)
+
+
+# model_type -> (hidden, layers, experts, top_k, intermediate, heads, kv_heads, vocab) -> (config class, kwargs)
+_DECODER_CONFIGS = {"qwen3_moe": _qwen3_moe, "qwen2_moe": _qwen2_moe, "olmoe": _olmoe, "deepseek_v3": _deepseek(3),
+                    "deepseek_v2": _deepseek(2), "gpt_oss": _gpt_oss, "granitemoe": _granitemoe}
+DECODER_FAMILIES = tuple(_DECODER_CONFIGS)
+
+
+def tiny_decoder_config(family: str, hidden: int = 64, layers: int = 2, experts: int = 4, top_k: int = 2,
+                        intermediate: int = 96, heads: int = 4, kv_heads: int = 2, vocab: int = TINY_VOCAB, **extra):
+    """A tiny config of one of :data:`DECODER_FAMILIES` (DeepSeek's first layer is dense, so it gets one more
+    layer: ``layers`` counts MoE layers everywhere)."""
+    import transformers
+
+    if family not in _DECODER_CONFIGS:
+        raise ValueError(f"tiny_decoder_config: unknown family {family!r}; choose one of {', '.join(DECODER_FAMILIES)}")
+    cls, kwargs = _DECODER_CONFIGS[family](hidden, layers, experts, top_k, intermediate, heads, kv_heads, vocab)
+    layers += family.startswith("deepseek")
+    return getattr(transformers, cls)(**{**_decoder(hidden, layers, heads, kv_heads, vocab), **kwargs, **extra})
+
+
+def tiny_decoder(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, **config):
+    """A random ``AutoModelForCausalLM`` of ``family``; keyword arguments go to :func:`tiny_decoder_config`."""
+    from transformers import AutoModelForCausalLM
+
+    return _seeded(lambda: AutoModelForCausalLM.from_config(tiny_decoder_config(family, **config)), seed, dtype)
+
+
+TINY_BUILDERS = {"mixtral": tiny_mixtral, "dbrx": tiny_dbrx, "bert": tiny_bert,
+                 **{family: functools.partial(tiny_decoder, family) for family in DECODER_FAMILIES}}
+
+
+__all__ = ["DECODER_FAMILIES", "TINY_BUILDERS", "TINY_VOCAB", "byte_level_tokenizer", "tiny_bert", "tiny_bert_config",
+           "tiny_dbrx", "tiny_dbrx_config", "tiny_decoder", "tiny_decoder_config", "tiny_mixtral",
+           "tiny_mixtral_config"]

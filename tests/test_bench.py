@@ -28,19 +28,23 @@ def test_bench_replot_renders_table_and_png_from_saved_json(suite, saved, tmp_pa
 
 @pytest.mark.gpu
 def test_bench_train_smoke_run_patched_matches_vanilla_first_loss():
+    import importlib.util
+
     from hf_scatter.bench import train
 
-    report = train.run(train.IMPLS, cfg=train.SMOKE, warmup=1, steps=2)
+    liger = importlib.util.find_spec("liger_kernel") is not None  # a peer, not a dependency
+    impls = [impl for impl in train.IMPLS if liger or not impl.endswith("-liger")]
+    report = train.run(impls, cfg=train.SMOKE, warmup=1, steps=2, liger_autotune="off")
     res = report["results"]
-    assert set(res) == set(train.IMPLS)
-    for family in ("mixtral", "dbrx"):
-        vanilla = res[train.BASELINES[family]]["first_step_loss"]
-        assert abs(res[f"{family}-hf-scatter"]["first_step_loss"] - vanilla) < 2e-2 * vanilla
+    assert set(res) == set(impls)
+    for impl, r in res.items():  # every variant of a family computes its vanilla first loss
+        vanilla = res[train.BASELINES[impl.split("-", 1)[0]]]["first_step_loss"]
+        assert abs(r["first_step_loss"] - vanilla) < 2e-2 * vanilla, impl
     assert all(r["tokens_per_s"] > 0 and r["peak_gib"] > 0 for r in res.values())
     # every eager variant gets its breakdown; the graphed ones cannot (the breakdown's hooks send graphed
     # blocks eager, so it would time the eager step under the graphed name)
     for impl, r in res.items():
-        assert ("breakdown_ms" in r) == (not impl.endswith("-graphs")), impl
+        assert ("breakdown_ms" in r or "breakdown_error" in r) == (not impl.endswith("-graphs")), impl
     for family in ("mixtral", "dbrx"):  # graphed steps compute the same first loss as the eager patch
         graphs = res[f"{family}-hf-scatter-graphs"]["first_step_loss"]
         assert abs(graphs - res[f"{family}-hf-scatter"]["first_step_loss"]) < 1e-2 * graphs

@@ -1,18 +1,24 @@
-"""Patched Mixtral and DBRX behave exactly like vanilla transformers: logits, gradients, routing, generate,
-checkpoints, class-level patching, compile, autocast, gradient checkpointing and accelerate hooks."""
+"""Patched models of every MoE family behave exactly like vanilla transformers: logits, gradients, routing,
+generate, checkpoints, class-level patching, compile, autocast, gradient checkpointing and accelerate hooks.
+One suite, parametrised over the families (tiny configs, odd sizes, k=3 of 6 experts)."""
 
 import copy
+import functools
 
 import pytest
 import torch
 
 import hf_scatter
 from hf_scatter.models.bert import UNPADDED
-from hf_scatter.tiny import tiny_bert, tiny_dbrx, tiny_dbrx_config, tiny_mixtral, tiny_mixtral_config
+from hf_scatter.tiny import (DECODER_FAMILIES, TINY_BUILDERS, tiny_bert, tiny_dbrx_config, tiny_decoder_config,
+                             tiny_mixtral, tiny_mixtral_config)
 
-BUILDERS = {"mixtral": tiny_mixtral, "dbrx": tiny_dbrx}
-CONFIGS = {"mixtral": tiny_mixtral_config, "dbrx": tiny_dbrx_config}
+FAMILIES = ["mixtral", "dbrx", *DECODER_FAMILIES]
+CONFIGS = {"mixtral": tiny_mixtral_config, "dbrx": tiny_dbrx_config,
+           **{f: functools.partial(tiny_decoder_config, f) for f in DECODER_FAMILIES}}
 ODD = dict(hidden=72, experts=6, top_k=3, intermediate=40)  # odd sizes, k=3 of 6 experts
+MOE_LAYERS = 2  # every tiny config has two MoE layers (DeepSeek's extra first layer is dense)
+UNFUSED_NORMS = {"gpt_oss"}  # its RMSNorm rounds after the weight: left vanilla
 
 
 def _rel(a, b):
@@ -20,8 +26,8 @@ def _rel(a, b):
 
 
 def vanilla_and_patched(family, device, **config):
-    vanilla = BUILDERS[family](**{**ODD, **config}).to(device)
-    if family == "mixtral":
+    vanilla = TINY_BUILDERS[family](**{**ODD, **config}).to(device)
+    if family != "dbrx":
         vanilla.set_experts_implementation("eager")  # the family's own per-expert loop as the reference
     return vanilla, hf_scatter.patch_model(copy.deepcopy(vanilla))
 
@@ -47,12 +53,13 @@ def _assert_same_grads(vanilla, patched, tol=1e-5):
     assert _rel(got[worst], want[worst]) < tol, worst
 
 
-@pytest.mark.parametrize("family", ["mixtral", "dbrx"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_logits_and_every_gradient_match_vanilla_with_padding(family, device):
     vanilla, patched = vanilla_and_patched(family, device)
     report = hf_scatter.patch_report(patched)
-    assert patched_experts(patched) == 2
-    assert {v for v in report.values() if not v.startswith("scattermoe")} == {"fused_add_norm", "router_topk"}
+    assert patched_experts(patched) == MOE_LAYERS
+    fused = {"router_topk"} if family in UNFUSED_NORMS else {"fused_add_norm", "router_topk"}
+    assert {v for v in report.values() if not v.startswith("scattermoe")} == fused
     assert "experts_implementation=scattermoe" in repr(patched)
     ids = _ids(device)
     mask = torch.ones_like(ids)
@@ -74,9 +81,9 @@ def _seeded_forward(model, ids, **kwargs):
         return error
 
 
-@pytest.mark.parametrize("family", ["mixtral", "dbrx"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_routing_router_logits_aux_loss_and_jitter_are_the_familys(family, device):
-    jitter = {"mixtral": {"router_jitter_noise": 0.1}, "dbrx": {"jitter_eps": 0.1}}[family]
+    jitter = {"mixtral": {"router_jitter_noise": 0.1}, "dbrx": {"jitter_eps": 0.1}}.get(family, {})
     vanilla, patched = vanilla_and_patched(family, device, output_router_logits=True, **jitter)
     vanilla.train()
     patched.train()
@@ -84,11 +91,12 @@ def test_routing_router_logits_aux_loss_and_jitter_are_the_familys(family, devic
     want, got = _seeded_forward(vanilla, ids), _seeded_forward(patched, ids)
     assert (got.router_logits is None) == (want.router_logits is None)
     if want.router_logits is not None:  # (transformers 5.17 does not record DBRX's: nothing to compare then)
-        assert len(got.router_logits) == len(want.router_logits) == 2
-        for layer in range(2):  # router inputs differ by the fused norms' float rounding only
+        assert len(got.router_logits) == len(want.router_logits) == MOE_LAYERS
+        for layer in range(MOE_LAYERS):  # router inputs differ by the fused norms' float rounding only
             assert _rel(got.router_logits[layer], want.router_logits[layer]) < 1e-5
     assert type(got.aux_loss) is type(want.aux_loss)
-    assert torch.allclose(torch.as_tensor(got.aux_loss), torch.as_tensor(want.aux_loss), rtol=1e-6, atol=0)
+    if want.aux_loss is not None:  # (DeepSeek defines none)
+        assert torch.allclose(torch.as_tensor(got.aux_loss), torch.as_tensor(want.aux_loss), rtol=1e-6, atol=0)
     want, got = _seeded_forward(vanilla, ids, labels=ids), _seeded_forward(patched, ids, labels=ids)
     if isinstance(want, Exception):  # transformers 5.17's DBRX cannot add an unrecorded aux loss: same error
         assert type(got) is type(want) and str(got) == str(want)
@@ -96,7 +104,7 @@ def test_routing_router_logits_aux_loss_and_jitter_are_the_familys(family, devic
         assert _rel(got.loss, want.loss) < 1e-5
 
 
-@pytest.mark.parametrize("family", ["mixtral", "dbrx"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_generate_greedy_tokens_identical_with_kv_cache(family, device):
     vanilla, patched = vanilla_and_patched(family, device)
     ids = _ids(device, batch=2, length=7)
@@ -109,7 +117,7 @@ def test_generate_greedy_tokens_identical_with_kv_cache(family, device):
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "dbrx"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_save_pretrained_round_trips_both_ways_bitwise(family, device, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -132,13 +140,13 @@ def test_save_pretrained_round_trips_both_ways_bitwise(family, device, tmp_path)
         loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "vanilla")
     finally:
         hf_scatter.unpatch_transformers()
-    assert patched_experts(loaded) == 2
+    assert patched_experts(loaded) == MOE_LAYERS
     sd_loaded, sd_vanilla = loaded.state_dict(), vanilla.state_dict()
     assert list(sd_loaded) == list(sd_vanilla)
     assert all(torch.equal(sd_loaded[k], sd_vanilla[k].cpu()) for k in sd_loaded)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "dbrx"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_patch_is_idempotent_switchable_and_reversible(family, device):
     vanilla, patched = vanilla_and_patched(family, device)
     ids = _ids(device)
@@ -165,17 +173,16 @@ def test_patch_is_idempotent_switchable_and_reversible(family, device):
 
 def test_patch_transformers_is_class_level_and_unpatch_restores_classes_exactly():
     from transformers import AutoModelForCausalLM
-    from transformers.models.bert.modeling_bert import BertPreTrainedModel
-    from transformers.models.dbrx.modeling_dbrx import DbrxPreTrainedModel
-    from transformers.models.mixtral.modeling_mixtral import MixtralPreTrainedModel
 
-    before = {cls: dict(vars(cls)) for cls in (MixtralPreTrainedModel, DbrxPreTrainedModel, BertPreTrainedModel)}
+    bases = [hf_scatter.patching._family_base(f) for f in hf_scatter.models.families().values()]
+    before = {cls: dict(vars(cls)) for cls in bases}
     hf_scatter.patch_transformers()
     hf_scatter.patch_transformers()  # twice is harmless
     try:
-        for family in ("mixtral", "dbrx"):
+        for family in FAMILIES:
             model = AutoModelForCausalLM.from_config(CONFIGS[family]())
-            assert patched_experts(model) == 2, family
+            assert patched_experts(model) == MOE_LAYERS, family
+            assert "router_topk" in hf_scatter.patch_report(model).values(), family
         explicit = AutoModelForCausalLM.from_config(tiny_mixtral_config(), experts_implementation="eager")
         assert explicit.config._experts_implementation == "eager", "an explicit load-time choice wins"
         assert set(hf_scatter.patch_report(tiny_bert()).values()) == {"fused_add_norm", UNPADDED}
@@ -184,8 +191,8 @@ def test_patch_transformers_is_class_level_and_unpatch_restores_classes_exactly(
     finally:
         hf_scatter.unpatch_transformers()
     assert {cls: dict(vars(cls)) for cls in before} == before
-    for family in ("mixtral", "dbrx"):
-        assert hf_scatter.patch_report(AutoModelForCausalLM.from_config(CONFIGS[family]())) == {}
+    for family in FAMILIES:
+        assert hf_scatter.patch_report(AutoModelForCausalLM.from_config(CONFIGS[family]())) == {}, family
 
 
 def test_experts_implementation_switch_works_without_patching(tmp_path):
@@ -203,7 +210,7 @@ def test_bad_input_gets_clear_errors():
 
     llama = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1))
-    with pytest.raises(ValueError, match=r"model_type 'llama'.*Supported: bert, dbrx, mixtral"):
+    with pytest.raises(ValueError, match=r"model_type 'llama'.*Supported: bert, dbrx, deepseek_v2, .*, qwen3_moe, and"):
         hf_scatter.patch_model(llama)
     with pytest.raises(TypeError, match="PreTrainedModel"):
         hf_scatter.patch_model(torch.nn.Linear(2, 2))
@@ -214,7 +221,7 @@ def test_bad_input_gets_clear_errors():
     assert not hf_scatter.patching.transformers_patched()
 
 
-@pytest.mark.parametrize("family", ["mixtral", "dbrx"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_gradient_checkpointing_gives_the_same_gradients(family, device):
     vanilla, patched = vanilla_and_patched(family, device)
     for model in (vanilla, patched):
@@ -226,7 +233,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(family, device):
     _assert_same_grads(vanilla, patched)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "dbrx"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_torch_compile_fullgraph_forward_and_backward(family, device):
     _, patched = vanilla_and_patched(family, device)
     reference = copy.deepcopy(patched)
@@ -242,7 +249,7 @@ def test_torch_compile_fullgraph_forward_and_backward(family, device):
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("family", ["mixtral", "dbrx"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_bf16_autocast_runs_in_bf16_and_stays_close(family, device):
     """Vanilla DBRX cannot run under autocast (its index_add_ mixes dtypes); the patched one can."""
     vanilla, patched = vanilla_and_patched(family, device)
@@ -256,7 +263,7 @@ def test_bf16_autocast_runs_in_bf16_and_stays_close(family, device):
     assert grads and all(g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads.values())
 
 
-@pytest.mark.parametrize("family", ["mixtral", "dbrx"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_patching_a_model_under_accelerate_hooks(family, device):
     """``device_map`` / offloaded models run through accelerate hooks; patching afterwards must keep them.
     (Vanilla DBRX cannot run offloaded: its experts read ``mlp.w1`` outside the hooked ``mlp`` call.)"""
@@ -267,11 +274,11 @@ def test_patching_a_model_under_accelerate_hooks(family, device):
     want = vanilla(ids).logits
     hooked = cpu_offload(copy.deepcopy(vanilla), execution_device=device)
     hf_scatter.patch_model(hooked)
-    assert patched_experts(hooked) == 2
+    assert patched_experts(hooked) == MOE_LAYERS
     assert _rel(hooked(ids).logits, want) < 1e-5
     hf_scatter.unpatch_model(hooked)
     assert hf_scatter.patch_report(hooked) == {}
-    if family == "mixtral":
+    if family != "dbrx":
         assert _rel(hooked(ids).logits, want) < 1e-5
 
 

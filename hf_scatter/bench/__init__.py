@@ -8,7 +8,8 @@ a line here.
 
 SUITES = {
     "moe": "one SMoE SwiGLU layer (Mixtral to Qwen3 / GPT-OSS / DeepSeek shapes) vs HF eager / grouped_mm / batched_mm, Liger and a dense MLP of equal FLOPs",
-    "train": "training steps of the paper's 1.5B Mixtral (and a same-shape DBRX), vanilla vs patched",
+    "train": "training steps of ~1-2B Mixtral, DBRX, Qwen3-MoE, GPT-OSS and DeepSeek-V3: vanilla vs Liger vs patched",
+    "loss": "LM head + cross-entropy: transformers' unfused loss vs Liger's and cut-cross-entropy's fused ones",
     "norms": "fused LayerNorm / RMSNorm / softmax / router vs torch, GB/s against the copy roof, BERT-base forward",
     "convert": "conversion GB/s and CPU load time, HF vs hf-scatter layout (no GPU needed)",
     "bert": "packed BERT-base inference vs padded SDPA (latency, throughput, memory)",

@@ -1,15 +1,20 @@
-"""`hf-scatter bench train`: whole training steps of the ScatterMoE paper's 1.5B Mixtral configuration.
+"""`hf-scatter bench train`: whole training steps of ~1-2B MoE models of each family hf-scatter patches.
 
-Vanilla (transformers' grouped_mm / eager experts) against patched, and a DBRX of the same shape (always
-eager in transformers), in one process, from one seed and on the same random tokens. Reports tokens/s
-(median step), peak memory (weights, gradients and optimizer states included) and the first-step loss
-(patched must equal vanilla within bf16 noise), plus a per-category GPU time breakdown of one step.
+Mixtral and DBRX at the ScatterMoE paper's 1.5B configuration; Qwen3-MoE, GPT-OSS and DeepSeek-V3 at the
+real families' proportions (:data:`FAMILY_SHAPES`). Vanilla (transformers' grouped_mm / eager experts),
+Liger-Kernel's patch for the family (``apply_liger_kernel_to_<family>``, its defaults: RMSNorm, RoPE,
+SwiGLU / fused experts, fused linear cross-entropy) and hf-scatter's patch, in one process, from one seed
+and on the same random tokens. Reports tokens/s (median step), peak memory (weights, gradients and optimizer
+states included) and the first-step loss (patched must equal vanilla within bf16 noise), plus a
+per-category GPU time breakdown of one step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
+import os
 import statistics
 from typing import Callable
 
@@ -33,6 +38,7 @@ class TrainConfig:
     vocab: int = 32000
     batch: int = 4
     seq: int = 2048
+    shared_experts: int = 0  # DeepSeek's shared experts (each of the routed experts' size)
 
     @property
     def tokens(self) -> int:
@@ -41,35 +47,93 @@ class TrainConfig:
 
 PAPER_1P5B = TrainConfig()
 SMOKE = TrainConfig(hidden=64, intermediate=96, experts=4, layers=2, heads=4, kv_heads=2, vocab=384, batch=2, seq=16)
-IMPLS = ("mixtral-grouped_mm", "mixtral-eager", "mixtral-hf-scatter-experts", "mixtral-hf-scatter",
-         "mixtral-hf-scatter-graphs", "dbrx-eager", "dbrx-hf-scatter", "dbrx-hf-scatter-graphs")
+# The fine-grained families at ~1-2B with their real proportions (d_expert / d, E, k, shared experts).
+FAMILY_SHAPES = {
+    "mixtral": PAPER_1P5B, "dbrx": PAPER_1P5B,
+    "qwen3_moe": TrainConfig(intermediate=384, experts=64, top_k=8, kv_heads=4),
+    "gpt_oss": TrainConfig(intermediate=1024, experts=32, top_k=4),
+    "deepseek_v3": TrainConfig(intermediate=384, experts=64, top_k=8, shared_experts=2),  # MLA: kv_heads = heads
+}
+IMPLS = ("mixtral-grouped_mm", "mixtral-eager", "mixtral-liger", "mixtral-hf-scatter-experts", "mixtral-hf-scatter",
+         "mixtral-hf-scatter-graphs", "dbrx-eager", "dbrx-hf-scatter", "dbrx-hf-scatter-graphs",
+         "qwen3_moe-grouped_mm", "qwen3_moe-liger", "qwen3_moe-hf-scatter",
+         "gpt_oss-grouped_mm", "gpt_oss-liger", "gpt_oss-hf-scatter",
+         "deepseek_v3-grouped_mm", "deepseek_v3-liger", "deepseek_v3-hf-scatter")
 # "-experts": only the experts on hf-scatter's kernels (norms and router stay transformers' own);
-# "-graphs": the default patch plus moe_graphs=True (MoE blocks replayed as CUDA graphs)
+# "-graphs": the default patch plus moe_graphs=True (MoE blocks replayed as CUDA graphs);
+# "-liger": Liger-Kernel's patch for the family with its defaults
 _VARIANT_OPTIONS = {"experts": {"norms": False, "router": False}, "graphs": {"moe_graphs": True}}
 
 
-def build_model(impl: str, cfg: TrainConfig, device: torch.device, dtype: torch.dtype, seed: int = 0):
-    """The model an implementation name stands for, initialised from ``seed`` (same weights per family)."""
-    from transformers import AutoModelForCausalLM, DbrxConfig, MixtralConfig
+def _hf_config(family: str, cfg: TrainConfig):
+    import transformers
 
-    from .. import patch_model
-
-    family, choice = impl.split("-", 1)
+    common = dict(vocab_size=cfg.vocab, hidden_size=cfg.hidden, num_hidden_layers=cfg.layers,
+                  num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads, max_position_embeddings=cfg.seq)
+    head_dim = cfg.hidden // cfg.heads
     if family == "mixtral":
-        config = MixtralConfig(
-            vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
-            num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
-            num_local_experts=cfg.experts, num_experts_per_tok=cfg.top_k, max_position_embeddings=cfg.seq)
-    elif family == "dbrx":
-        config = DbrxConfig(
+        return transformers.MixtralConfig(**common, intermediate_size=cfg.intermediate, num_local_experts=cfg.experts,
+                                          num_experts_per_tok=cfg.top_k)
+    if family == "dbrx":
+        return transformers.DbrxConfig(
             d_model=cfg.hidden, n_heads=cfg.heads, n_layers=cfg.layers, max_seq_len=cfg.seq, vocab_size=cfg.vocab,
             attn_config={"kv_n_heads": cfg.kv_heads, "rope_theta": 10000.0, "clip_qkv": 8.0},
             ffn_config={"hidden_size": cfg.hidden, "ffn_hidden_size": cfg.intermediate,
                         "moe_num_experts": cfg.experts, "moe_top_k": cfg.top_k})
-    else:
-        raise ValueError(f"unknown implementation {impl!r}; choose from {', '.join(IMPLS)}")
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**common, moe_intermediate_size=cfg.intermediate, head_dim=head_dim,
+                                           num_experts=cfg.experts, num_experts_per_tok=cfg.top_k, norm_topk_prob=True)
+    if family == "gpt_oss":
+        return transformers.GptOssConfig(**common, intermediate_size=cfg.intermediate, num_local_experts=cfg.experts,
+                                         num_experts_per_tok=cfg.top_k, head_dim=head_dim,
+                                         rope_parameters={"rope_type": "default", "rope_theta": 150000.0})
+    if family == "deepseek_v3":  # DeepSeek-V3's attention ranks scaled with d; 8 groups, 4 kept, as V3 has
+        groups = 8 if cfg.experts % 8 == 0 and cfg.experts >= 16 else 1
+        return transformers.DeepseekV3Config(
+            **{**common, "num_key_value_heads": cfg.heads}, intermediate_size=4 * cfg.intermediate, moe_intermediate_size=cfg.intermediate,
+            n_routed_experts=cfg.experts, num_experts_per_tok=cfg.top_k, n_shared_experts=max(cfg.shared_experts, 1),
+            n_group=groups, topk_group=max(groups // 2, 1), first_k_dense_replace=1, q_lora_rank=cfg.hidden * 3 // 8,
+            kv_lora_rank=cfg.hidden // 8, qk_rope_head_dim=head_dim // 2, qk_nope_head_dim=head_dim,
+            v_head_dim=head_dim, routed_scaling_factor=2.5, norm_topk_prob=True)
+    raise ValueError(f"unknown family {family!r}; choose from {', '.join(FAMILY_SHAPES)}")
+
+
+@contextlib.contextmanager
+def liger_patched(family: str, model):
+    """Liger-Kernel's patch of ``family`` applied to ``model``. Liger also rebinds names in transformers'
+    modeling module (RoPE, norm classes, the LM forward): those are restored on exit, so models built
+    afterwards in the same process stay vanilla."""
+    import importlib
+
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    saved = dict(vars(module))
+    try:
+        from liger_kernel.transformers import monkey_patch
+    except ImportError as error:
+        raise RuntimeError("the -liger variants need liger-kernel (pip install liger-kernel)") from error
+    getattr(monkey_patch, f"apply_liger_kernel_to_{family}")(model=model)
+    try:
+        yield model
+    finally:
+        vars(module).update(saved)
+
+
+def family_shape(impl: str, cfg: TrainConfig | None) -> TrainConfig:
+    """The shape an implementation runs: ``cfg`` if given (one shape for all, e.g. the smoke test), else its
+    family's :data:`FAMILY_SHAPES` entry."""
+    return cfg or FAMILY_SHAPES[impl.split("-", 1)[0]]
+
+
+def build_model(impl: str, cfg: TrainConfig, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    """The model an implementation name stands for, initialised from ``seed`` (same weights per family)."""
+    from transformers import AutoModelForCausalLM
+
+    from .. import patch_model
+
+    family, choice = impl.split("-", 1)
+    config = _hf_config(family, cfg)
     patched = choice.startswith("hf-scatter")
-    kwargs = {"experts_implementation": choice} if family == "mixtral" and not patched else {}
+    kwargs = {"experts_implementation": choice} if family != "dbrx" and choice in ("grouped_mm", "eager") else {}
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
@@ -155,6 +219,15 @@ def measure(impl: str, cfg: TrainConfig, ids: torch.Tensor, warmup: int, steps: 
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     model = build_model(impl, cfg, ids.device, dtype)
+    family, choice = impl.split("-", 1)
+    with liger_patched(family, model) if choice == "liger" else contextlib.nullcontext():
+        result = _timed_steps(impl, model, cfg, ids, warmup, steps, breakdown)
+    del model
+    return result
+
+
+def _timed_steps(impl: str, model, cfg: TrainConfig, ids: torch.Tensor, warmup: int, steps: int,
+                 breakdown: bool) -> dict:
     step, opt = _step_fn(model, ids)
     first_loss = step().item()
     for _ in range(warmup - 1):
@@ -177,7 +250,7 @@ def measure(impl: str, cfg: TrainConfig, ids: torch.Tensor, warmup: int, steps: 
             result["breakdown_ms"] = time_breakdown(model, step)
         except RuntimeError as error:  # a family whose modules refuse full backward hooks: report, go on
             result["breakdown_error"] = str(error)
-    del model, opt, step
+    del opt, step
     return result
 
 
@@ -191,22 +264,32 @@ def add_arguments(parser) -> None:
     parser.add_argument("--steps", type=positive_int, default=10, help="timed steps after 3 warm-up steps")
     parser.add_argument("--no-breakdown", dest="breakdown", action="store_false",
                         help="skip the per-category time breakdown")
+    parser.add_argument("--liger-autotune", choices=("on", "off"), default="on",
+                        help="Liger's fused-MoE autotuner in the -liger variants (its default: on)")
 
 
-def run(impls=IMPLS, cfg: TrainConfig = PAPER_1P5B, warmup: int = 3, steps: int = 10,
-        breakdown: bool = True) -> dict:
+def run(impls=IMPLS, cfg: TrainConfig | None = None, warmup: int = 3, steps: int = 10,
+        breakdown: bool = True, liger_autotune: str = "on") -> dict:
+    """``cfg``: one shape for every implementation (the smoke test); None runs each family at its
+    :data:`FAMILY_SHAPES` entry."""
     require_cuda()
     check_names("implementation", impls, IMPLS)
-    report = {**run_header(), "config": dataclasses.asdict(cfg), "warmup": warmup, "steps": steps, "results": {}}
-    ids = torch.randint(cfg.vocab, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(0)).cuda()
+    os.environ.setdefault("LIGER_FUSED_MOE_AUTOTUNE", "1" if liger_autotune == "on" else "0")  # read at import
+    families = dict.fromkeys(impl.split("-", 1)[0] for impl in impls)
+    configs = {family: dataclasses.asdict(family_shape(family, cfg)) for family in families}
+    report = {**run_header(), "config": next(iter(configs.values())), "configs": configs, "warmup": warmup,
+              "steps": steps, "liger_autotune": liger_autotune, "results": {}}
     for impl in impls:
-        report["results"][impl] = r = measure(impl, cfg, ids, warmup, steps, breakdown)
+        shape = family_shape(impl, cfg)
+        ids = torch.randint(shape.vocab, (shape.batch, shape.seq), generator=torch.Generator().manual_seed(0)).cuda()
+        report["results"][impl] = r = measure(impl, shape, ids, warmup, steps, breakdown)
         print(f"  {impl:20s} {r['tokens_per_s'] / 1e3:8.1f}k tok/s  peak {r['peak_gib']:.1f} GiB  "
               f"first loss {r['first_step_loss']:.4f}", flush=True)
     return report
 
 
-BASELINES = {"mixtral": "mixtral-grouped_mm", "dbrx": "dbrx-eager"}
+BASELINES = {"mixtral": "mixtral-grouped_mm", "dbrx": "dbrx-eager", "qwen3_moe": "qwen3_moe-grouped_mm",
+             "gpt_oss": "gpt_oss-grouped_mm", "deepseek_v3": "deepseek_v3-grouped_mm"}
 
 
 def to_markdown(report: dict) -> str:
@@ -299,9 +382,13 @@ def plot(report: dict, path: str) -> None:
         axes[1].legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
     for ax in axes:
         ax.invert_yaxis()
-    c = report["config"]
-    fig.suptitle(f"Training step, {c['layers']}-layer MoE (d {c['hidden']}, d_expert {c['intermediate']}, "
-                 f"E {c['experts']}, k {c['top_k']}), batch {c['batch']}x{c['seq']}, bf16 AdamW, {report['device']}")
+    configs = report.get("configs") or {"": report["config"]}
+    if len(configs) == 1:
+        c = next(iter(configs.values()))
+        fig.suptitle(f"Training step, {c['layers']}-layer MoE (d {c['hidden']}, d_expert {c['intermediate']}, E "
+                     f"{c['experts']}, k {c['top_k']}), batch {c['batch']}x{c['seq']}, bf16 AdamW, {report['device']}")
+    else:
+        fig.suptitle(f"Training step of each family at its own ~1-2B shape, bf16 AdamW, {report['device']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

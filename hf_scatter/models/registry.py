@@ -66,7 +66,7 @@ class Family:
     pipeline_adapter: type | None = None
 
 
-FAMILY_MODULES = ("mixtral", "dbrx", "bert")
+FAMILY_MODULES = ("mixtral", "dbrx", "bert", "qwen_moe", "deepseek", "gpt_oss", "granite_moe")
 _FAMILIES: dict[str, Family] = {}
 
 

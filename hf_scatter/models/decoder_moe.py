@@ -1,0 +1,155 @@
+"""What the Llama-style MoE families share: fused RMSNorm, decoder layer and router subclasses, made per family
+class on demand, and the patch that swaps them in.
+
+transformers copies these modules from family to family (Qwen3-MoE, Qwen2-MoE, OLMoE, DeepSeek, Granite-MoE,
+GPT-OSS carry the same RMSNorm and decoder layer as Mixtral, under their own names), so one fused forward
+serves each piece. A family module describes itself with a :class:`DecoderFamily` (its classes, its router
+forward, where the MoE block sits) and :func:`register_decoder_family` registers it.
+
+The fused subclasses are made once per vanilla class, named ``Fused<Class>`` and kept as attributes of this
+module, so patched models pickle and deep-copy like vanilla ones.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels.router import router_topk
+from .class_patch import apply_swaps
+from .experts import SCATTERMOE, patch_interface_experts
+from .fused_norms import FUSED_ADD_NORM, add_rms_norm, rms_norm
+from .moe_graphs import set_moe_graphs
+from .registry import Family, PatchOptions, register_family
+
+ROUTER_TOPK = "router_topk"
+
+
+def fused_subclass(vanilla: type, impl: str, forward: Callable) -> type:
+    """``Fused<vanilla>``: ``vanilla`` with ``forward`` replaced and ``hf_scatter_impl = impl`` (made once)."""
+    name = f"Fused{vanilla.__name__}"
+    made = globals().get(name)
+    if made is None or made.__bases__ != (vanilla,):
+        made = type(name, (vanilla,), {"__module__": __name__, "__qualname__": name, "forward": forward,
+                                       "hf_scatter_impl": impl})
+        globals()[name] = made
+    return made
+
+
+# ------------------------------------------------------------------------------------ shared forwards
+def rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The Llama-style RMSNorm (``weight * normed.to(dtype)``) on the fused kernel."""
+    return rms_norm(hidden_states, None, self.weight, self.variance_epsilon)[0]
+
+
+@functools.lru_cache(maxsize=None)
+def _signature(cls: type) -> inspect.Signature:
+    return inspect.signature(cls.forward)
+
+
+def decoder_layer_forward(mlp: str, scaled: bool) -> Callable:
+    """The decoder layer with its post-attention residual add and RMSNorm in one kernel. ``mlp``: the MoE
+    block's attribute; ``scaled``: both branches are multiplied by ``residual_multiplier`` (Granite-MoE). A
+    block returning ``(hidden, router scores)`` (GPT-OSS) has its scores dropped, as the vanilla layer does."""
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if args:  # the vanilla layers take everything after hidden_states by keyword; bind a positional call
+            bound = _signature(type(self).__mro__[1]).bind(self, hidden_states, *args, **kwargs)
+            bound.arguments.pop("self")
+            hidden_states = bound.arguments.pop("hidden_states")
+            kwargs = {**bound.arguments.pop("kwargs", {}), **bound.arguments}
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
+        if scaled:
+            hidden_states = hidden_states * self.residual_multiplier
+        hidden_states, residual = add_rms_norm(hidden_states, residual, self.post_attention_layernorm)
+        hidden_states = getattr(self, mlp)(hidden_states)
+        if isinstance(hidden_states, tuple):
+            hidden_states = hidden_states[0]
+        if scaled:
+            hidden_states = hidden_states * self.residual_multiplier
+        return residual + hidden_states
+
+    return forward
+
+
+def softmax_topk_router_forward(self, hidden_states: torch.Tensor):
+    """Qwen-style router: float32 softmax, top-k, optional renormalisation (``norm_topk_prob``), weights
+    in the logits' dtype."""
+    router_logits = F.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)  # [T, E]
+    weights, indices = router_topk(router_logits, self.top_k, normalize="sum" if self.norm_topk_prob else None,
+                                   softmax_dtype=torch.float32)
+    return router_logits, weights.to(router_logits.dtype), indices
+
+
+# ------------------------------------------------------------------------------------------ families
+@dataclass(frozen=True)
+class DecoderFamily:
+    """A Llama-style MoE family: its transformers classes and how its pieces are fused.
+
+    ``norm`` is None where the family's RMSNorm rounds differently from the kernel (GPT-OSS multiplies
+    the weight before rounding): its norms and decoder layers then stay vanilla. ``moe_block`` is the
+    class of the MoE block the decoder layer holds at ``mlp`` (layers holding a dense MLP are left out of
+    ``moe_graphs``); ``graphs`` is False where the block returns more than its hidden states."""
+
+    model_type: str
+    pretrained: type
+    decoder_layer: type
+    moe_block: type
+    router: type
+    router_forward: Callable
+    norm: type | None
+    mlp: str = "mlp"
+    scaled_residual: bool = False
+    graphs: bool = True
+
+
+def _swaps(family: DecoderFamily, options: PatchOptions) -> list:
+    swaps = [(family.router, fused_subclass(family.router, ROUTER_TOPK, family.router_forward), options.router)]
+    if family.norm is not None:
+        layer = decoder_layer_forward(family.mlp, family.scaled_residual)
+        swaps += [(family.norm, fused_subclass(family.norm, FUSED_ADD_NORM, rms_norm_forward), options.norms),
+                  (family.decoder_layer, fused_subclass(family.decoder_layer, FUSED_ADD_NORM, layer), options.norms)]
+    return swaps
+
+
+def patch_decoder_family(family: DecoderFamily, model: nn.Module, options: PatchOptions,
+                         class_default: bool = False) -> None:
+    if options.moe_graphs and not family.graphs:
+        raise ValueError(f"moe_graphs is not available for {family.model_type}: its MoE block returns its router "
+                         "scores with the hidden states; patch without moe_graphs=True")
+    patch_interface_experts(model, options, class_default)
+    apply_swaps(model, _swaps(family, options))
+    if family.graphs:
+        layers = [m for m in model.modules() if isinstance(m, family.decoder_layer)
+                  and isinstance(getattr(m, family.mlp, None), family.moe_block)]
+        set_moe_graphs([getattr(layer, family.mlp) for layer in layers], layers, options.moe_graphs,
+                       uses_rng=lambda block: False)
+
+
+def default_to_scattermoe(self, requested_experts):
+    """Class hook under ``patch_transformers``: the family's default experts implementation becomes
+    ``"scattermoe"``; an explicit ``experts_implementation=...`` at load time still wins."""
+    from transformers import PreTrainedModel
+
+    return PreTrainedModel.get_correct_experts_implementation(self, SCATTERMOE if requested_experts is None
+                                                              else requested_experts)
+
+
+def scattermoe_default_hooks(options: PatchOptions) -> dict[str, object]:
+    return {"get_correct_experts_implementation": default_to_scattermoe} if options.moe else {}
+
+
+def register_decoder_family(family: DecoderFamily) -> Family:
+    return register_family(Family(
+        model_type=family.model_type,
+        patch=functools.partial(patch_decoder_family, family),
+        pretrained_class=f"{family.pretrained.__module__}:{family.pretrained.__name__}",
+        class_hooks=scattermoe_default_hooks))
