@@ -8,8 +8,9 @@ STAMP := $(VENV)/.hf-scatter-installed
 demo: $(STAMP)
 	$(VENV)/bin/hf-scatter demo
 
+# Two workers (the CI machine has 2 cores); a test file stays in one worker (its fixtures and temp files).
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
 
 # transformers' own Mixtral, DBRX and BERT test suites, unpatched then patched; fails if a test that passes
 # unpatched does not pass patched. Slow, so not part of `test` (docs/development.md). Sources: TRANSFORMERS_SRC,

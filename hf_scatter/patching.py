@@ -11,6 +11,7 @@ import importlib
 from torch import nn
 
 from .models import SCATTERMOE, PatchOptions, families, is_interface_experts, patch_interface_experts
+from .models.fused_loss import fused_loss_impl
 from .models.moe_graphs import IMPL as MOE_GRAPHS_IMPL
 from .models.moe_graphs import graphs_of
 from .models.registry import Family
@@ -85,7 +86,7 @@ def patch_report(model: nn.Module) -> dict[str, str]:
         raise TypeError(f"hf_scatter.patch_report: the model argument must be a torch module, got {type(model).__name__}")
     report = {}
     for name, module in model.named_modules():
-        impl = getattr(type(module), "hf_scatter_impl", None)
+        impl = getattr(type(module), "hf_scatter_impl", None) or fused_loss_impl(module)
         if graphs_of(module) is not None:
             impl = MOE_GRAPHS_IMPL if impl is None else f"{impl}, {MOE_GRAPHS_IMPL}"
         if impl is None and is_interface_experts(module) and module.config._experts_implementation == SCATTERMOE:
@@ -115,7 +116,7 @@ def _patching_post_init(options: PatchOptions, family: Family, original_post_ini
 
 
 def patch_transformers(**options) -> None:
-    """Class level: every Mixtral or DBRX that transformers builds from now on (``from_pretrained``,
+    """Class level: every model of a supported family that transformers builds from now on (``from_pretrained``,
     ``from_config``, a constructor) comes out patched with ``options``. An explicit
     ``experts_implementation=...`` at load time still wins. Undo with :func:`unpatch_transformers`."""
     opts = PatchOptions.from_kwargs("patch_transformers", **options)

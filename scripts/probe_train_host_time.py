@@ -1,4 +1,4 @@
-"""Is a training step of the 1.5B Mixtral / DBRX host-bound? Host time to issue one step against its GPU
+"""Is a training step of a bench-train model (each family at its own shape) host-bound? Host time to issue one step against its GPU
 time, per implementation, and the host-side hot spots of the patched step (GPU; torch profiler)."""
 import json
 import os
@@ -8,14 +8,14 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from hf_scatter.bench.train import PAPER_1P5B, _step_fn, build_model
+from hf_scatter.bench.train import _step_fn, build_model, family_shape
 
 impls = sys.argv[1:] or ["mixtral-grouped_mm", "mixtral-hf-scatter-experts", "mixtral-hf-scatter", "mixtral-hf-scatter-graphs",
                          "dbrx-hf-scatter"]
-cfg = PAPER_1P5B
-ids = torch.randint(cfg.vocab, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(0)).cuda()
 out = {}
 for impl in impls:
+    cfg = family_shape(impl, None)
+    ids = torch.randint(cfg.vocab, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(0)).cuda()
     model = build_model(impl, cfg, ids.device, torch.bfloat16)
     step, opt = _step_fn(model, ids)
     for _ in range(3):

@@ -58,7 +58,7 @@ def test_logits_and_every_gradient_match_vanilla_with_padding(family, device):
     vanilla, patched = vanilla_and_patched(family, device)
     report = hf_scatter.patch_report(patched)
     assert patched_experts(patched) == MOE_LAYERS
-    fused = {"router_topk"} if family in UNFUSED_NORMS else {"fused_add_norm", "router_topk"}
+    fused = {"router_topk", "fused_linear_cross_entropy"} | (set() if family in UNFUSED_NORMS else {"fused_add_norm"})
     assert {v for v in report.values() if not v.startswith("scattermoe")} == fused
     assert "experts_implementation=scattermoe" in repr(patched)
     ids = _ids(device)
@@ -89,14 +89,17 @@ def test_routing_router_logits_aux_loss_and_jitter_are_the_familys(family, devic
     patched.train()
     ids = _ids(device)
     want, got = _seeded_forward(vanilla, ids), _seeded_forward(patched, ids)
-    assert (got.router_logits is None) == (want.router_logits is None)
-    if want.router_logits is not None:  # (transformers 5.17 does not record DBRX's: nothing to compare then)
-        assert len(got.router_logits) == len(want.router_logits) == MOE_LAYERS
+    # (transformers 5.17's DeepSeek outputs have no router_logits / aux_loss fields, and its DBRX records none)
+    want_logits, got_logits = getattr(want, "router_logits", None), getattr(got, "router_logits", None)
+    assert (got_logits is None) == (want_logits is None)
+    if want_logits is not None:
+        assert len(got_logits) == len(want_logits) == MOE_LAYERS
         for layer in range(MOE_LAYERS):  # router inputs differ by the fused norms' float rounding only
-            assert _rel(got.router_logits[layer], want.router_logits[layer]) < 1e-5
-    assert type(got.aux_loss) is type(want.aux_loss)
-    if want.aux_loss is not None:  # (DeepSeek defines none)
-        assert torch.allclose(torch.as_tensor(got.aux_loss), torch.as_tensor(want.aux_loss), rtol=1e-6, atol=0)
+            assert _rel(got_logits[layer], want_logits[layer]) < 1e-5
+    want_aux, got_aux = getattr(want, "aux_loss", None), getattr(got, "aux_loss", None)
+    assert type(got_aux) is type(want_aux)
+    if want_aux is not None:  # (DeepSeek defines none)
+        assert torch.allclose(torch.as_tensor(got_aux), torch.as_tensor(want_aux), rtol=1e-6, atol=0)
     want, got = _seeded_forward(vanilla, ids, labels=ids), _seeded_forward(patched, ids, labels=ids)
     if isinstance(want, Exception):  # transformers 5.17's DBRX cannot add an unrecorded aux loss: same error
         assert type(got) is type(want) and str(got) == str(want)
@@ -158,7 +161,7 @@ def test_patch_is_idempotent_switchable_and_reversible(family, device):
 
     hf_scatter.patch_model(patched, moe=False)
     assert patched_experts(patched) == 0 and hf_scatter.patch_report(patched)
-    hf_scatter.patch_model(patched, moe=False, norms=False, router=False)
+    hf_scatter.patch_model(patched, moe=False, norms=False, router=False, loss=False)
     assert hf_scatter.patch_report(patched) == {}
     hf_scatter.patch_model(patched, norms=False)
     assert "fused_add_norm" not in hf_scatter.patch_report(patched).values()
@@ -186,7 +189,7 @@ def test_patch_transformers_is_class_level_and_unpatch_restores_classes_exactly(
         explicit = AutoModelForCausalLM.from_config(tiny_mixtral_config(), experts_implementation="eager")
         assert explicit.config._experts_implementation == "eager", "an explicit load-time choice wins"
         assert set(hf_scatter.patch_report(tiny_bert()).values()) == {"fused_add_norm", UNPADDED}
-        hf_scatter.patch_transformers(moe=False, norms=False, router=False)
+        hf_scatter.patch_transformers(moe=False, norms=False, router=False, loss=False)
         assert hf_scatter.patch_report(AutoModelForCausalLM.from_config(tiny_dbrx_config())) == {}
     finally:
         hf_scatter.unpatch_transformers()
@@ -219,6 +222,35 @@ def test_bad_input_gets_clear_errors():
     with pytest.raises(TypeError, match="moe must be True or False"):
         hf_scatter.patch_transformers(moe="yes")
     assert not hf_scatter.patching.transformers_patched()
+
+
+@pytest.mark.parametrize("family,items", [(f, None) for f in FAMILIES] + [("qwen3_moe", 17)])
+def test_training_loss_is_fused_and_equals_vanilla(family, items, device):
+    """Training with labels: no logits are made, and loss (router aux loss included) and every gradient are
+    vanilla's; padded labels, and the Trainer's num_items_in_batch."""
+    vanilla, patched = vanilla_and_patched(family, device, output_router_logits=family != "dbrx")
+    assert hf_scatter.patch_report(patched)[""] == "fused_linear_cross_entropy"
+    ids = _ids(device)
+    labels = ids.clone()
+    labels[0, :4] = -100
+    kwargs = {} if items is None else {"num_items_in_batch": torch.tensor(items, device=device)}
+    outs = []
+    for model in (vanilla, patched):
+        model.train()
+        outs.append(_seeded_forward(model, ids, labels=labels, **kwargs))
+    if isinstance(outs[0], Exception):  # transformers 5.17's Granite-MoE cannot add its unrecorded aux loss
+        assert type(outs[1]) is type(outs[0]) and str(outs[1]) == str(outs[0])
+        return
+    for out in outs:
+        out.loss.backward()
+    assert outs[1].logits is None and outs[0].logits is not None
+    assert _rel(outs[1].loss, outs[0].loss) < 1e-6
+    _assert_same_grads(vanilla, patched)
+    patched.eval()
+    assert patched(ids, labels=labels).logits is not None, "eval keeps its logits"
+    hf_scatter.patch_model(patched, loss=False)
+    patched.train()
+    assert patched(ids, labels=labels).logits is not None and "" not in hf_scatter.patch_report(patched)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -56,9 +56,9 @@ FAMILY_SHAPES = {
 }
 IMPLS = ("mixtral-grouped_mm", "mixtral-eager", "mixtral-liger", "mixtral-hf-scatter-experts", "mixtral-hf-scatter",
          "mixtral-hf-scatter-graphs", "dbrx-eager", "dbrx-hf-scatter", "dbrx-hf-scatter-graphs",
-         "qwen3_moe-grouped_mm", "qwen3_moe-liger", "qwen3_moe-hf-scatter",
+         "qwen3_moe-grouped_mm", "qwen3_moe-liger", "qwen3_moe-hf-scatter", "qwen3_moe-hf-scatter-graphs",
          "gpt_oss-grouped_mm", "gpt_oss-liger", "gpt_oss-hf-scatter",
-         "deepseek_v3-grouped_mm", "deepseek_v3-liger", "deepseek_v3-hf-scatter")
+         "deepseek_v3-grouped_mm", "deepseek_v3-liger", "deepseek_v3-hf-scatter", "deepseek_v3-hf-scatter-graphs")
 # "-experts": only the experts on hf-scatter's kernels (norms and router stay transformers' own);
 # "-graphs": the default patch plus moe_graphs=True (MoE blocks replayed as CUDA graphs);
 # "-liger": Liger-Kernel's patch for the family with its defaults
@@ -332,6 +332,23 @@ def summary_table(report: dict) -> str:
                      f"{r['first_step_loss']:.4f}"])
     return markdown_table(["implementation", "tokens/s", "step ms", "vs family baseline", "peak GiB allocated",
                            "peak GiB reserved", "reserved vs baseline", "first-step loss"], rows)
+
+
+def peers_table(report: dict) -> str:
+    """Each hf-scatter variant against its family's transformers default and Liger's patch: tokens/s ratios
+    and peak allocated memory side by side."""
+    res = report["results"]
+    rows = []
+    for impl, r in res.items():
+        family, choice = impl.split("-", 1)
+        if not choice.startswith("hf-scatter"):
+            continue
+        base, liger = res.get(BASELINES[family]), res.get(f"{family}-liger")
+        ratio = lambda peer: f"{r['tokens_per_s'] / peer['tokens_per_s']:.2f}x" if peer else ""  # noqa: E731
+        rows.append([impl, f"{r['tokens_per_s'] / 1e3:.1f}k", ratio(base), ratio(liger), f"{r['peak_gib']:.1f}",
+                     f"{base['peak_gib']:.1f}" if base else "", f"{liger['peak_gib']:.1f}" if liger else ""])
+    return markdown_table(["hf-scatter variant", "tokens/s", "vs transformers default", "vs Liger",
+                           "peak GiB", "default's peak GiB", "Liger's peak GiB"], rows)
 
 
 _BREAKDOWN_ROWS = (("experts forward", ("experts fwd",)), ("experts backward", ("experts bwd",)),

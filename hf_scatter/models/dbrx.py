@@ -18,6 +18,7 @@ from ..kernels.swiglu import swiglu_pair
 from ..moe.mlp import expert_mlp, is_silu
 from .class_patch import apply_swaps
 from .experts import SCATTERMOE
+from .fused_loss import set_fused_loss
 from .fused_norms import FUSED_ADD_NORM, add_layer_norm
 from .pipeline_adapter import Dims, PipelineAdapter
 from .moe_graphs import set_moe_graphs
@@ -108,6 +109,7 @@ def patch_dbrx(model: nn.Module, options: PatchOptions, class_default: bool = Fa
                         (DbrxExpertGLU, ScatterMoEDbrxExpertGLU, options.moe),
                         (DbrxNormAttentionNorm, FusedDbrxNormAttentionNorm, options.norms),
                         (DbrxFFN, FusedRouterDbrxFFN, options.router)])
+    set_fused_loss(model, options.loss)
     layers = [m for m in model.modules() if isinstance(m, DbrxBlock)]
     set_moe_graphs([layer.ffn for layer in layers], layers, options.moe_graphs,
                    uses_rng=_jitters)

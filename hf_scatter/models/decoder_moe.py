@@ -24,6 +24,7 @@ from torch import nn
 from ..kernels.router import router_topk
 from .class_patch import apply_swaps
 from .experts import SCATTERMOE, patch_interface_experts
+from .fused_loss import set_fused_loss
 from .fused_norms import FUSED_ADD_NORM, add_rms_norm, rms_norm
 from .moe_graphs import set_moe_graphs
 from .registry import Family, PatchOptions, register_family
@@ -127,6 +128,7 @@ def patch_decoder_family(family: DecoderFamily, model: nn.Module, options: Patch
                          "scores with the hidden states; patch without moe_graphs=True")
     patch_interface_experts(model, options, class_default)
     apply_swaps(model, _swaps(family, options))
+    set_fused_loss(model, options.loss)
     if family.graphs:
         layers = [m for m in model.modules() if isinstance(m, family.decoder_layer)
                   and isinstance(getattr(m, family.mlp, None), family.moe_block)]

@@ -23,6 +23,7 @@ from ..kernels.router import router_topk
 from ..moe.mlp import expert_mlp, glu_activation
 from .class_patch import apply_swaps
 from .experts import SCATTERMOE, patch_interface_experts
+from .fused_loss import set_fused_loss
 from .fused_norms import FUSED_ADD_NORM, add_rms_norm, rms_norm
 from .pipeline_adapter import Dims, PipelineAdapter, Rows
 from .moe_graphs import set_moe_graphs
@@ -74,6 +75,7 @@ def patch_mixtral(model: nn.Module, options: PatchOptions, class_default: bool =
     apply_swaps(model, [(MixtralRMSNorm, FusedMixtralRMSNorm, options.norms),
                         (MixtralDecoderLayer, FusedMixtralDecoderLayer, options.norms),
                         (MixtralTopKRouter, FusedMixtralTopKRouter, options.router)])
+    set_fused_loss(model, options.loss)
     layers = [m for m in model.modules() if isinstance(m, MixtralDecoderLayer)
               and isinstance(getattr(m, "mlp", None), MixtralSparseMoeBlock)]
     set_moe_graphs([layer.mlp for layer in layers], layers, options.moe_graphs,

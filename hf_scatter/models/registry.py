@@ -28,6 +28,7 @@ class PatchOptions:
     cuda_graphs: bool = True  # BERT packed inference replays one CUDA graph per length bucket (CUDA only)
     fast_gelu: bool = True  # BERT packed half-precision inference: bias + GELU in the GEMM epilogue (tanh form)
     moe_graphs: bool = False  # MoE blocks of training steps replayed as CUDA graphs (CUDA only; fixed shapes)
+    loss: bool = True  # causal LMs in training: LM head + cross-entropy fused, no [tokens, vocab] logits
 
     @classmethod
     def from_kwargs(cls, caller: str, **options) -> "PatchOptions":
