@@ -110,6 +110,7 @@ class DecoderFamily:
     mlp: str = "mlp"
     scaled_residual: bool = False
     graphs: bool = True
+    uses_rng: Callable = lambda block: False  # a block that draws random numbers (router jitter) stays eager
 
 
 def _swaps(family: DecoderFamily, options: PatchOptions) -> list:
@@ -133,7 +134,7 @@ def patch_decoder_family(family: DecoderFamily, model: nn.Module, options: Patch
         layers = [m for m in model.modules() if isinstance(m, family.decoder_layer)
                   and isinstance(getattr(m, family.mlp, None), family.moe_block)]
         set_moe_graphs([getattr(layer, family.mlp) for layer in layers], layers, options.moe_graphs,
-                       uses_rng=lambda block: False)
+                       uses_rng=family.uses_rng)
 
 
 def default_to_scattermoe(self, requested_experts):
@@ -149,9 +150,11 @@ def scattermoe_default_hooks(options: PatchOptions) -> dict[str, object]:
     return {"get_correct_experts_implementation": default_to_scattermoe} if options.moe else {}
 
 
-def register_decoder_family(family: DecoderFamily) -> Family:
+def register_decoder_family(family: DecoderFamily, spec: Callable | None = None,
+                            pipeline_adapter: type | None = None) -> Family:
+    """Register ``family``; ``spec`` and ``pipeline_adapter`` as in :class:`~.registry.Family` (offloading)."""
     return register_family(Family(
         model_type=family.model_type,
         patch=functools.partial(patch_decoder_family, family),
         pretrained_class=f"{family.pretrained.__module__}:{family.pretrained.__name__}",
-        class_hooks=scattermoe_default_hooks))
+        class_hooks=scattermoe_default_hooks, spec=spec, pipeline_adapter=pipeline_adapter))

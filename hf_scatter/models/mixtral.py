@@ -1,13 +1,13 @@
-"""Mixtral: experts on the ``"scattermoe"`` backend, fused norms and router, the planner's shapes and the
-offloaded runtime's layer split.
+"""Mixtral: experts on the ``"scattermoe"`` backend, fused norms and router (the shared decoder-family pieces of
+``decoder_moe``), the planner's shapes and the offloaded runtime's layer split.
 
 Experts: no class is touched on a live model (:func:`~.experts.patch_interface_experts`), and under
 ``patch_transformers`` the family's default (what ``experts_implementation=None`` resolves to) becomes
 ``"scattermoe"``, so an explicit ``experts_implementation=...`` at load time still wins.
 
-Norms and router (Mixtral only): ``MixtralRMSNorm`` carries transformers' hub kernel-layer tag, but using
-it needs the ``kernels`` package and the hub, so the norm, the decoder layer (its post-attention residual
-add joins the RMSNorm) and the router are swapped in place for subclasses.
+Norms and router: ``MixtralRMSNorm`` carries transformers' hub kernel-layer tag, but using it needs the
+``kernels`` package and the hub, so the norm, the decoder layer (its post-attention residual add joins the
+RMSNorm) and the router are swapped in place for subclasses. Router jitter keeps a block out of ``moe_graphs``.
 """
 
 from __future__ import annotations
@@ -15,78 +15,28 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.mixtral.modeling_mixtral import (MixtralDecoderLayer, MixtralRMSNorm, MixtralSparseMoeBlock,
-                                                          MixtralTopKRouter)
+from transformers.models.mixtral.modeling_mixtral import (MixtralDecoderLayer, MixtralPreTrainedModel, MixtralRMSNorm,
+                                                          MixtralSparseMoeBlock, MixtralTopKRouter)
 
 from ..kernels.norms import fused_add_rms_norm
 from ..kernels.router import router_topk
 from ..moe.mlp import expert_mlp, glu_activation
-from .class_patch import apply_swaps
-from .experts import SCATTERMOE, patch_interface_experts
-from .fused_loss import set_fused_loss
-from .fused_norms import FUSED_ADD_NORM, add_rms_norm, rms_norm
+from .decoder_moe import DecoderFamily, register_decoder_family
 from .pipeline_adapter import Dims, PipelineAdapter, Rows
-from .moe_graphs import set_moe_graphs
-from .registry import Family, PatchOptions, register_family
 from .spec import llama_style_spec
 
 
-class FusedMixtralRMSNorm(MixtralRMSNorm):
-    hf_scatter_impl = FUSED_ADD_NORM
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return rms_norm(hidden_states, None, self.weight, self.variance_epsilon)[0]
-
-
-class FusedMixtralDecoderLayer(MixtralDecoderLayer):
-    """The post-attention residual add and RMSNorm in one kernel; the rest as transformers has it."""
-
-    hf_scatter_impl = FUSED_ADD_NORM
-
-    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
-                position_ids=None, past_key_values=None, **kwargs) -> torch.Tensor:
-        residual = hidden_states
-        hidden_states = self.input_layernorm(hidden_states)
-        hidden_states, _ = self.self_attn(hidden_states=hidden_states, position_embeddings=position_embeddings,
-                                          attention_mask=attention_mask, position_ids=position_ids,
-                                          past_key_values=past_key_values, **kwargs)
-        hidden_states, residual = add_rms_norm(hidden_states, residual, self.post_attention_layernorm)
-        hidden_states = self.mlp(hidden_states)
-        return residual + hidden_states
+def mixtral_router_forward(self, hidden_states: torch.Tensor):
+    """float32 softmax, top-k and renormalisation in one kernel (float32 weights, as Mixtral's own)."""
+    router_logits = F.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)  # [T, E]
+    scores, indices = router_topk(router_logits, self.top_k, normalize="sum", softmax_dtype=torch.float32)
+    return router_logits, scores, indices
 
 
-class FusedMixtralTopKRouter(MixtralTopKRouter):
-    """float32 softmax, top-k and renormalisation in one kernel."""
-
-    hf_scatter_impl = "router_topk"
-
-    def forward(self, hidden_states: torch.Tensor):
-        router_logits = F.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
-        scores, indices = router_topk(router_logits, self.top_k, normalize="sum", softmax_dtype=torch.float32)
-        return router_logits, scores, indices
-
-
-def _jitters(block: MixtralSparseMoeBlock) -> bool:
-    return block.jitter_noise > 0
-
-
-def patch_mixtral(model: nn.Module, options: PatchOptions, class_default: bool = False) -> None:
-    patch_interface_experts(model, options, class_default)
-    apply_swaps(model, [(MixtralRMSNorm, FusedMixtralRMSNorm, options.norms),
-                        (MixtralDecoderLayer, FusedMixtralDecoderLayer, options.norms),
-                        (MixtralTopKRouter, FusedMixtralTopKRouter, options.router)])
-    set_fused_loss(model, options.loss)
-    layers = [m for m in model.modules() if isinstance(m, MixtralDecoderLayer)
-              and isinstance(getattr(m, "mlp", None), MixtralSparseMoeBlock)]
-    set_moe_graphs([layer.mlp for layer in layers], layers, options.moe_graphs,
-                   uses_rng=_jitters)
-
-
-def _default_to_scattermoe(self, requested_experts):
-    from transformers import PreTrainedModel
-
-    return PreTrainedModel.get_correct_experts_implementation(self, SCATTERMOE if requested_experts is None
-                                                              else requested_experts)
+MIXTRAL_LAYERS = DecoderFamily(
+    model_type="mixtral", pretrained=MixtralPreTrainedModel, decoder_layer=MixtralDecoderLayer,
+    moe_block=MixtralSparseMoeBlock, router=MixtralTopKRouter, router_forward=mixtral_router_forward,
+    norm=MixtralRMSNorm, uses_rng=lambda block: block.jitter_noise > 0)
 
 
 class MixtralPipelineAdapter(PipelineAdapter):
@@ -153,11 +103,6 @@ class MixtralPipelineAdapter(PipelineAdapter):
         return fused_add_rms_norm(x, None, other["final_norm"], eps=self._eps[2], validate=False)
 
 
-MIXTRAL = register_family(Family(
-    model_type="mixtral",
-    patch=patch_mixtral,
-    spec=lambda config, name, dtype_bytes: llama_style_spec(config, name, dtype_bytes, family="mixtral"),
-    pipeline_adapter=MixtralPipelineAdapter,
-    pretrained_class="transformers.models.mixtral.modeling_mixtral:MixtralPreTrainedModel",
-    class_hooks=lambda options: {"get_correct_experts_implementation": _default_to_scattermoe} if options.moe else {},
-))
+MIXTRAL = register_decoder_family(
+    MIXTRAL_LAYERS, pipeline_adapter=MixtralPipelineAdapter,
+    spec=lambda config, name, dtype_bytes: llama_style_spec(config, name, dtype_bytes, family="mixtral"))
