@@ -244,8 +244,11 @@ def test_training_loss_is_fused_and_equals_vanilla(family, items, device):
     for out in outs:
         out.loss.backward()
     assert outs[1].logits is None and outs[0].logits is not None
+    assert "logits" not in outs[1] and outs[1]["loss"] is outs[1].loss and outs[1].to_tuple()[0] is outs[1].loss
     assert _rel(outs[1].loss, outs[0].loss) < 1e-6
     _assert_same_grads(vanilla, patched)
+    as_tuple = patched(ids, labels=labels, return_dict=False, **kwargs)  # vanilla's tuple, logits included
+    assert isinstance(as_tuple, tuple) and _rel(as_tuple[0], outs[0].loss) < 1e-6
     patched.eval()
     assert patched(ids, labels=labels).logits is not None, "eval keeps its logits"
     hf_scatter.patch_model(patched, loss=False)

@@ -7,7 +7,7 @@ serves each piece. A family module describes itself with a :class:`DecoderFamily
 forward, where the MoE block sits) and :func:`register_decoder_family` registers it.
 
 The fused subclasses are made once per vanilla class, named ``Fused<Class>`` and kept as attributes of this
-module, so patched models pickle and deep-copy like vanilla ones.
+module, so they can be found by name as the hand-written classes could.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ forward with ``labels=None`` and no logit positions kept (``logits_to_keep`` an 
 (``router_aux_loss_coef``) where the forward computed one. The output's ``logits`` are None then.
 
 It applies only where nothing else depends on the logits: training mode, gradients on, ``labels`` given,
-``logits_to_keep=0``, transformers' own causal-LM loss, a plain bias-free ``nn.Linear`` head without
+``logits_to_keep=0``, a ``ModelOutput`` asked for (not ``return_dict=False``), transformers' own causal-LM loss, a plain bias-free ``nn.Linear`` head without
 accelerate hooks, no final logit soft-capping, and not inside ``torch.compile``. Anything else runs the
 vanilla forward unchanged.
 """
@@ -32,11 +32,12 @@ def _base_model(model: nn.Module) -> nn.Module | None:
     return getattr(model, getattr(model, "base_model_prefix", "model"), None)
 
 
-def _fusable(model: nn.Module, labels, logits_to_keep) -> bool:
+def _fusable(model: nn.Module, labels, logits_to_keep, return_dict) -> bool:
     from transformers.loss.loss_utils import ForCausalLMLoss
 
     head = getattr(model, "lm_head", None)
     return (labels is not None and model.training and torch.is_grad_enabled()
+            and (return_dict if return_dict is not None else getattr(model.config, "return_dict", True))
             and not torch.compiler.is_compiling() and isinstance(logits_to_keep, int) and logits_to_keep == 0
             and type(head) is nn.Linear and head.bias is None and not hasattr(head, "_hf_hook")
             and getattr(model.config, "final_logit_softcapping", None) is None
@@ -45,7 +46,7 @@ def _fusable(model: nn.Module, labels, logits_to_keep) -> bool:
 
 def fused_loss_forward(self, *args, labels=None, logits_to_keep=0, **kwargs):
     vanilla = type(self).forward
-    if not _fusable(self, labels, logits_to_keep):
+    if not _fusable(self, labels, logits_to_keep, kwargs.get("return_dict")):
         return vanilla(self, *args, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
     outputs = []
     handle = _base_model(self).register_forward_hook(lambda module, inputs, output: outputs.append(output))
@@ -66,8 +67,8 @@ def fused_loss_forward(self, *args, labels=None, logits_to_keep=0, **kwargs):
     aux_loss = getattr(out, "aux_loss", None)
     if aux_loss is not None:
         loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
-    out.loss, out.logits = loss, None
-    return out
+    # A new output without logits: a ModelOutput keeps a field in its dict once set, even if set to None.
+    return type(out)(loss=loss, **{k: v for k, v in out.items() if k not in ("loss", "logits")})
 
 
 def _forward_for(cls: type):
