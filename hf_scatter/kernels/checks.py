@@ -64,6 +64,18 @@ def check_rows(op: str, name: str, t: torch.Tensor) -> None:
                  f"pass {name}.contiguous()")
 
 
+def check_router_logits(op: str, logits, top_k) -> int:
+    """Router logits [tokens, experts] with unit last stride and ``1 <= top_k <= experts``; returns experts."""
+    check_tensor(op, "logits", logits, min_dim=2)
+    if logits.dim() != 2:
+        fail(op, f"logits must be [tokens, experts], got shape {tuple(logits.shape)}; reshape(-1, experts)")
+    check_rows(op, "logits", logits)
+    E = logits.shape[1]
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:
+        fail(op, f"top_k must be an int in [1, {E}] (the number of experts), got {top_k!r}")
+    return E
+
+
 def check_same_place(op: str, name: str, t: torch.Tensor, x: torch.Tensor) -> None:
     if t.device != x.device:
         fail(op, f"{name} is on {t.device} but x is on {x.device}; move them to one device")

@@ -38,7 +38,7 @@ from torch.autograd.function import once_differentiable
 
 from ..common.dtypes import FLOAT_DTYPES
 from .backend import cdiv, kernels_enabled, next_power_of_2, triton_interpreted, triton_runs
-from .checks import check_rows, check_tensor, fail
+from .checks import check_router_logits, fail
 from .custom_ops import mutating_op, profiled, run_op
 
 MAX_TRITON_EXPERTS = 256  # wider routers take the torch reference
@@ -228,13 +228,7 @@ def router_topk(logits: torch.Tensor, top_k: int, normalize: str | float | None 
     torch.topk).
     """
     op = "router_topk"
-    check_tensor(op, "logits", logits, min_dim=2)
-    if logits.dim() != 2:
-        fail(op, f"logits must be [tokens, experts], got shape {tuple(logits.shape)}; reshape(-1, experts)")
-    check_rows(op, "logits", logits)
-    E = logits.shape[1]
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:
-        fail(op, f"top_k must be an int in [1, {E}] (the number of experts), got {top_k!r}")
+    check_router_logits(op, logits, top_k)
     if softmax_dtype not in FLOAT_DTYPES:
         fail(op, f"softmax_dtype must be one of {', '.join(map(str, FLOAT_DTYPES))}, got {softmax_dtype!r}")
     p = _norm_order(op, normalize)

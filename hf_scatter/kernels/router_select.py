@@ -30,7 +30,7 @@ from torch.autograd.function import once_differentiable
 
 from ..common.dtypes import FLOAT_DTYPES
 from .backend import cdiv, kernels_enabled, next_power_of_2, triton_runs
-from .checks import check_rows, check_tensor, fail
+from .checks import check_router_logits, check_tensor, fail
 from .custom_ops import mutating_op, profiled, run_op
 from .router import MAX_TRITON_EXPERTS, router_blocks
 
@@ -309,13 +309,7 @@ def router_select(logits: torch.Tensor, top_k: int, selection: Selection, bias: 
     indices [T, k] int64)``.
     """
     op = "router_select"
-    check_tensor(op, "logits", logits, min_dim=2)
-    if logits.dim() != 2:
-        fail(op, f"logits must be [tokens, experts], got shape {tuple(logits.shape)}; reshape(-1, experts)")
-    check_rows(op, "logits", logits)
-    E = logits.shape[1]
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:
-        fail(op, f"top_k must be an int in [1, {E}] (the number of experts), got {top_k!r}")
+    E = check_router_logits(op, logits, top_k)
     _check_selection(op, selection, E, top_k)
     if bias is not None:
         check_tensor(op, "bias", bias)

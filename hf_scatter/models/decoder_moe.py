@@ -54,10 +54,12 @@ def _signature(cls: type) -> inspect.Signature:
     return inspect.signature(cls.forward)
 
 
+@functools.lru_cache(maxsize=None)
 def decoder_layer_forward(mlp: str, scaled: bool) -> Callable:
     """The decoder layer with its post-attention residual add and RMSNorm in one kernel. ``mlp``: the MoE
     block's attribute; ``scaled``: both branches are multiplied by ``residual_multiplier`` (Granite-MoE). A
-    block returning ``(hidden, router scores)`` (GPT-OSS) has its scores dropped, as the vanilla layer does."""
+    block returning ``(hidden, router scores)`` (GPT-OSS) has its scores dropped, as the vanilla layer does.
+    Made once per (mlp, scaled): every patch call asks for it."""
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if args:  # the vanilla layers take everything after hidden_states by keyword; bind a positional call
