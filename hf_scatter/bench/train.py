@@ -90,11 +90,12 @@ def _hf_config(family: str, cfg: TrainConfig):
     if family == "deepseek_v3":  # DeepSeek-V3's attention ranks scaled with d; 8 groups, 4 kept, as V3 has
         groups = 8 if cfg.experts % 8 == 0 and cfg.experts >= 16 else 1
         return transformers.DeepseekV3Config(
-            **{**common, "num_key_value_heads": cfg.heads}, intermediate_size=4 * cfg.intermediate, moe_intermediate_size=cfg.intermediate,
-            n_routed_experts=cfg.experts, num_experts_per_tok=cfg.top_k, n_shared_experts=max(cfg.shared_experts, 1),
-            n_group=groups, topk_group=max(groups // 2, 1), first_k_dense_replace=1, q_lora_rank=cfg.hidden * 3 // 8,
-            kv_lora_rank=cfg.hidden // 8, qk_rope_head_dim=head_dim // 2, qk_nope_head_dim=head_dim,
-            v_head_dim=head_dim, routed_scaling_factor=2.5, norm_topk_prob=True)
+            **{**common, "num_key_value_heads": cfg.heads}, intermediate_size=4 * cfg.intermediate,
+            moe_intermediate_size=cfg.intermediate, n_routed_experts=cfg.experts, num_experts_per_tok=cfg.top_k,
+            n_shared_experts=max(cfg.shared_experts, 1), n_group=groups, topk_group=max(groups // 2, 1),
+            first_k_dense_replace=1, q_lora_rank=cfg.hidden * 3 // 8, kv_lora_rank=cfg.hidden // 8,
+            qk_rope_head_dim=head_dim // 2, qk_nope_head_dim=head_dim, v_head_dim=head_dim,
+            routed_scaling_factor=2.5, norm_topk_prob=True)
     raise ValueError(f"unknown family {family!r}; choose from {', '.join(FAMILY_SHAPES)}")
 
 

@@ -1,6 +1,6 @@
 """The LM head and the cross-entropy in one pass over token chunks: the [tokens, vocab] logits never exist.
 
-On a GPU this is Liger-Kernel's fused linear cross-entropy (``pip install hf-scatter[loss]``): ``bench loss``
+On a GPU this is Liger-Kernel's fused linear cross-entropy (a dependency on Linux x86-64): ``bench loss``
 measured it against cut-cross-entropy on an H100 (docs/models.md): the same gradients as transformers'
 unfused loss to float32 rounding, 30x less memory, and 0.95x its speed at a 32k vocabulary, where
 cut-cross-entropy was slower and its input gradient several times further from float32 (it skips small

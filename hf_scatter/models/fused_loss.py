@@ -9,9 +9,9 @@ forward with ``labels=None`` and no logit positions kept (``logits_to_keep`` an 
 (``router_aux_loss_coef``) where the forward computed one. The output's ``logits`` are None then.
 
 It applies only where nothing else depends on the logits: training mode, gradients on, ``labels`` given,
-``logits_to_keep=0``, a ``ModelOutput`` asked for (not ``return_dict=False``), transformers' own causal-LM loss, a plain bias-free ``nn.Linear`` head without
-accelerate hooks, no final logit soft-capping, and not inside ``torch.compile``. Anything else runs the
-vanilla forward unchanged.
+``logits_to_keep=0``, a ``ModelOutput`` asked for (not ``return_dict=False``), transformers' own causal-LM
+loss, a plain bias-free ``nn.Linear`` head without accelerate hooks, no final logit soft-capping, and not
+inside ``torch.compile``. Anything else runs the vanilla forward unchanged.
 """
 
 from __future__ import annotations
