@@ -19,6 +19,7 @@ CONFIGS = {"mixtral": tiny_mixtral_config, "dbrx": tiny_dbrx_config,
 ODD = dict(hidden=72, experts=6, top_k=3, intermediate=40)  # odd sizes, k=3 of 6 experts
 MOE_LAYERS = 2  # every tiny config has two MoE layers (DeepSeek's extra first layer is dense)
 UNFUSED_NORMS = {"gpt_oss"}  # its RMSNorm rounds after the weight: left vanilla
+NO_ROPE = {"dbrx", "deepseek_v3", "deepseek_v2"}  # RoPE stays vanilla (fused: the standard and GPT-OSS forms)
 
 
 def _rel(a, b):
@@ -58,7 +59,8 @@ def test_logits_and_every_gradient_match_vanilla_with_padding(family, device):
     vanilla, patched = vanilla_and_patched(family, device)
     report = hf_scatter.patch_report(patched)
     assert patched_experts(patched) == MOE_LAYERS
-    fused = {"router_topk", "fused_linear_cross_entropy"} | (set() if family in UNFUSED_NORMS else {"fused_add_norm"})
+    fused = {"router_topk", "fused_linear_cross_entropy"} | (set() if family in UNFUSED_NORMS else {"fused_add_norm"}) \
+        | (set() if family in NO_ROPE else {"fused_rope"})
     assert {v for v in report.values() if not v.startswith("scattermoe")} == fused
     assert "experts_implementation=scattermoe" in repr(patched)
     ids = _ids(device)
@@ -155,14 +157,17 @@ def test_patch_is_idempotent_switchable_and_reversible(family, device):
     ids = _ids(device)
     first = patched(ids).logits
     report = hf_scatter.patch_report(patched)
+    assert ("fused_rope" in report.values()) == (family not in NO_ROPE)
     assert hf_scatter.patch_model(patched) is patched
     assert hf_scatter.patch_report(patched) == report
     assert torch.equal(patched(ids).logits, first)
 
     hf_scatter.patch_model(patched, moe=False)
     assert patched_experts(patched) == 0 and hf_scatter.patch_report(patched)
-    hf_scatter.patch_model(patched, moe=False, norms=False, router=False, loss=False)
+    hf_scatter.patch_model(patched, moe=False, norms=False, router=False, loss=False, rope=False)
     assert hf_scatter.patch_report(patched) == {}
+    hf_scatter.patch_model(patched, rope=False)
+    assert "fused_rope" not in hf_scatter.patch_report(patched).values()
     hf_scatter.patch_model(patched, norms=False)
     assert "fused_add_norm" not in hf_scatter.patch_report(patched).values()
     assert "router_topk" in hf_scatter.patch_report(patched).values()

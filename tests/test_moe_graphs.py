@@ -173,6 +173,32 @@ def test_moe_graphs_fall_back_where_a_replay_would_be_wrong():
         loss.backward()
 
 
+@pytest.mark.gpu
+def test_moe_graphs_hand_gradients_over_without_a_copy_and_refuse_to_overwrite_a_kept_one():
+    """A replayed block's parameter gradients become .grad in place (no second copy of the experts'
+    gradients); a gradient kept past zero_grad is an error before the next replay would rewrite it."""
+    _, graphed = _pair("mixtral", "cuda")
+    ids = _ids("cuda", seed=1)
+
+    def step():
+        graphed(input_ids=ids, labels=ids).loss.backward()
+
+    step()  # captures
+    graphed.zero_grad(set_to_none=True)
+    step()
+    captured = graphs_of(_blocks(graphed)[0]).captured
+    assert captured.replays > 0
+    in_pool = {g.data_ptr() for grads in captured.param_grads for g in grads if g is not None}
+    experts = [p for block in _blocks(graphed) for p in block.experts.parameters()]
+    assert experts and all(p.grad.data_ptr() in in_pool for p in experts)
+    kept = experts[0].grad
+    want = kept.clone()
+    graphed.zero_grad(set_to_none=True)
+    with pytest.raises(RuntimeError, match=r"still referenced .*p\.grad\.clone\(\)"):
+        step()
+    torch.testing.assert_close(kept, want, rtol=0, atol=0)  # refused before the replay wrote over it
+
+
 def test_moe_graphs_see_through_transformers_output_recorders_only_while_inactive():
     """transformers hooks every router once to record its logits on request: graphs must still be used while
     nobody asks for them (or no block would ever replay), and not while ``output_router_logits`` is on."""

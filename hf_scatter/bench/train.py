@@ -336,8 +336,9 @@ def summary_table(report: dict) -> str:
 
 
 def peers_table(report: dict) -> str:
-    """Each hf-scatter variant against its family's transformers default and Liger's patch: tokens/s ratios
-    and peak allocated memory side by side."""
+    """Each hf-scatter variant against its family's transformers default and Liger's patch: tokens/s ratios,
+    and peak memory allocated / reserved side by side (a graphed variant's replays allocate nothing: its
+    pool shows only in reserved memory)."""
     res = report["results"]
     rows = []
     for impl, r in res.items():
@@ -346,10 +347,11 @@ def peers_table(report: dict) -> str:
             continue
         base, liger = res.get(BASELINES[family]), res.get(f"{family}-liger")
         ratio = lambda peer: f"{r['tokens_per_s'] / peer['tokens_per_s']:.2f}x" if peer else ""  # noqa: E731
-        rows.append([impl, f"{r['tokens_per_s'] / 1e3:.1f}k", ratio(base), ratio(liger), f"{r['peak_gib']:.1f}",
-                     f"{base['peak_gib']:.1f}" if base else "", f"{liger['peak_gib']:.1f}" if liger else ""])
+        peaks = lambda run: f"{run['peak_gib']:.1f} / {run['peak_reserved_gib']:.1f}" if run else ""  # noqa: E731
+        rows.append([impl, f"{r['tokens_per_s'] / 1e3:.1f}k", ratio(base), ratio(liger), peaks(r), peaks(base),
+                     peaks(liger)])
     return markdown_table(["hf-scatter variant", "tokens/s", "vs transformers default", "vs Liger",
-                           "peak GiB", "default's peak GiB", "Liger's peak GiB"], rows)
+                           "peak GiB (allocated / reserved)", "default's", "Liger's"], rows)
 
 
 _BREAKDOWN_ROWS = (("experts forward", ("experts fwd",)), ("experts backward", ("experts bwd",)),

@@ -26,6 +26,7 @@ from .class_patch import apply_swaps
 from .experts import SCATTERMOE, patch_interface_experts
 from .fused_loss import set_fused_loss
 from .fused_norms import FUSED_ADD_NORM, add_rms_norm, rms_norm
+from .fused_rope import FUSED_ROPE, rope_attention_forward
 from .moe_graphs import set_moe_graphs
 from .registry import Family, PatchOptions, register_family
 
@@ -113,6 +114,8 @@ class DecoderFamily:
     scaled_residual: bool = False
     graphs: bool = True
     uses_rng: Callable = lambda block: False  # a block that draws random numbers (router jitter) stays eager
+    attention: type | None = None  # its forward calls the module's apply_rotary_pos_emb: RoPE gets fused
+    rope_full_head: bool = False  # cos/sin hold half a head (GPT-OSS): every channel of the head is rotated
 
 
 def _swaps(family: DecoderFamily, options: PatchOptions) -> list:
@@ -121,7 +124,15 @@ def _swaps(family: DecoderFamily, options: PatchOptions) -> list:
         layer = decoder_layer_forward(family.mlp, family.scaled_residual)
         swaps += [(family.norm, fused_subclass(family.norm, FUSED_ADD_NORM, rms_norm_forward), options.norms),
                   (family.decoder_layer, fused_subclass(family.decoder_layer, FUSED_ADD_NORM, layer), options.norms)]
+    attention = family.attention and _rope_forward(family.attention, family.rope_full_head)
+    if attention is not None:
+        swaps.append((family.attention, fused_subclass(family.attention, FUSED_ROPE, attention), options.rope))
     return swaps
+
+
+@functools.lru_cache(maxsize=None)
+def _rope_forward(attention: type, full_head: bool) -> Callable | None:
+    return rope_attention_forward(attention, full_head)
 
 
 def patch_decoder_family(family: DecoderFamily, model: nn.Module, options: PatchOptions,

@@ -25,4 +25,4 @@ def gpt_oss_router_forward(self, hidden_states: torch.Tensor):
 GPT_OSS = register_decoder_family(DecoderFamily(
     model_type="gpt_oss", pretrained=gpt_oss.GptOssPreTrainedModel, decoder_layer=gpt_oss.GptOssDecoderLayer,
     moe_block=gpt_oss.GptOssMLP, router=gpt_oss.GptOssTopKRouter, router_forward=gpt_oss_router_forward, norm=None,
-    graphs=False))
+    graphs=False, attention=gpt_oss.GptOssAttention, rope_full_head=True))

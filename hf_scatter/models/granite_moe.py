@@ -30,4 +30,4 @@ GRANITE_MOE = register_decoder_family(DecoderFamily(
     model_type="granitemoe", pretrained=granite.GraniteMoePreTrainedModel,
     decoder_layer=granite.GraniteMoeDecoderLayer, moe_block=granite.GraniteMoeMoE, router=granite.GraniteMoeTopKRouter,
     router_forward=granite_router_forward, norm=granite.GraniteMoeRMSNorm, mlp="block_sparse_moe",
-    scaled_residual=True))
+    scaled_residual=True, attention=granite.GraniteMoeAttention))

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.mixtral.modeling_mixtral import (MixtralDecoderLayer, MixtralPreTrainedModel, MixtralRMSNorm,
-                                                          MixtralSparseMoeBlock, MixtralTopKRouter)
+from transformers.models.mixtral.modeling_mixtral import (MixtralAttention, MixtralDecoderLayer, MixtralPreTrainedModel,
+                                                          MixtralRMSNorm, MixtralSparseMoeBlock, MixtralTopKRouter)
 
 from ..kernels.norms import fused_add_rms_norm
 from ..kernels.router import router_topk
@@ -36,7 +36,7 @@ def mixtral_router_forward(self, hidden_states: torch.Tensor):
 MIXTRAL_LAYERS = DecoderFamily(
     model_type="mixtral", pretrained=MixtralPreTrainedModel, decoder_layer=MixtralDecoderLayer,
     moe_block=MixtralSparseMoeBlock, router=MixtralTopKRouter, router_forward=mixtral_router_forward,
-    norm=MixtralRMSNorm, uses_rng=lambda block: block.jitter_noise > 0)
+    norm=MixtralRMSNorm, uses_rng=lambda block: block.jitter_noise > 0, attention=MixtralAttention)
 
 
 class MixtralPipelineAdapter(PipelineAdapter):

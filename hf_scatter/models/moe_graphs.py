@@ -15,11 +15,20 @@ step's activations), eval mode, ``no_grad``, autocast, gradient checkpointing, r
 hooks (transformers' inactive output recorders excepted), ``torch.compile``, an outer capture, or CPU.
 A backward that would replay out of order (``retain_graph`` twice, or an interleaving no step makes)
 raises instead of corrupting gradients.
+
+Parameter gradients are not copied out of the pool: each replay's gradient tensors become the parameters'
+``.grad`` (autograd takes a gradient it is handed alone rather than copying it), so the blocks' gradients
+exist once (a 16-layer Qwen3-MoE-style model's experts: 2.25 GiB that a copy would double). Their memory
+is where the next step's replays write, so before its first replay a ``.grad`` still holding the last
+step's gradient (accumulation over micro-batches, ``zero_grad(set_to_none=False)``) is moved out, and a
+gradient kept anywhere else (a reference taken before ``zero_grad``) is an error naming the fix, not a
+silent overwrite.
 """
 
 from __future__ import annotations
 
 import copy
+import gc
 import types
 import warnings
 import weakref
@@ -94,7 +103,10 @@ class _Captured:
                 out = forward(i, self.static_in[i])
             self.forward_graphs.append(graph)
             self.static_out.append(out)
-        self.static_dout = [torch.empty_like(o) for o in self.static_out]
+        # One incoming-gradient buffer serves every block: backward replays run one after another.
+        shared = torch.empty_like(self.static_out[0])
+        self.static_dout = [shared if _signature(o) == _signature(shared) else torch.empty_like(o)
+                            for o in self.static_out]
         self.backward_graphs: list = [None] * n
         self.static_grads: list = [None] * n
         for i in reversed(range(n)):
@@ -105,6 +117,9 @@ class _Captured:
             self.backward_graphs[i] = graph
             self.static_grads[i] = grads
         self.static_out = [o.detach() for o in self.static_out]
+        first = 1 if sample.requires_grad else 0  # static_grads[i]: (dx,) + parameter gradients
+        self.param_grads = [tuple(grads[first:]) for grads in self.static_grads]
+        self.grad_refs = [tuple(_storage_refs(g) for g in grads) for grads in self.param_grads]  # none handed out
         torch.cuda.synchronize()
         self.next_forward = 0
         self.outstanding: dict[int, weakref.ref] = {}
@@ -121,6 +136,8 @@ class _Captured:
         return i == self.next_forward and (i - 1) in live
 
     def begin_forward(self, i: int) -> _Pending:
+        if i == 0:
+            self._reclaim_grads()
         token = _Pending()
         self.outstanding[i] = weakref.ref(token)
         self.next_forward = i + 1
@@ -135,6 +152,39 @@ class _Captured:
                 "Patch without moe_graphs (patch_model(model, moe_graphs=False)) for retain_graph or "
                 "interleaved backward passes.")
         del self.outstanding[i]
+
+    def _reclaim_grads(self) -> None:
+        """Before a step's first replay, gradients of the last one that are still alive move out of the pool:
+        a block's gradient buffers may share memory with another block's or a forward's scratch space
+        (captured earlier, when that memory was free), so any replay may overwrite them. A parameter's
+        ``.grad`` (the first term of an accumulated sum) gets a copy; a reference held anywhere else cannot
+        be moved, and is an error rather than a silent rewrite."""
+        pairs = [(p, g, refs) for params, grads, counts in zip(self.params, self.param_grads, self.grad_refs)
+                 for p, g, refs in zip(params, grads, counts) if g is not None and _storage_refs(g) > refs]
+        if not pairs:
+            return
+        held = None
+        for param, grad, _ in pairs:
+            held = param.grad
+            if held is not None and held.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr():
+                with torch.no_grad():
+                    held.set_(held.clone())
+        del held
+        for _, grad, refs in pairs:
+            if _storage_refs(grad) > refs:
+                gc.collect()  # a reference cycle that is garbage already
+            if _storage_refs(grad) > refs:
+                raise RuntimeError(
+                    "hf_scatter: a gradient of an earlier step of the moe_graphs blocks is still referenced "
+                    f"(a tensor of shape {list(grad.shape)} kept after zero_grad?). With moe_graphs the blocks' "
+                    "gradients live in the CUDA graphs' memory, which this step's replays overwrite. Keep a copy "
+                    "instead (p.grad.clone()), or patch without moe_graphs (patch_model(model, moe_graphs=False)).")
+
+
+def _storage_refs(t: torch.Tensor) -> int:
+    """How many tensors (and storage objects) share ``t``'s memory: torch's own liveness test for CUDA-graph
+    outputs (``torch.compile``'s graph trees ask the same)."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
 def _signature(x: torch.Tensor) -> tuple:
@@ -168,12 +218,12 @@ class _Replay(torch.autograd.Function):
         captured.backward_graphs[i].replay()
         grads = list(captured.static_grads[i])
         dx = grads.pop(0) if captured.static_in[i].requires_grad else None
-        # Gradients that become a leaf's .grad are copied out of the pool: autograd keeps the tensor it is
-        # handed as .grad, and the pool's memory is scratch space for the other blocks' replays. dx is read
-        # by the layer below before any other replay, so it is handed over in place unless x is a leaf.
+        # dx is read by the layer below before any other replay, so it is handed over in place unless x is a
+        # leaf (its .grad would outlive the pool's next use by another block). Parameter gradients are handed
+        # over in place: their buffers belong to this block alone (see the module docstring).
         if dx is not None:
             dx = dx.clone() if ctx.x_is_leaf else dx.detach()
-        return (None, None, dx, *(g.clone() if g is not None else None for g in grads))
+        return (None, None, dx, *(g.detach() if g is not None else None for g in grads))
 
 
 class MoEGraphs:

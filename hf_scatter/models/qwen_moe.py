@@ -13,14 +13,14 @@ from .decoder_moe import DecoderFamily, register_decoder_family, softmax_topk_ro
 QWEN3_MOE = register_decoder_family(DecoderFamily(
     model_type="qwen3_moe", pretrained=qwen3.Qwen3MoePreTrainedModel, decoder_layer=qwen3.Qwen3MoeDecoderLayer,
     moe_block=qwen3.Qwen3MoeSparseMoeBlock, router=qwen3.Qwen3MoeTopKRouter,
-    router_forward=softmax_topk_router_forward, norm=qwen3.Qwen3MoeRMSNorm))
+    router_forward=softmax_topk_router_forward, norm=qwen3.Qwen3MoeRMSNorm, attention=qwen3.Qwen3MoeAttention))
 
 QWEN2_MOE = register_decoder_family(DecoderFamily(
     model_type="qwen2_moe", pretrained=qwen2.Qwen2MoePreTrainedModel, decoder_layer=qwen2.Qwen2MoeDecoderLayer,
     moe_block=qwen2.Qwen2MoeSparseMoeBlock, router=qwen2.Qwen2MoeTopKRouter,
-    router_forward=softmax_topk_router_forward, norm=qwen2.Qwen2MoeRMSNorm))
+    router_forward=softmax_topk_router_forward, norm=qwen2.Qwen2MoeRMSNorm, attention=qwen2.Qwen2MoeAttention))
 
 OLMOE = register_decoder_family(DecoderFamily(
     model_type="olmoe", pretrained=olmoe.OlmoePreTrainedModel, decoder_layer=olmoe.OlmoeDecoderLayer,
     moe_block=olmoe.OlmoeSparseMoeBlock, router=olmoe.OlmoeTopKRouter,
-    router_forward=softmax_topk_router_forward, norm=olmoe.OlmoeRMSNorm))
+    router_forward=softmax_topk_router_forward, norm=olmoe.OlmoeRMSNorm, attention=olmoe.OlmoeAttention))

@@ -29,6 +29,7 @@ class PatchOptions:
     fast_gelu: bool = True  # BERT packed half-precision inference: bias + GELU in the GEMM epilogue (tanh form)
     moe_graphs: bool = False  # MoE blocks of training steps replayed as CUDA graphs (CUDA only; fixed shapes)
     loss: bool = True  # causal LMs in training: LM head + cross-entropy fused, no [tokens, vocab] logits
+    rope: bool = True  # rotary embeddings of q and k in one kernel each way (Liger-Kernel's)
 
     @classmethod
     def from_kwargs(cls, caller: str, **options) -> "PatchOptions":
