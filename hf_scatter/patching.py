@@ -14,6 +14,7 @@ from .models import SCATTERMOE, PatchOptions, families, is_interface_experts, pa
 from .models.fused_loss import fused_loss_impl
 from .models.moe_graphs import IMPL as MOE_GRAPHS_IMPL
 from .models.moe_graphs import graphs_of
+from .models.sharding import FSDP2, sharded_by
 from .models.registry import Family
 
 _GENERIC = "any other model whose experts use transformers' ExpertsInterface (experts_implementation switch)"
@@ -60,8 +61,17 @@ def patch_model(model: nn.Module, **options) -> nn.Module:
     """
     opts = PatchOptions.from_kwargs("patch_model", **options)
     root = _pretrained_root(model)
+    _refuse_fully_sharded(root, "patch_model")
     _family_patch(root)(root, opts, False)
     return model
+
+
+def _refuse_fully_sharded(root: nn.Module, caller: str) -> None:
+    """FSDP2 makes every wrapped module an instance of a class of its own: patch first, then shard."""
+    if sharded_by(root) == FSDP2:
+        raise ValueError(f"hf_scatter.{caller}: the model is already wrapped by FSDP2's fully_shard; patch it first, "
+                         "then shard it: hf_scatter.patch_model(model), then fully_shard(...) per decoder layer and "
+                         "on the model (or accelerator.prepare / Trainer, which shard it for you)")
 
 
 def from_pretrained(path, *args, patch: dict | None = None, **kwargs) -> nn.Module:
@@ -76,6 +86,7 @@ def unpatch_model(model: nn.Module) -> nn.Module:
     """Undo :func:`patch_model`: every piece back to the family's own implementation."""
     off = PatchOptions(**{name: False for name in PatchOptions.__dataclass_fields__})
     root = _pretrained_root(model)
+    _refuse_fully_sharded(root, "unpatch_model")
     _family_patch(root)(root, off, False)
     return model
 

@@ -112,7 +112,7 @@ def patch_dbrx(model: nn.Module, options: PatchOptions, class_default: bool = Fa
     set_fused_loss(model, options.loss)
     layers = [m for m in model.modules() if isinstance(m, DbrxBlock)]
     set_moe_graphs([layer.ffn for layer in layers], layers, options.moe_graphs,
-                   uses_rng=_jitters)
+                   uses_rng=_jitters, model=model)
 
 
 class DbrxPipelineAdapter(PipelineAdapter):

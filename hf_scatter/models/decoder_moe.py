@@ -147,7 +147,7 @@ def patch_decoder_family(family: DecoderFamily, model: nn.Module, options: Patch
         layers = [m for m in model.modules() if isinstance(m, family.decoder_layer)
                   and isinstance(getattr(m, family.mlp, None), family.moe_block)]
         set_moe_graphs([getattr(layer, family.mlp) for layer in layers], layers, options.moe_graphs,
-                       uses_rng=family.uses_rng)
+                       uses_rng=family.uses_rng, model=model)
 
 
 def default_to_scattermoe(self, requested_experts):

@@ -37,6 +37,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .sharding import sharded_by
+
 _ATTR = "_hf_scatter_moe_graphs"  # block.__dict__ entry: (MoEGraphs, index)
 IMPL = "CUDA-graph replay of training steps (moe_graphs)"
 _WARMUPS = 3  # eager fwd+bwd per block before capture: autotuning and lazy CUDA initialisation happen here
@@ -59,6 +61,11 @@ def _output_recorder_only(module: nn.Module) -> bool:
         return False
     collected = _active_collector.get()
     return collected is None or "router_logits" not in collected
+
+
+def _sharding_warning(engine: str) -> str:
+    return (f"hf_scatter: moe_graphs turned off: the model's parameters are sharded by {engine}, which gathers them "
+            "into new memory every step, and a CUDA graph replays fixed addresses; the blocks run eagerly.")
 
 
 def _global_hooks() -> bool:
@@ -197,9 +204,9 @@ def _param_state(block: nn.Module) -> tuple:
 
 class _Replay(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, captured: _Captured, i: int, x: torch.Tensor, *params):
+    def forward(ctx, captured: _Captured, i: int, block: nn.Module, x: torch.Tensor, *params):
         ctx.pending = captured.begin_forward(i)
-        ctx.captured, ctx.i, ctx.x_is_leaf = captured, i, x.is_leaf
+        ctx.captured, ctx.i, ctx.x_is_leaf, ctx.block = captured, i, x.is_leaf, block
         static_in = captured.static_in[i]
         if static_in.data_ptr() != x.data_ptr():
             static_in.copy_(x)
@@ -212,6 +219,11 @@ class _Replay(torch.autograd.Function):
     def backward(ctx, dout):
         captured, i = ctx.captured, ctx.i
         captured.begin_backward(i)
+        if _param_state(ctx.block) != captured.param_state[i]:
+            raise RuntimeError(
+                "hf_scatter: the MoE block's parameters moved between its replayed forward and its backward "
+                "(an engine that gathers parameters per pass?); the captured backward would read stale memory. "
+                "Patch without moe_graphs (patch_model(model, moe_graphs=False)).")
         static_dout = captured.static_dout[i]
         if static_dout.data_ptr() != dout.data_ptr():
             static_dout.copy_(dout)
@@ -220,20 +232,22 @@ class _Replay(torch.autograd.Function):
         dx = grads.pop(0) if captured.static_in[i].requires_grad else None
         # dx is read by the layer below before any other replay, so it is handed over in place unless x is a
         # leaf (its .grad would outlive the pool's next use by another block). Parameter gradients are handed
-        # over in place: their buffers belong to this block alone (see the module docstring).
+        # over in place too; the next step's first replay moves out any still alive (_reclaim_grads).
         if dx is not None:
             dx = dx.clone() if ctx.x_is_leaf else dx.detach()
-        return (None, None, dx, *(g.detach() if g is not None else None for g in grads))
+        return (None, None, None, dx, *(g.detach() if g is not None else None for g in grads))
 
 
 class MoEGraphs:
     """A model's MoE blocks in run order and their captured graphs (one input signature)."""
 
-    def __init__(self, blocks: list[nn.Module], layers: list[nn.Module], uses_rng: Callable[[nn.Module], bool]):
+    def __init__(self, blocks: list[nn.Module], layers: list[nn.Module], uses_rng: Callable[[nn.Module], bool],
+                 model: nn.Module | None = None):
         # Weak references: the blocks hold this object, so the model (and the graphs' memory pool) is freed
         # by reference counting alone, without waiting for the garbage collector.
         self._blocks = [weakref.ref(b) for b in blocks]
         self._layers = [weakref.ref(m) for m in layers]
+        self._model = weakref.ref(model) if model is not None else None
         self.uses_rng = uses_rng
         self.captured: _Captured | None = None
         self.failed = False
@@ -249,8 +263,9 @@ class MoEGraphs:
         return [ref() for ref in self._layers]
 
     def __deepcopy__(self, memo):  # graphs are bound to this model's memory: a copy captures its own
+        model = self._model() if self._model is not None else None
         return MoEGraphs([copy.deepcopy(b, memo) for b in self.blocks], [copy.deepcopy(m, memo) for m in self.layers],
-                         self.uses_rng)
+                         self.uses_rng, memo.get(id(model)))  # the model's copy, when the model is what is copied
 
     def _eligible(self, i: int, x: torch.Tensor) -> bool:
         block = self._blocks[i]()
@@ -267,6 +282,12 @@ class MoEGraphs:
         return type(block).forward(block, x)
 
     def _capture(self, x: torch.Tensor) -> _Captured | None:
+        model = self._model() if self._model is not None else None
+        engine = sharded_by(model) if model is not None else None
+        if engine is not None:  # sharded after patching: found at the first training step
+            self.failed = True
+            warnings.warn(_sharding_warning(engine), RuntimeWarning, stacklevel=4)
+            return None
         try:
             return _Captured(self.blocks, self._eager, x)
         except Exception as error:  # an op that cannot be captured: stay eager, say so once
@@ -304,7 +325,7 @@ class MoEGraphs:
             return self._eager(i, x)
         if not captured.may_forward(i):
             return self._eager(i, x)
-        return _Replay.apply(captured, i, x, *captured.params[i])
+        return _Replay.apply(captured, i, self._blocks[i](), x, *captured.params[i])
 
 
 def _graphed_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -313,20 +334,25 @@ def _graphed_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tens
 
 
 def set_moe_graphs(blocks: list[nn.Module], layers: list[nn.Module], on: bool,
-                   uses_rng: Callable[[nn.Module], bool]) -> None:
+                   uses_rng: Callable[[nn.Module], bool], model: nn.Module | None = None) -> None:
     """Install (``on``) or remove graph replay on ``blocks`` (MoE blocks in run order, each called as
     ``block(hidden_states)``); ``layers[i]`` is the decoder layer holding ``blocks[i]`` (its
-    ``gradient_checkpointing`` flag sends the block eager); ``uses_rng(block)`` for random jitter."""
+    ``gradient_checkpointing`` flag sends the block eager); ``uses_rng(block)`` for random jitter. ``model``
+    (the whole model) is checked for a sharding engine now and again at capture: graphs stay off under one."""
     installed = [b.__dict__.get(_ATTR) for b in blocks]
     if on and blocks and all(entry is not None for entry in installed) \
             and len({id(entry[0]) for entry in installed}) == 1:
         return  # already on: keep the captured graphs
+    engine = sharded_by(model) if on and model is not None else None
+    if engine is not None:
+        warnings.warn(_sharding_warning(engine), RuntimeWarning, stacklevel=4)
+        on = False
     if on and any("forward" in b.__dict__ and _ATTR not in b.__dict__ for b in blocks):
         warnings.warn("hf_scatter: moe_graphs left off: the MoE blocks' forward is already wrapped (accelerate's "
                       "device_map hooks?); graphs need the blocks on one GPU without hooks.", RuntimeWarning,
                       stacklevel=4)
         on = False
-    graphs = MoEGraphs(list(blocks), list(layers), uses_rng) if on else None
+    graphs = MoEGraphs(list(blocks), list(layers), uses_rng, model) if on else None
     for i, block in enumerate(blocks):
         if on:
             block.__dict__[_ATTR] = (graphs, i)

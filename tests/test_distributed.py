@@ -1,0 +1,174 @@
+"""Patched models inside PyTorch's FSDP2 (``fully_shard`` per decoder layer, then the root), on CPU with gloo
+and 2 processes: the losses and every parameter after 3 optimizer steps equal one process training on the
+same global batch, and the full state dict the engine gathers is a vanilla checkpoint (same names; a
+vanilla model loads it and gives the trained model's logits). Patching after sharding, and CUDA-graph
+replay of sharded parameters, are refused with an error and a warning that say what to do."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import hf_scatter
+from hf_scatter.models.moe_graphs import graphs_of
+from hf_scatter.models.sharding import FSDP2, sharded_by
+from hf_scatter.tiny import TINY_BUILDERS
+
+SIZES = dict(hidden=72, experts=6, top_k=3, intermediate=40)  # odd sizes; 6 experts: 3 per rank
+WORLD, STEPS, ROWS, LENGTH = 2, 3, 4, 12
+TOL = dict(rtol=1e-5, atol=1e-6)  # fp32: the ranks' gradients are averaged in another order than one process sums them
+
+
+def _model(family: str):
+    torch.manual_seed(0)
+    model = TINY_BUILDERS[family](**SIZES)
+    model.config.use_cache = False
+    return hf_scatter.patch_model(model.train())
+
+
+def _batch() -> torch.Tensor:
+    return torch.randint(3, 300, (ROWS, LENGTH), generator=torch.Generator().manual_seed(1))
+
+
+def _train(model, rows: slice) -> list[float]:
+    """SGD with momentum (AdamW's first steps are sign descent: rounding noise in a near-zero gradient would
+    flip a whole learning-rate-sized update). Each step's loss is the mean over this process's rows."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ids = _batch()[rows]
+    losses = []
+    for _ in range(STEPS):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    return losses
+
+
+def _fsdp_worker(rank: int, family: str, init_file: str, out: str) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        model = _model(family)
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        per_rank = ROWS // WORLD
+        losses = torch.stack(_train(model, slice(rank * per_rank, (rank + 1) * per_rank)))
+        dist.all_reduce(losses)  # equal token counts per rank: the mean of the ranks' means is the global mean
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if rank == 0:
+            torch.save({"losses": losses / WORLD, "state": state}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_fsdp2_training_equals_one_process_and_saves_a_vanilla_checkpoint(family, tmp_path):
+    out = str(tmp_path / "fsdp.pt")
+    mp.start_processes(_fsdp_worker, args=(family, str(tmp_path / "init"), out), nprocs=WORLD,
+                       start_method="spawn", join=True)
+    got = torch.load(out)
+
+    single = _model(family)
+    want_losses = torch.stack(_train(single, slice(None)))
+    torch.testing.assert_close(got["losses"], want_losses, **TOL)
+    want = single.state_dict()
+    assert got["state"].keys() == want.keys()
+    for name, value in want.items():
+        torch.testing.assert_close(got["state"][name], value, **TOL, msg=name)
+
+    torch.manual_seed(0)
+    vanilla = TINY_BUILDERS[family](**SIZES)
+    vanilla.load_state_dict(got["state"])
+    ids = _batch()
+    with torch.no_grad():
+        torch.testing.assert_close(vanilla.eval()(ids).logits, single.eval()(ids).logits, **TOL)
+
+
+def _misuse_worker(rank: int, init_file: str, out: str) -> None:
+    import warnings
+
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=1)
+    try:
+        found = {}
+        sharded = TINY_BUILDERS["mixtral"](**SIZES)
+        found["before"] = sharded_by(sharded)
+        for layer in sharded.model.layers:
+            fully_shard(layer)
+        fully_shard(sharded)
+        found["after"] = sharded_by(sharded)
+        for call in (hf_scatter.patch_model, hf_scatter.unpatch_model):
+            try:
+                call(sharded)
+            except ValueError as error:
+                found[call.__name__] = str(error)
+        torch.save(found, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_patching_after_fully_shard_is_refused_with_the_order_to_use(tmp_path):
+    out = str(tmp_path / "found.pt")
+    mp.start_processes(_misuse_worker, args=(str(tmp_path / "init"), out), nprocs=1, start_method="spawn", join=True)
+    found = torch.load(out)
+    assert found["before"] is None and found["after"] == FSDP2
+    for call in ("patch_model", "unpatch_model"):
+        assert "patch it first, then shard it" in found[call], call
+
+
+def test_graphs_over_parameters_partitioned_by_zero3_are_refused():
+    """DeepSpeed ZeRO-3 marks each partitioned parameter with ``ds_id``: patching such a model with
+    moe_graphs=True warns once and leaves the blocks eager (a graph replays fixed addresses)."""
+    model = TINY_BUILDERS["mixtral"](**SIZES)
+    for i, p in enumerate(model.parameters()):
+        p.ds_id = i
+    assert sharded_by(model) == "DeepSpeed ZeRO-3"
+    with pytest.warns(RuntimeWarning, match="moe_graphs turned off: .*DeepSpeed ZeRO-3") as caught:
+        hf_scatter.patch_model(model, moe_graphs=True)
+    assert len([w for w in caught if "moe_graphs" in str(w.message)]) == 1
+    assert not any(graphs_of(layer.mlp) for layer in model.model.layers)
+    assert "router_topk" in hf_scatter.patch_report(model).values()  # the rest of the patch applies
+
+
+def _graphs_then_shard_worker(rank: int, init_file: str, out: str) -> None:
+    import warnings
+
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = hf_scatter.patch_model(TINY_BUILDERS["mixtral"](**SIZES).cuda().train(), moe_graphs=True)
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        ids = _batch().cuda()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            losses = []
+            for _ in range(2):
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                losses.append(loss.item())
+        graphs = graphs_of(model.model.layers[0].mlp)
+        torch.save({"warnings": [str(w.message) for w in caught if "moe_graphs" in str(w.message)],
+                    "captured": graphs.captured is not None, "losses": losses}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_graphs_of_a_model_sharded_after_patching_turn_off_with_one_warning(tmp_path):
+    """patch_model(moe_graphs=True), then fully_shard: the first training step finds the sharding, says so
+    once, and the blocks run eagerly (nothing captured over parameters FSDP2 gathers anew each pass)."""
+    out = str(tmp_path / "found.pt")
+    mp.start_processes(_graphs_then_shard_worker, args=(str(tmp_path / "init"), out), nprocs=1, start_method="spawn",
+                       join=True)
+    found = torch.load(out)
+    assert len(found["warnings"]) == 1 and "FSDP2" in found["warnings"][0]
+    assert not found["captured"] and all(loss == loss for loss in found["losses"])
