@@ -4,7 +4,10 @@ The interpreter must be chosen before any ``@triton.jit`` function is defined, s
 import time of the conftest, before the test modules import hf_scatter's kernels.
 """
 
+import gc
+import io
 import os
+import weakref
 
 import pytest
 import torch
@@ -36,3 +39,31 @@ def tokenizer():
     from hf_scatter.tiny import byte_level_tokenizer
 
     return byte_level_tokenizer()
+
+
+@pytest.fixture
+def pickled_copy():
+    """``torch.save`` then ``torch.load`` of a whole object (a patched model): what comes back."""
+    def copy(obj):
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        buf.seek(0)
+        return torch.load(buf, weights_only=False)
+
+    return copy
+
+
+@pytest.fixture
+def freed_by_del():
+    """Given a one-item list holding the only reference to an object: whether dropping it frees the object by
+    reference counting alone (the garbage collector off), as ``del model`` frees a vanilla model."""
+    def freed(holder: list) -> bool:
+        ref = weakref.ref(holder[0])
+        gc.disable()
+        try:
+            holder.clear()
+            return ref() is None
+        finally:
+            gc.enable()
+
+    return freed

@@ -179,6 +179,20 @@ def test_patch_is_idempotent_switchable_and_reversible(family, device):
     assert torch.equal(patched(ids).logits, vanilla(ids).logits)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_patched_model_pickles_whole_and_is_freed_by_del(family, pickled_copy, freed_by_del):
+    """torch.save of the whole patched model loads back patched, with the same logits; ``del model`` frees it
+    without the garbage collector, as it frees a vanilla model (GPU memory comes back at once)."""
+    _, patched = vanilla_and_patched(family, "cpu")
+    loaded = pickled_copy(patched)
+    ids = _ids("cpu")
+    assert hf_scatter.patch_report(loaded) == hf_scatter.patch_report(patched)
+    assert torch.equal(loaded(ids).logits, patched(ids).logits)
+    holder = [patched]
+    del patched
+    assert freed_by_del(holder)
+
+
 def test_patch_transformers_is_class_level_and_unpatch_restores_classes_exactly():
     from transformers import AutoModelForCausalLM
 

@@ -57,6 +57,16 @@ def test_moe_graphs_patch_is_reported_keeps_weights_and_unpatches(family):
     assert not any(IMPL in v for v in hf_scatter.patch_report(graphed).values())
 
 
+def test_graphed_model_pickles_and_is_freed_by_del(pickled_copy, freed_by_del):
+    model = hf_scatter.patch_model(tiny_mixtral(**SIZES), moe_graphs=True)
+    loaded = pickled_copy(model)
+    assert hf_scatter.patch_report(loaded) == hf_scatter.patch_report(model)
+    assert graphs_of(_blocks(loaded)[0]).blocks == _blocks(loaded)  # the copy's graphs hold the copy's blocks
+    holder = [model]
+    del model
+    assert freed_by_del(holder)
+
+
 def test_moe_graphs_needs_the_scattermoe_experts():
     with pytest.raises(ValueError, match="moe_graphs=True .* needs moe=True"):
         hf_scatter.patch_model(tiny_mixtral(), moe=False, moe_graphs=True)

@@ -1,13 +1,22 @@
-"""Swapping a live module's class for a subclass that computes differently (where transformers has no hook).
+"""Swapping a live module's class for a subclass that computes differently (where transformers has no hook),
+and methods given to one instance.
 
 A swap keeps the instance, its parameters and its hooks; only the methods change. Modules already wrapped
 by accelerate (``device_map``) call ``module._old_forward``, a bound method of the old class: it is re-bound
 so the hook calls the new forward and still moves tensors between devices.
+
+Where one instance computes differently and its class must stay (the causal LM's fused-loss forward: its
+class names the checkpoint's architecture), the method goes into the instance's ``__dict__`` as an
+:class:`InstanceMethod`. A plain bound method there would be a reference cycle (module -> method ->
+module): ``del model`` would then leave its memory, GPU memory included, to the garbage collector, and
+``torch.save(model)`` would pickle the method as a lookup of itself.
 """
 
 from __future__ import annotations
 
+import inspect
 import types
+import weakref
 
 from torch import nn
 
@@ -47,3 +56,38 @@ def apply_swaps(model: nn.Module, swaps) -> None:
                     swap_class(module, ours)
                 else:
                     restore_class(module, vanilla)
+
+
+class InstanceMethod:
+    """``func`` bound to ``module`` through a weak reference (see the module docstring). Calls, signature
+    (without ``self``: what ``inspect.signature(module.forward)`` shows the Trainer), ``__func__`` and
+    ``__self__`` behave as a bound method's; it pickles as (``func``, ``module``), ``func`` by its name."""
+
+    __slots__ = ("__func__", "_module", "__weakref__")
+
+    def __init__(self, func, module: nn.Module):
+        self.__func__ = func
+        self._module = weakref.ref(module)
+
+    @property
+    def __self__(self) -> nn.Module:
+        return self._module()
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(types.MethodType(self.__func__, self._module()))
+
+    @property
+    def __name__(self) -> str:
+        return self.__func__.__name__
+
+    def __call__(self, *args, **kwargs):
+        return self.__func__(self._module(), *args, **kwargs)
+
+    def __reduce__(self):
+        return InstanceMethod, (self.__func__, self._module())
+
+
+def set_instance_method(module: nn.Module, name: str, func) -> None:
+    """``module.<name>`` calls ``func(module, ...)``, for this instance only, without a reference cycle."""
+    module.__dict__[name] = InstanceMethod(func, module)

@@ -94,6 +94,12 @@ def softmax_topk_router_forward(self, hidden_states: torch.Tensor):
 
 
 # ------------------------------------------------------------------------------------------ families
+def never_random(block: nn.Module) -> bool:
+    """``DecoderFamily.uses_rng`` of a family whose MoE block draws no random numbers (a named function: graphed
+    models pickle with it)."""
+    return False
+
+
 @dataclass(frozen=True)
 class DecoderFamily:
     """A Llama-style MoE family: its transformers classes and how its pieces are fused.
@@ -113,7 +119,7 @@ class DecoderFamily:
     mlp: str = "mlp"
     scaled_residual: bool = False
     graphs: bool = True
-    uses_rng: Callable = lambda block: False  # a block that draws random numbers (router jitter) stays eager
+    uses_rng: Callable = never_random  # a block that draws random numbers (router jitter) stays eager
     attention: type | None = None  # its forward calls the module's apply_rotary_pos_emb: RoPE gets fused
     rope_full_head: bool = False  # cos/sin hold half a head (GPT-OSS): every channel of the head is rotated
 

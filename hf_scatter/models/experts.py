@@ -10,10 +10,10 @@ the backend (:func:`register_experts_backend`), so ``from_pretrained(..., expert
 
 from __future__ import annotations
 
-import types
-
 import torch
 from torch import nn
+
+from .class_patch import set_instance_method
 
 SCATTERMOE = "scattermoe"  # the experts_implementation name
 
@@ -39,7 +39,7 @@ def _vanilla_default(model: nn.Module) -> str:
 def _show_choice_in_repr(experts: list[nn.Module], show: bool) -> None:
     for m in experts:
         if show:
-            m.extra_repr = types.MethodType(_experts_extra_repr, m)
+            set_instance_method(m, "extra_repr", _experts_extra_repr)
         else:
             m.__dict__.pop("extra_repr", None)
 

@@ -17,13 +17,13 @@ inside ``torch.compile``. Anything else runs the vanilla forward unchanged.
 from __future__ import annotations
 
 import inspect
-import types
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.linear_cross_entropy import linear_cross_entropy
+from .class_patch import set_instance_method
 
 FUSED_LOSS = "fused_linear_cross_entropy"
 
@@ -101,6 +101,6 @@ def set_fused_loss(model: nn.Module, on: bool) -> None:
     if on and not ours and getattr(model, "lm_head", None) is not None and _base_model(model) is not None:
         if "forward" in model.__dict__:  # someone else's wrapper (accelerate hooks): leave it alone
             return
-        model.forward = types.MethodType(_forward_for(type(model)), model)
+        set_instance_method(model, "forward", _forward_for(type(model)))
     elif not on and ours:
         del model.__dict__["forward"]

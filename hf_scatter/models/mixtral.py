@@ -33,10 +33,15 @@ def mixtral_router_forward(self, hidden_states: torch.Tensor):
     return router_logits, scores, indices
 
 
+def _jitters(block: MixtralSparseMoeBlock) -> bool:
+    """Router jitter draws random numbers: such a block stays out of ``moe_graphs``."""
+    return block.jitter_noise > 0
+
+
 MIXTRAL_LAYERS = DecoderFamily(
     model_type="mixtral", pretrained=MixtralPreTrainedModel, decoder_layer=MixtralDecoderLayer,
     moe_block=MixtralSparseMoeBlock, router=MixtralTopKRouter, router_forward=mixtral_router_forward,
-    norm=MixtralRMSNorm, uses_rng=lambda block: block.jitter_noise > 0, attention=MixtralAttention)
+    norm=MixtralRMSNorm, uses_rng=_jitters, attention=MixtralAttention)
 
 
 class MixtralPipelineAdapter(PipelineAdapter):

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import types
 import warnings
 import weakref
 from typing import Callable
@@ -37,6 +36,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .class_patch import set_instance_method
 from .sharding import sharded_by
 
 _ATTR = "_hf_scatter_moe_graphs"  # block.__dict__ entry: (MoEGraphs, index)
@@ -262,6 +262,10 @@ class MoEGraphs:
     def layers(self) -> list[nn.Module]:
         return [ref() for ref in self._layers]
 
+    def __reduce__(self):  # pickled (torch.save of the model): the blocks, not the graphs, which a load captures anew
+        model = self._model() if self._model is not None else None
+        return MoEGraphs, (self.blocks, self.layers, self.uses_rng, model)
+
     def __deepcopy__(self, memo):  # graphs are bound to this model's memory: a copy captures its own
         model = self._model() if self._model is not None else None
         return MoEGraphs([copy.deepcopy(b, memo) for b in self.blocks], [copy.deepcopy(m, memo) for m in self.layers],
@@ -356,7 +360,7 @@ def set_moe_graphs(blocks: list[nn.Module], layers: list[nn.Module], on: bool,
     for i, block in enumerate(blocks):
         if on:
             block.__dict__[_ATTR] = (graphs, i)
-            block.forward = types.MethodType(_graphed_forward, block)
+            set_instance_method(block, "forward", _graphed_forward)
         elif _ATTR in block.__dict__:
             del block.__dict__[_ATTR]
             block.__dict__.pop("forward", None)
