@@ -50,6 +50,29 @@ def test_bench_train_smoke_run_patched_matches_vanilla_first_loss():
         assert abs(graphs - res[f"{family}-hf-scatter"]["first_step_loss"]) < 1e-2 * graphs
 
 
+def test_bench_train_fsdp_refuses_variants_that_cannot_run_sharded():
+    from hf_scatter.bench import train
+
+    for impl in ("mixtral-liger", "mixtral-hf-scatter-graphs"):
+        with pytest.raises(ValueError, match="--fsdp: .*leave them out of --configs"):
+            train.run(["mixtral-grouped_mm", impl], cfg=train.SMOKE, fsdp=True)
+
+
+@pytest.mark.gpu
+def test_bench_train_fsdp_smoke_run_keeps_each_variants_first_loss():
+    """Under FSDP2 (world size 1) every variant computes the first loss it computes unwrapped."""
+    from hf_scatter.bench import train
+
+    impls = ["mixtral-grouped_mm", "mixtral-hf-scatter", "dbrx-eager", "dbrx-hf-scatter", "qwen3_moe-hf-scatter"]
+    plain = train.run(impls, cfg=train.SMOKE, warmup=1, steps=2, breakdown=False)["results"]
+    sharded = train.run(impls, cfg=train.SMOKE, warmup=1, steps=2, fsdp=True)
+    assert sharded["fsdp"] is True
+    for impl in impls:
+        r = sharded["results"][impl]
+        assert abs(r["first_step_loss"] - plain[impl]["first_step_loss"]) < 1e-2 * r["first_step_loss"], impl
+        assert r["tokens_per_s"] > 0 and "breakdown_ms" not in r
+
+
 def test_bench_convert_runs_on_the_cpu_and_writes_json_table_png(tmp_path, monkeypatch, capsys):
     from hf_scatter.bench import convert
 

@@ -7,6 +7,10 @@ SwiGLU / fused experts, fused linear cross-entropy) and hf-scatter's patch, in o
 and on the same random tokens. Reports tokens/s (median step), peak memory (weights, gradients and optimizer
 states included) and the first-step loss (patched must equal vanilla within bf16 noise), plus a
 per-category GPU time breakdown of one step.
+
+``--fsdp`` runs every variant under PyTorch FSDP2 with world size 1 (``fully_shard`` per decoder layer and
+on the model, after the patch; bf16 parameters, float32 gradient reduction): what the sharding wrapper
+costs each variant, measured on one GPU, next to the same command without it.
 """
 
 from __future__ import annotations
@@ -125,8 +129,10 @@ def family_shape(impl: str, cfg: TrainConfig | None) -> TrainConfig:
     return cfg or FAMILY_SHAPES[impl.split("-", 1)[0]]
 
 
-def build_model(impl: str, cfg: TrainConfig, device: torch.device, dtype: torch.dtype, seed: int = 0):
-    """The model an implementation name stands for, initialised from ``seed`` (same weights per family)."""
+def build_model(impl: str, cfg: TrainConfig, device: torch.device, dtype: torch.dtype, seed: int = 0,
+                fsdp: bool = False):
+    """The model an implementation name stands for, initialised from ``seed`` (same weights per family);
+    ``fsdp``: wrapped by FSDP2 after patching (a process group must exist)."""
     from transformers import AutoModelForCausalLM
 
     from .. import patch_model
@@ -140,7 +146,37 @@ def build_model(impl: str, cfg: TrainConfig, device: torch.device, dtype: torch.
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
     if patched:
         patch_model(model, **_VARIANT_OPTIONS.get(choice.rsplit("-", 1)[-1], {}))
+    if fsdp:
+        _fully_shard(model)
     return model.train()
+
+
+def _fully_shard(model) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    base = model.base_model
+    for layer in getattr(base, "layers", None) or base.blocks:  # DBRX: transformer.blocks
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+
+
+@contextlib.contextmanager
+def _process_group(on: bool):
+    """A one-process NCCL group for ``--fsdp`` (unless the caller made one, e.g. under torchrun)."""
+    import torch.distributed as dist
+
+    if not on or dist.is_initialized():
+        yield
+        return
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:  # the group's file store lives as long as the group
+        dist.init_process_group("nccl", init_method=f"file://{tmp}/init", rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
 
 
 def _step_fn(model, ids: torch.Tensor) -> tuple[Callable[[], torch.Tensor], torch.optim.Optimizer]:
@@ -215,11 +251,11 @@ def time_breakdown(model, step: Callable[[], torch.Tensor]) -> dict[str, float]:
 
 
 def measure(impl: str, cfg: TrainConfig, ids: torch.Tensor, warmup: int, steps: int, breakdown: bool,
-            dtype=torch.bfloat16) -> dict:
+            dtype=torch.bfloat16, fsdp: bool = False) -> dict:
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    model = build_model(impl, cfg, ids.device, dtype)
+    model = build_model(impl, cfg, ids.device, dtype, fsdp=fsdp)
     family, choice = impl.split("-", 1)
     with liger_patched(family, model) if choice == "liger" else contextlib.nullcontext():
         result = _timed_steps(impl, model, cfg, ids, warmup, steps, breakdown)
@@ -267,26 +303,37 @@ def add_arguments(parser) -> None:
                         help="skip the per-category time breakdown")
     parser.add_argument("--liger-autotune", choices=("on", "off"), default="on",
                         help="Liger's fused-MoE autotuner in the -liger variants (its default: on)")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="every variant under FSDP2 with world size 1 (fully_shard per decoder layer, after the patch)")
 
 
 def run(impls=IMPLS, cfg: TrainConfig | None = None, warmup: int = 3, steps: int = 10,
-        breakdown: bool = True, liger_autotune: str = "on") -> dict:
+        breakdown: bool = True, liger_autotune: str = "on", fsdp: bool = False) -> dict:
     """``cfg``: one shape for every implementation (the smoke test); None runs each family at its
     :data:`FAMILY_SHAPES` entry."""
-    require_cuda()
     check_names("implementation", impls, IMPLS)
+    if fsdp and any(impl.endswith("-liger") or impl.endswith("-graphs") for impl in impls):
+        raise ValueError("--fsdp: the -liger variants patch after construction and the -graphs variants do not run "
+                         "under a sharding engine; leave them out of --configs")
+    require_cuda()
     os.environ.setdefault("LIGER_FUSED_MOE_AUTOTUNE", "1" if liger_autotune == "on" else "0")  # read at import
     families = dict.fromkeys(impl.split("-", 1)[0] for impl in impls)
     configs = {family: dataclasses.asdict(family_shape(family, cfg)) for family in families}
     report = {**run_header(), "config": next(iter(configs.values())), "configs": configs, "warmup": warmup,
-              "steps": steps, "liger_autotune": liger_autotune, "results": {}}
-    for impl in impls:
-        shape = family_shape(impl, cfg)
-        ids = torch.randint(shape.vocab, (shape.batch, shape.seq), generator=torch.Generator().manual_seed(0)).cuda()
-        report["results"][impl] = r = measure(impl, shape, ids, warmup, steps, breakdown)
-        print(f"  {impl:20s} {r['tokens_per_s'] / 1e3:8.1f}k tok/s  peak {r['peak_gib']:.1f} GiB  "
-              f"first loss {r['first_step_loss']:.4f}", flush=True)
+              "steps": steps, "liger_autotune": liger_autotune, "fsdp": fsdp, "results": {}}
+    with _process_group(fsdp):
+        for impl in impls:
+            _run_one(report, impl, cfg, warmup, steps, breakdown and not fsdp, fsdp)
     return report
+
+
+def _run_one(report: dict, impl: str, cfg: TrainConfig | None, warmup: int, steps: int, breakdown: bool,
+             fsdp: bool) -> None:
+    shape = family_shape(impl, cfg)
+    ids = torch.randint(shape.vocab, (shape.batch, shape.seq), generator=torch.Generator().manual_seed(0)).cuda()
+    report["results"][impl] = r = measure(impl, shape, ids, warmup, steps, breakdown, fsdp=fsdp)
+    print(f"  {impl:20s} {r['tokens_per_s'] / 1e3:8.1f}k tok/s  peak {r['peak_gib']:.1f} GiB  "
+          f"first loss {r['first_step_loss']:.4f}", flush=True)
 
 
 BASELINES = {"mixtral": "mixtral-grouped_mm", "dbrx": "dbrx-eager", "qwen3_moe": "qwen3_moe-grouped_mm",
