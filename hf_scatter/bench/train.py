@@ -304,7 +304,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--liger-autotune", choices=("on", "off"), default="on",
                         help="Liger's fused-MoE autotuner in the -liger variants (its default: on)")
     parser.add_argument("--fsdp", action="store_true",
-                        help="every variant under FSDP2 with world size 1 (fully_shard per decoder layer, after the patch)")
+                        help="every variant under FSDP2 with world size 1 (fully_shard per decoder layer, after the "
+                             "patch); no time breakdown")
 
 
 def run(impls=IMPLS, cfg: TrainConfig | None = None, warmup: int = 3, steps: int = 10,
