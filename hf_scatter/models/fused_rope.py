@@ -35,17 +35,15 @@ def _liger_rope() -> type | None:
 def fused_rope(vanilla: Callable, full_head: bool = False) -> Callable:
     """``vanilla(q, k, cos, sin, unsqueeze_dim=1)`` on Liger's kernel where it runs. q [B, H, S, D] and k
     [B, H_kv, S, D]; cos and sin [B or 1, S, D] (``full_head``: [.., D / 2], GPT-OSS's halves, every
-    channel of the head rotated)."""
+    channel of the head rotated). Compiled code never calls it (:func:`rope_attention_forward`)."""
 
     @functools.wraps(vanilla)
     def apply(q, k, cos, sin, unsqueeze_dim=1):
         liger = _liger_rope()
-        if (liger is None or not q.is_cuda or unsqueeze_dim != 1 or q.dim() != 4 or cos.dim() != 3
-                or torch.compiler.is_compiling()):
+        if liger is None or not q.is_cuda or unsqueeze_dim != 1 or q.dim() != 4 or cos.dim() != 3:
             return vanilla(q, k, cos, sin, unsqueeze_dim)
         return liger.apply(q, k, cos, sin, None, 1, q.shape[-1] if full_head else None)
 
-    apply.hf_scatter_vanilla = vanilla
     return apply
 
 

@@ -262,14 +262,16 @@ class MoEGraphs:
     def layers(self) -> list[nn.Module]:
         return [ref() for ref in self._layers]
 
+    @property
+    def model(self) -> nn.Module | None:
+        return self._model() if self._model is not None else None
+
     def __reduce__(self):  # pickled (torch.save of the model): the blocks, not the graphs, which a load captures anew
-        model = self._model() if self._model is not None else None
-        return MoEGraphs, (self.blocks, self.layers, self.uses_rng, model)
+        return MoEGraphs, (self.blocks, self.layers, self.uses_rng, self.model)
 
     def __deepcopy__(self, memo):  # graphs are bound to this model's memory: a copy captures its own
-        model = self._model() if self._model is not None else None
         return MoEGraphs([copy.deepcopy(b, memo) for b in self.blocks], [copy.deepcopy(m, memo) for m in self.layers],
-                         self.uses_rng, memo.get(id(model)))  # the model's copy, when the model is what is copied
+                         self.uses_rng, memo.get(id(self.model)))  # the model's copy, when the model is what is copied
 
     def _eligible(self, i: int, x: torch.Tensor) -> bool:
         block = self._blocks[i]()
@@ -286,8 +288,7 @@ class MoEGraphs:
         return type(block).forward(block, x)
 
     def _capture(self, x: torch.Tensor) -> _Captured | None:
-        model = self._model() if self._model is not None else None
-        engine = sharded_by(model) if model is not None else None
+        engine = sharded_by(self.model) if self.model is not None else None
         if engine is not None:  # sharded after patching: found at the first training step
             self.failed = True
             warnings.warn(_sharding_warning(engine), RuntimeWarning, stacklevel=4)
