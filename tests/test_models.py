@@ -4,6 +4,7 @@ One suite, parametrised over the families (tiny configs, odd sizes, k=3 of 6 exp
 
 import copy
 import functools
+import warnings
 
 import pytest
 import torch
@@ -116,10 +117,19 @@ def test_generate_greedy_tokens_identical_with_kv_cache(family, device):
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
     kwargs = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
-    want = vanilla.generate(ids, **kwargs)
-    got = patched.generate(ids, **kwargs)
+    want, vanilla_says = _warned(lambda: vanilla.generate(ids, **kwargs))
+    got, patched_says = _warned(lambda: patched.generate(ids, **kwargs))
     assert want.shape == (2, 17)
     assert torch.equal(got, want)
+    assert patched_says <= vanilla_says  # e.g. no deprecation of an argument the user never passed
+
+
+def _warned(call):
+    """``call()`` and the messages of the warnings it raised (vanilla's class names made patched-neutral)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = call()
+    return out, {str(w.message).replace("Unpadded", "").replace("Fused", "") for w in caught}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -346,15 +356,17 @@ def test_bert_fused_add_layer_norm_matches_vanilla_outputs_and_gradients(train, 
     ids = _ids(device)  # (gradients are asked for, so the padded path answers: this test is about the norms)
     mask = torch.ones_like(ids)
     mask[1, 9:] = 0
-    outs = []
+    outs, said = [], []
     for model in (vanilla, patched):
         model.train(train)
         torch.manual_seed(0)
-        out = model(ids, attention_mask=mask).last_hidden_state
+        out, warned = _warned(lambda: model(ids, attention_mask=mask).last_hidden_state)
+        said.append(warned)
         probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(device)
         (out * probe).sum().backward()
         outs.append(out)
     assert _rel(outs[1], outs[0]) < 1e-5
+    assert said[1] <= said[0]
     want, got = _grads(vanilla), _grads(patched)
     assert want.keys() == got.keys() and want
     scale = max(g.abs().max() for g in want.values())  # the key bias has an exactly-zero true gradient
@@ -370,3 +382,31 @@ def test_patch_functions_name_a_wrong_model_argument(bad):
     if isinstance(bad, str):
         with pytest.raises(TypeError, match="from_pretrained"):
             hf_scatter.patch_model(bad)
+
+
+def _renamed_kwarg(function):
+    """A decorator shaped like transformers' ``deprecate_kwarg`` (5.24 wraps every attention forward)."""
+    @functools.wraps(function)
+    def wrapped(*args, **kwargs):
+        if "past" in kwargs:
+            kwargs["cache"] = kwargs.pop("past")
+        return function(*args, **kwargs)
+    return wrapped
+
+
+def _rotate(x):
+    return x + 1
+
+
+@_renamed_kwarg
+def _attention_like(x, cache=None):
+    return _rotate(x) * (1 if cache is None else cache)
+
+
+def test_rope_rebinding_reaches_through_decorators():
+    from hf_scatter.models.fused_rope import forward_with_global
+    rebound = forward_with_global(_attention_like, "_rotate", lambda x: x - 1)
+    assert rebound is not None
+    assert rebound(10, past=2) == 18 and _attention_like(10, past=2) == 22  # the original is untouched
+    assert rebound.__wrapped__(10) == 9 and rebound.__name__ == "_attention_like"
+    assert forward_with_global(_attention_like, "not_a_global_it_reads", None) is None

@@ -42,7 +42,7 @@ class FusedBertOutput(BertOutput):
 
 
 def _packed_call_blocker(model, input_ids, attention_mask, position_ids, inputs_embeds, encoder_hidden_states,
-                         past_key_values, use_cache, kwargs) -> str | None:
+                         cache, use_cache, kwargs) -> str | None:
     """Why this call must take transformers' padded forward, as far as the arguments tell (the packed path
     itself declines the rest: see ``turbo.hf_forward.packed_bert_forward``). Inputs vanilla rejects go there
     too, so they fail with vanilla's own error before any packed work."""
@@ -55,7 +55,7 @@ def _packed_call_blocker(model, input_ids, attention_mask, position_ids, inputs_
     tokens = input_ids if input_ids is not None else inputs_embeds
     if position_ids is None and tokens.shape[1] > model.config.max_position_embeddings:
         return "more positions than max_position_embeddings"
-    if encoder_hidden_states is not None or past_key_values is not None or use_cache:
+    if encoder_hidden_states is not None or cache is not None or use_cache:
         return "cross-attention or a KV cache"
     if model.config.output_attentions or model.config.output_hidden_states:
         return "attention weights / hidden states requested"
@@ -80,8 +80,15 @@ class UnpaddedBertModel(BertModel):
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, encoder_hidden_states=None, encoder_attention_mask=None, past_key_values=None,
                 use_cache=None, **kwargs):
+        # The KV cache is ``past_key_values`` up to transformers 5.23 and ``cache`` from 5.24 (the old name
+        # deprecated). Either reaches vanilla under the name the caller used, so vanilla's own renaming
+        # and warnings apply; a None is not passed on, so no call warns that the caller did not make.
+        if past_key_values is not None:
+            kwargs["past_key_values"] = past_key_values
+        cache = kwargs.get("past_key_values", kwargs.get("cache"))
         reason = _packed_call_blocker(self, input_ids, attention_mask, position_ids, inputs_embeds,
-                                      encoder_hidden_states, past_key_values, use_cache, kwargs)
+                                      encoder_hidden_states, cache, use_cache,
+                                      {k: v for k, v in kwargs.items() if k not in ("past_key_values", "cache")})
         if reason is None:
             from ..turbo.hf_forward import packed_bert_forward
 
@@ -91,8 +98,7 @@ class UnpaddedBertModel(BertModel):
         return super().forward(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
                                position_ids=position_ids, inputs_embeds=inputs_embeds,
                                encoder_hidden_states=encoder_hidden_states,
-                               encoder_attention_mask=encoder_attention_mask, past_key_values=past_key_values,
-                               use_cache=use_cache, **kwargs)
+                               encoder_attention_mask=encoder_attention_mask, use_cache=use_cache, **kwargs)
 
 
 def _share_output_capture(ours: type, vanilla: type) -> None:

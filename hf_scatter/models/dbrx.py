@@ -77,13 +77,14 @@ class FusedDbrxNormAttentionNorm(DbrxNormAttentionNorm):
 
     hf_scatter_impl = FUSED_ADD_NORM
 
+    # The KV cache travels in ``kwargs`` under whichever name the caller used (``past_key_values`` up to
+    # transformers 5.23, ``cache`` from 5.24), so the attention gets it as vanilla's block passes it.
     def forward(self, hidden_states: torch.Tensor, position_embeddings: torch.Tensor,
-                attention_mask: torch.Tensor | None = None, past_key_values=None, **kwargs):
+                attention_mask: torch.Tensor | None = None, **kwargs):
         residual = hidden_states
         hidden_states = add_layer_norm(hidden_states, None, self.norm_1)[0].to(hidden_states.dtype)
         hidden_states, _ = self.attn(hidden_states=hidden_states, attention_mask=attention_mask,
-                                     position_embeddings=position_embeddings, past_key_values=past_key_values,
-                                     **kwargs)
+                                     position_embeddings=position_embeddings, **kwargs)
         hidden_states = nn.functional.dropout(hidden_states, p=self.resid_pdrop, training=self.training)
         normed, residual = add_layer_norm(hidden_states, residual, self.norm_2)
         return residual, normed.to(residual.dtype)

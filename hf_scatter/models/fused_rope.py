@@ -15,6 +15,7 @@ so models left unpatched in the same process run as before.
 from __future__ import annotations
 
 import functools
+import inspect
 import types
 from typing import Callable
 
@@ -49,16 +50,41 @@ def fused_rope(vanilla: Callable, full_head: bool = False) -> Callable:
 
 def forward_with_global(forward: Callable, name: str, value: object) -> Callable | None:
     """``forward``'s code run with its module global ``name`` bound to ``value``, or None where that would
-    not change what it calls (the name is not a global it reads, or ``forward`` wraps another function)."""
-    if hasattr(forward, "__wrapped__") or name not in forward.__code__.co_names or name not in forward.__globals__:
+    not change what it calls (the name is not a global it reads). A decorated forward (transformers 5.24
+    wraps every attention forward in ``deprecate_kwarg``) is rebuilt layer by layer: each wrapper keeps its
+    own code and globals and closes over the rebound function in place of the one it wrapped."""
+    inner = getattr(forward, "__wrapped__", None)
+    if inner is None:
+        if name not in forward.__code__.co_names or name not in forward.__globals__:
+            return None
+        scope = dict(forward.__globals__)
+        scope[name] = value
+        return _function_copy(forward, scope, forward.__closure__)
+    rebound_inner = forward_with_global(inner, name, value)
+    cells = forward.__closure__ or ()
+    holding = [i for i, cell in enumerate(cells) if _cell_value(cell) is inner]
+    if rebound_inner is None or len(holding) != 1:
         return None
-    scope = dict(forward.__globals__)
-    scope[name] = value
-    bound = types.FunctionType(forward.__code__, scope, forward.__name__, forward.__defaults__, forward.__closure__)
-    bound.__kwdefaults__ = forward.__kwdefaults__
-    bound.__qualname__, bound.__doc__, bound.__module__ = forward.__qualname__, forward.__doc__, forward.__module__
-    bound.__annotations__ = dict(forward.__annotations__)
-    return bound
+    closure = tuple(types.CellType(rebound_inner) if i == holding[0] else cell for i, cell in enumerate(cells))
+    rebound = _function_copy(forward, forward.__globals__, closure)
+    rebound.__wrapped__ = rebound_inner
+    return rebound
+
+
+def _cell_value(cell: types.CellType) -> object:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
+
+
+def _function_copy(function: Callable, scope: dict, closure: tuple | None) -> Callable:
+    copy = types.FunctionType(function.__code__, scope, function.__name__, function.__defaults__, closure)
+    copy.__kwdefaults__ = function.__kwdefaults__
+    copy.__dict__.update(function.__dict__)
+    copy.__qualname__, copy.__doc__, copy.__module__ = function.__qualname__, function.__doc__, function.__module__
+    copy.__annotations__ = dict(function.__annotations__)
+    return copy
 
 
 def rope_attention_forward(attention: type, full_head: bool = False, name: str = "apply_rotary_pos_emb"
@@ -67,7 +93,7 @@ def rope_attention_forward(attention: type, full_head: bool = False, name: str =
     Under ``torch.compile`` the vanilla forward runs (dynamo finds an inlined function's globals through
     its module, which the rebound copy's are not)."""
     vanilla_forward = attention.forward
-    vanilla = vanilla_forward.__globals__.get(name)
+    vanilla = inspect.unwrap(vanilla_forward).__globals__.get(name)  # the modeling module's, not a decorator's
     rebound = None if vanilla is None else forward_with_global(vanilla_forward, name, fused_rope(vanilla, full_head))
     if rebound is None:
         return None
