@@ -1,13 +1,17 @@
 """Which bytes of an HF checkpoint are which bytes of the hf-scatter layout.
 
 The hf-scatter layout is the model's own ``state_dict``: expert weights stacked per layer exactly as the
-patched modules hold them (Mixtral ``gate_up_proj`` [E, 2I, H] with [gate; up] rows and ``down_proj``
-[E, H, I]; DBRX ``w1``/``v1``/``w2`` [E*I, H]). The kernels read those in place as K-contiguous
-[E, d_in, d_out] views, so loading is a plain copy per tensor and needs no per-expert stacking.
+patched modules hold them (Mixtral / Qwen3-MoE ``gate_up_proj`` [E, 2I, H] with [gate; up] rows and
+``down_proj`` [E, H, I]; DBRX ``w1``/``v1``/``w2`` [E*I, H]). The kernels read those in place as
+K-contiguous [E, d_in, d_out] views, so loading is a plain copy per tensor and needs no per-expert stacking.
 
-One list of :class:`Link` (a contiguous run of elements on each side) describes a checkpoint scheme in
-both directions: the forward conversion gathers HF pieces into stacked tensors, the reverse one cuts the
-same pieces back out.
+The HF side is either the same names (``fused``: a raw ``state_dict`` dump, or a family whose hub files are
+already stacked) or the hub naming (``hub``): what transformers' ``save_pretrained`` writes, one tensor per
+expert and projection for Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek. The hub naming is not ours to define:
+transformers' own checkpoint conversion mapping (the one it applies at every load) is run backwards on a
+*provenance* state dict, whose entries hold row numbers instead of weights, so whatever that mapping does
+to a family we learn as a list of :class:`Link` (a contiguous run of elements on each side). The forward
+conversion gathers the HF pieces into stacked tensors, the reverse one cuts the same pieces back out.
 """
 
 from __future__ import annotations
@@ -21,16 +25,13 @@ import torch
 FORMAT_VERSION = 1
 CONFIG_KEY = "hf_scatter"  # config.json entry that marks a converted checkpoint
 
-# Mixtral as published on the hub (transformers stacks these at load and splits them again on save)
-PER_EXPERT = "per_expert"
-# Mixtral with transformers 5's in-memory names (a raw state_dict dump)
-FUSED = "fused"
-# DBRX: already stacked per layer on disk
-DBRX_NATIVE = "dbrx"
-
-SCHEMES = {"mixtral": (PER_EXPERT, FUSED), "dbrx": (DBRX_NATIVE,)}
-
-_MIXTRAL_EXPERT = re.compile(r"^(.*)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
+HUB = "hub"  # transformers' checkpoint naming: what save_pretrained writes and the hub publishes
+FUSED = "fused"  # the model's own parameter names (transformers 5's in-memory layout)
+# names recorded in the config of checkpoints converted before the hub naming was read from transformers
+_LEGACY_NAMES = {"per_expert": HUB, "dbrx": FUSED}
+_EXPERT_KEY = re.compile(r"\.experts\.(\d+)\.")
+# config.json's expert count, by the name each family gives it
+EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 
 @dataclass(frozen=True)
@@ -75,53 +76,80 @@ def model_tensors(config) -> tuple[dict[str, tuple[int, ...]], set[str]]:
     return shapes, tied
 
 
-def _mixtral_expert_key(scatter_key: str) -> tuple[str, str] | None:
-    """``model.layers.3.mlp.experts.gate_up_proj`` -> (``model.layers.3``, ``gate_up_proj``)."""
-    m = re.match(r"^(.*)\.mlp\.experts\.(gate_up_proj|down_proj)$", scatter_key)
-    return (m.group(1), m.group(2)) if m else None
+def scheme_name(name: str) -> str:
+    """``name`` as the converter calls it today (older conversions recorded ``per_expert`` / ``dbrx``)."""
+    return _LEGACY_NAMES.get(name, name)
 
 
-def _mixtral_per_expert(shapes: dict[str, tuple[int, ...]]) -> Correspondence:
+def hub_correspondence(config, shapes: dict[str, tuple[int, ...]]) -> Correspondence | None:
+    """The links between transformers' checkpoint naming and the model's own, or None where the two are the
+    same tensors under the same names (no conversion mapping applies to the family)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    # Provenance: one number per row (every dimension but the last) of every tensor, so a mapping that
+    # splits, chunks or renames shows where each row lands. The last dimension is never rearranged by
+    # the mappings we accept (checked against the real shapes below); it holds the row number twice, as
+    # a last dimension of 1 may be squeezed away (transformers 5.17's expert split does).
+    keys = list(shapes)
+    rows = [math.prod(shapes[k][:-1]) if shapes[k] else 1 for k in keys]
+    firsts = torch.tensor([0, *rows]).cumsum(0)
+    dtype = torch.int32 if int(firsts[-1]) < 2**31 else torch.int64
+    provenance = {k: torch.arange(int(firsts[i]), int(firsts[i + 1]), dtype=dtype).view(*shapes[k][:-1], 1)
+                  .expand(*shapes[k][:-1], 2) for i, k in enumerate(keys)}
+    reverted = revert_weight_conversion(model, provenance)
+    real = revert_weight_conversion(model, {k: torch.empty(shapes[k], device="meta") for k in keys})
+    if set(reverted) == set(keys) and all(torch.equal(reverted[k], provenance[k]) for k in keys):
+        return None
+    c = Correspondence(scatter_shapes=dict(shapes))
+    for hf_key, rows_of in reverted.items():
+        intact = rows_of.shape[-1:] == (2,) and torch.equal(rows_of[..., 0], rows_of[..., 1])
+        ids = rows_of[..., 0].reshape(-1).long()
+        owner = torch.searchsorted(firsts[1:], ids, right=True)  # which tensor each row comes from
+        cols = {shapes[keys[i]][-1] if shapes[keys[i]] else 1 for i in owner.unique().tolist()}
+        shape = (*rows_of.shape[:-1], *cols) if len(cols) == 1 and intact else None
+        if shape is None or hf_key not in real or tuple(real[hf_key].shape) != shape:
+            raise ValueError(f"transformers' checkpoint mapping for {config.model_type} rearranges the last "
+                             f"dimension of {hf_key!r}: the converter cannot express it; convert with "
+                             f"transformers (from_pretrained, save_pretrained) instead")
+        (width,) = cols
+        c.hf_shapes[hf_key] = shape
+        # runs of consecutive rows of one tensor are one link each
+        breaks = torch.nonzero((ids[1:] != ids[:-1] + 1) | (owner[1:] != owner[:-1])).view(-1) + 1
+        starts = [0, *breaks.tolist()]
+        for start, end in zip(starts, [*starts[1:], len(ids)]):
+            i = int(owner[start])
+            c.links.append(Link(hf_key, start * width, keys[i], (int(ids[start]) - int(firsts[i])) * width,
+                                (end - start) * width))
+    return c
+
+
+def fused_correspondence(shapes: dict[str, tuple[int, ...]]) -> Correspondence:
     c = Correspondence()
     for key, shape in shapes.items():
-        expert = _mixtral_expert_key(key)
-        if expert is None:
-            c.whole(key, shape, hf_key=re.sub(r"\.mlp\.gate\.", ".block_sparse_moe.gate.", key))
-            continue
-        layer, proj = expert
-        c.scatter_shapes[key] = shape
-        num_experts, rows, cols = shape
-        names = ("w1", "w3") if proj == "gate_up_proj" else ("w2",)
-        part_rows = rows // len(names)
-        for e in range(num_experts):
-            for j, w in enumerate(names):
-                hf_key = f"{layer}.block_sparse_moe.experts.{e}.{w}.weight"
-                c.hf_shapes[hf_key] = (part_rows, cols)
-                c.links.append(Link(hf_key, 0, key, (e * rows + j * part_rows) * cols, part_rows * cols))
+        c.whole(key, shape)
     return c
 
 
-def correspondence(scheme: str, config) -> Correspondence:
-    """The links between the HF ``scheme`` and the hf-scatter layout for a model of ``config``."""
+def correspondences(config) -> dict[str, Correspondence]:
+    """Every HF naming a checkpoint of ``config``'s family can have, linked to the hf-scatter layout; the
+    first is the one ``save_pretrained`` writes."""
     shapes, tied = model_tensors(config)
-    if scheme == PER_EXPERT:
-        c = _mixtral_per_expert(shapes)
-    else:  # FUSED and DBRX_NATIVE name every tensor as the model does
-        c = Correspondence()
-        for key, shape in shapes.items():
-            c.whole(key, shape)
-    c.optional = tied
-    return c
+    hub = hub_correspondence(config, shapes)
+    found = {FUSED: fused_correspondence(shapes)} if hub is None else {HUB: hub, FUSED: fused_correspondence(shapes)}
+    for c in found.values():  # tied duplicates, under either name, may be left out of a checkpoint
+        c.optional = tied | {link.hf_key for link in c.links if link.scatter_key in tied}
+    return found
 
 
-def detect_scheme(model_type: str, keys: set[str]) -> str:
-    """Which HF scheme a checkpoint's keys follow."""
-    if model_type == "mixtral" and any(_MIXTRAL_EXPERT.match(k) for k in keys):
-        return PER_EXPERT
-    return SCHEMES[model_type][-1]
+def detect_scheme(found: dict[str, Correspondence], keys: set[str]) -> str:
+    """Which HF naming a checkpoint's keys follow: the one that names more of them (fused on a tie)."""
+    return max(reversed(list(found)), key=lambda scheme: len(keys & set(found[scheme].hf_shapes)))
 
 
 def expert_index(key: str) -> int | None:
     """The expert number in a per-expert key, for expert-count errors."""
-    m = _MIXTRAL_EXPERT.match(key)
-    return int(m.group(2)) if m else None
+    m = _EXPERT_KEY.search(key)
+    return int(m.group(1)) if m else None

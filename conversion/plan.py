@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .layout import CONFIG_KEY, FORMAT_VERSION, SCHEMES, Correspondence, correspondence, detect_scheme, expert_index
+from .layout import (CONFIG_KEY, EXPERT_COUNT_KEYS, FORMAT_VERSION, Correspondence, correspondences, detect_scheme,
+                     expert_index, scheme_name)
 from .safetensors_io import ConversionError, TensorInfo, TensorSpec, read_header
 
 TO_SCATTER, TO_HF = "hf-scatter", "hf"
@@ -151,26 +152,35 @@ def read_tensors(src: str) -> tuple[dict[str, TensorInfo], list[str]]:
     return tensors, files
 
 
-def _check_expert_count(tensors: dict[str, TensorInfo], num_experts: int | None) -> None:
+def _expert_count(config: dict) -> tuple[str, int | None]:
+    """config.json's expert count and the name the family gives it."""
+    for key in EXPERT_COUNT_KEYS:
+        if config.get(key) is not None:
+            return key, config[key]
+    return "ffn_config.moe_num_experts", (config.get("ffn_config") or {}).get("moe_num_experts")
+
+
+def _check_expert_count(tensors: dict[str, TensorInfo], config: dict) -> None:
     """Per-expert checkpoints: the experts on disk are exactly 0..E-1 of config.json."""
     per_expert = sorted((k for k in tensors if expert_index(k) is not None), key=_natural)
+    name, num_experts = _expert_count(config)
     if not per_expert or num_experts is None:
         return
     found = max(expert_index(k) for k in per_expert) + 1
     if found > num_experts:
         info = tensors[next(k for k in per_expert if expert_index(k) >= num_experts)]
         raise ConversionError(f"{info.path}: tensor {info.name!r} is expert {expert_index(info.name)}, but "
-                              f"config.json says num_local_experts={num_experts} (expert count mismatch)")
+                              f"config.json says {name}={num_experts} (expert count mismatch)")
     if found < num_experts:
         example = re.sub(r"experts\.\d+\.", f"experts.{found}.", per_expert[0])
-        raise ConversionError(f"expert count mismatch: config.json says num_local_experts={num_experts}, the "
+        raise ConversionError(f"expert count mismatch: config.json says {name}={num_experts}, the "
                               f"weight files hold experts 0..{found - 1} (no tensor {example!r})")
 
 
 def _check_inputs(tensors: dict[str, TensorInfo], expected: dict[str, tuple[int, ...]], optional: set[str],
                   config: dict, src: str) -> None:
-    num_experts = config.get("num_local_experts") or config.get("ffn_config", {}).get("moe_num_experts")
-    _check_expert_count(tensors, num_experts)
+    _check_expert_count(tensors, config)
+    num_experts = _expert_count(config)[1]
     # expert tensors first: with a wrong expert count, theirs is the error that explains the others
     for key, info in sorted(tensors.items(), key=lambda item: "experts" not in item[0]):
         if key not in expected:
@@ -296,6 +306,15 @@ def _check_destination(dst: str, overwrite: bool, copies: list[str]) -> None:
         raise ConversionError(f"{dst} exists: pass --overwrite to replace it")
 
 
+def supported_model_types() -> list[str]:
+    """The causal-LM families ``patch_model`` runs (the registry's), which the hf-scatter layout is for."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    import hf_scatter
+
+    return [t for t in hf_scatter.supported_model_types() if t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES]
+
+
 def build_plan(src: str, dst: str, to: str = TO_SCATTER, dtype: str | torch.dtype | None = None,
                max_shard_size: int | str = "5GB", hf_naming: str | None = None, overwrite: bool = False) -> Plan:
     from transformers import AutoConfig
@@ -320,33 +339,36 @@ def build_plan(src: str, dst: str, to: str = TO_SCATTER, dtype: str | torch.dtyp
     except json.JSONDecodeError as e:
         raise ConversionError(f"{config_path}: not valid JSON ({e})") from None
     model_type = config.get("model_type")
-    if model_type not in SCHEMES:
+    if model_type not in supported_model_types():
         raise ConversionError(f"{config_path}: unknown architecture model_type={model_type!r} "
                               f"(architectures={config.get('architectures')}); hf-scatter convert supports "
-                              f"{', '.join(SCHEMES)}")
+                              f"{', '.join(supported_model_types())}")
     marker = config.get(CONFIG_KEY)
     tensors, _ = read_tensors(src)
-    if to == TO_SCATTER:
-        if marker is not None:
-            raise ConversionError(f"{config_path}: already in the hf-scatter layout (format {marker}); use "
-                                  f"--to hf to convert it back")
-        if hf_naming is not None:
-            raise ConversionError("--hf-naming applies to --to hf only: the source naming is read from its keys")
-        scheme = detect_scheme(model_type, set(tensors))
-    elif to == TO_HF:
-        if marker is None:
-            raise ConversionError(f"{config_path}: not an hf-scatter checkpoint (no {CONFIG_KEY!r} entry); "
-                                  f"it is already an HF checkpoint")
-        scheme = hf_naming or marker.get("hf_naming") or SCHEMES[model_type][0]
-        if scheme not in SCHEMES[model_type]:
-            raise ConversionError(f"--hf-naming {scheme!r} does not exist for {model_type}: use one of "
-                                  f"{', '.join(SCHEMES[model_type])}")
-    else:
+    if to == TO_SCATTER and marker is not None:
+        raise ConversionError(f"{config_path}: already in the hf-scatter layout (format {marker}); use "
+                              f"--to hf to convert it back")
+    if to == TO_SCATTER and hf_naming is not None:
+        raise ConversionError("--hf-naming applies to --to hf only: the source naming is read from its keys")
+    if to == TO_HF and marker is None:
+        raise ConversionError(f"{config_path}: not an hf-scatter checkpoint (no {CONFIG_KEY!r} entry); "
+                              f"it is already an HF checkpoint")
+    if to not in (TO_SCATTER, TO_HF):
         raise ConversionError(f"unknown target {to!r}: use {TO_SCATTER!r} or {TO_HF!r}")
-
     out_config = {k: v for k, v in config.items() if k != CONFIG_KEY}
-    hf_config = AutoConfig.for_model(**out_config)
-    corr = correspondence(scheme, hf_config)
+    try:
+        found = correspondences(AutoConfig.for_model(**out_config))
+    except ValueError as e:  # a config transformers rejects, or a mapping the converter cannot express
+        raise ConversionError(f"{config_path}: {e}") from None
+    if to == TO_SCATTER:
+        scheme = detect_scheme(found, set(tensors))
+    else:
+        scheme = scheme_name(hf_naming or marker.get("hf_naming") or next(iter(found)))
+        if scheme not in found:
+            raise ConversionError(f"--hf-naming {scheme!r} does not exist for {model_type}: use "
+                                  f"{' or '.join(found)}")
+
+    corr = found[scheme]
     expected = corr.hf_shapes if to == TO_SCATTER else corr.scatter_shapes
     _check_inputs(tensors, expected, corr.optional, config, src)
     if to == TO_SCATTER:

@@ -268,9 +268,10 @@ def _add_convert(sub) -> None:
     p.add_argument("src", help="checkpoint directory (config.json + safetensors, single file or sharded)")
     p.add_argument("dst", help="output directory; written elsewhere first and renamed into place when complete")
     p.add_argument("--to", choices=["hf-scatter", "hf"], default="hf-scatter", help="target layout")
-    p.add_argument("--hf-naming", choices=["per_expert", "fused"],
-                   help="--to hf, Mixtral: per-expert hub keys or transformers' fused names (default: the "
-                        "naming the checkpoint was converted from)")
+    p.add_argument("--hf-naming", choices=["hub", "fused", "per_expert"],
+                   help="--to hf: the hub's naming (what save_pretrained writes: one tensor per expert for "
+                        "Mixtral, Qwen-MoE, OLMoE, DeepSeek) or the model's own fused names (default: the naming "
+                        "the checkpoint was converted from; per_expert is the old name of hub)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="cast floating-point tensors")
     p.add_argument("--max-shard-size", default="5GB", help="largest output shard, e.g. 5GB, 500MB (default 5GB)")
     p.add_argument("--overwrite", action="store_true",

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 import hf_scatter
 from hf_scatter.cli import main as cli_main
 from hf_scatter.conversion import CONFIG_KEY, ConversionError, build_plan, convert
-from hf_scatter.tiny import tiny_dbrx, tiny_mixtral
+from hf_scatter.tiny import DECODER_FAMILIES, TINY_BUILDERS, tiny_dbrx, tiny_mixtral
 
 SHARD = "60KB"  # tiny models are ~900 kB: every checkpoint here has many shards
 
@@ -49,7 +49,7 @@ def _checkpoint(kind: str, path, tokenizer=None, **config):
         model = tiny_mixtral(experts=5, top_k=3, hidden=40, intermediate=56, **config)
         _save_fused(model, path)
     else:
-        model = (tiny_mixtral if kind == "mixtral" else tiny_dbrx)(**config)
+        model = TINY_BUILDERS[kind](**config)
         model.save_pretrained(path, max_shard_size=SHARD)
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
@@ -82,7 +82,8 @@ def _leftovers(parent) -> list[str]:
     return [n for n in os.listdir(parent) if n.startswith(".")]
 
 
-KINDS = ["mixtral", "mixtral-fused", "dbrx"]
+FUSED_ON_DISK = {"mixtral-fused", "dbrx", "gpt_oss"}
+KINDS = ["mixtral", "mixtral-fused", "dbrx", *DECODER_FAMILIES]  # each as save_pretrained writes it
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -104,6 +105,9 @@ def test_round_trip_is_bitwise_and_the_layout_is_stacked(kind, tmp_path, tokeniz
 
     config = json.loads((dst / "config.json").read_text())
     assert config[CONFIG_KEY]["format_version"] == 1
+    # transformers writes these families' experts one tensor per expert (Granite: under other names)
+    assert config[CONFIG_KEY]["hf_naming"] == ("fused" if kind in FUSED_ON_DISK else "hub")
+    assert (set(original) == set(stacked)) == (kind in FUSED_ON_DISK)
     assert CONFIG_KEY not in json.loads((back / "config.json").read_text())
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (dst / name).read_bytes() == (src / name).read_bytes(), name
@@ -150,7 +154,7 @@ def test_converted_checkpoint_loads_patched_with_vanilla_logits_and_no_stacking(
     model = hf_scatter.from_pretrained(dst)
     assert hf_scatter.patch_report(model)
     torch.testing.assert_close(model(tokens).logits, expected, rtol=1e-5, atol=1e-5)
-    if kind == "mixtral":  # the probe sees the stacking an HF per-expert checkpoint needs
+    if kind not in FUSED_ON_DISK | {"granitemoe"}:  # the probe sees the stacking a per-expert checkpoint needs
         AutoModelForCausalLM.from_pretrained(src)
         assert stacking
 
@@ -622,8 +626,8 @@ def test_refusals_name_the_fix(tmp_path):
         build_plan(str(dst), str(tmp_path / "x"))
     with pytest.raises(ConversionError, match="max shard size 'lots'"):
         build_plan(str(src), str(tmp_path / "x"), max_shard_size="lots")
-    with pytest.raises(ConversionError, match="fused.* does not exist for dbrx"):
-        build_plan(str(dst), str(tmp_path / "x"), to="hf", hf_naming="fused")
+    with pytest.raises(ConversionError, match="'hub' does not exist for dbrx: use fused"):
+        build_plan(str(dst), str(tmp_path / "x"), to="hf", hf_naming="hub")
 
 
 _MEASURE = """
@@ -653,3 +657,30 @@ def test_peak_memory_is_bounded_by_shards_not_the_model(tmp_path):
     assert growth < 2 * shard, f"peak RSS grew by {growth / 2**20:.1f} MiB for a {model_bytes / 2**20:.0f} MiB model"
     assert set(_tensors(dst)) == set(tiny_mixtral(hidden=8, intermediate=8, experts=8, layers=6,
                                                   vocab=512).state_dict())
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3"])
+def test_expert_count_errors_name_the_familys_config_key(kind, tmp_path):
+    src = tmp_path / "src"
+    _checkpoint(kind, src)
+    saved = json.loads((src / "config.json").read_text())
+    (key,) = {"num_local_experts", "num_experts", "n_routed_experts"} & set(saved)  # as this release names it
+    _edit_config(src, **{key: 3})
+    with pytest.raises(ConversionError, match=rf"{key}=3 \(expert count mismatch\)"):
+        build_plan(str(src), str(tmp_path / "hfs"))
+
+
+def test_a_mapping_that_moves_the_last_dimension_is_refused_up_front(tmp_path, monkeypatch):
+    """The hub naming comes from transformers' own mapping; one the converter's element runs cannot express
+    (here: a transpose) is refused with the fix, before anything is written."""
+    from transformers import core_model_loading
+
+    src, dst = tmp_path / "src", tmp_path / "hfs"
+    _checkpoint("qwen3_moe", src)
+    revert = core_model_loading.revert_weight_conversion
+    monkeypatch.setattr(core_model_loading, "revert_weight_conversion", lambda model, state: {
+        k: v.transpose(-1, -2) if ".experts.1.down_proj" in k else v for k, v in revert(model, state).items()})
+    with pytest.raises(ConversionError, match=r"rearranges the last dimension of 'model\.layers\.0\.mlp\.experts\.1"
+                                              r"\.down_proj\.weight'.*save_pretrained\) instead"):
+        build_plan(str(src), str(dst))
+    assert not dst.exists()
