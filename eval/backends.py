@@ -34,6 +34,8 @@ class Backend:
     label: str  # column header in the report
     build: Callable[[LoadSettings], object] | None  # None: not available in this version
     unavailable_reason: str = ""
+    # why this backend cannot run the checkpoint of this config.json (None: it can), asked before any model loads
+    refuses: Callable[[dict], str | None] = lambda config: None
 
 
 class BackendUnavailable(RuntimeError):
@@ -93,11 +95,20 @@ def _eager_experts(settings: LoadSettings):
     return lm
 
 
+def _offload_refuses(config: dict) -> str | None:
+    from hf_scatter.offload import offloaded_model_types
+
+    if config.get("model_type") not in offloaded_model_types():
+        return (f"the offloaded backend runs the causal MoE families {', '.join(offloaded_model_types())}; this "
+                f"checkpoint is model_type {config.get('model_type')!r}")
+    return None
+
+
 def _offloaded(settings: LoadSettings):
     """The checkpoint through hf_scatter.offload (CGOPipe) within ``settings.gpu_memory``."""
     if settings.encoder:
-        raise BackendUnavailable("the offloaded backend runs causal MoE language models (Mixtral, DBRX); this "
-                                 "checkpoint is a masked LM")
+        raise BackendUnavailable("the offloaded backend runs causal MoE language models; this checkpoint is a "
+                                 "masked LM")
     _seeded(settings)
     from .offloaded_lm import OffloadedLM
 
@@ -112,7 +123,7 @@ def _offloaded(settings: LoadSettings):
 register_backend(Backend("vanilla", "vanilla", _build(False)))
 register_backend(Backend("patched", "hf-scatter", _build(True)))
 register_backend(Backend("eager", "hf eager experts", _eager_experts))
-register_backend(Backend("offloaded", "offloaded", _offloaded))
+register_backend(Backend("offloaded", "offloaded", _offloaded, refuses=_offload_refuses))
 
 
 def resolve(names: list[str]) -> list[Backend]:

@@ -1,7 +1,8 @@
 """Random-weight checkpoints of known shapes, for ``hf-scatter eval --random SHAPE`` (no download needed).
 
-Parity needs no trained weights: both backends get the same bytes. A Mixtral-8x7B-shaped model with a
-few layers exercises the real expert sizes; the tiny shapes are for CPU checks. Each checkpoint is saved
+Parity needs no trained weights: both backends get the same bytes. A Mixtral-8x7B- or Qwen3-30B-A3B-shaped
+model with a few layers exercises the real expert sizes (coarse and fine-grained); the tiny shapes, one per
+family, are for CPU checks. Each checkpoint is saved
 with the offline byte-level tokenizer, like a hub directory.
 """
 
@@ -16,7 +17,24 @@ import torch
 
 from .runner import ParityError
 
-SHAPES = ("mixtral-8x7b", "tiny-mixtral", "tiny-dbrx", "tiny-bert")
+def _full_size_configs() -> dict:
+    """Published shapes with any number of layers (attention, experts and vocabulary as released)."""
+    from hf_scatter.common.shapes import MIXTRAL_8X7B, MOE_BLOCKS
+    from hf_scatter.tiny import tiny_decoder_config, tiny_mixtral_config
+
+    return {
+        "mixtral-8x7b": lambda layers: tiny_mixtral_config(layers=layers, **MIXTRAL_8X7B),
+        # Qwen/Qwen3-30B-A3B's config.json: 32 query heads of 128 (wider than the model), 4 KV heads
+        "qwen3-30b-a3b": lambda layers: tiny_decoder_config(
+            "qwen3_moe", layers=layers, **MOE_BLOCKS["qwen3-30b-a3b"], heads=32, kv_heads=4, vocab=151936,
+            head_dim=128, max_position_embeddings=40960, rope_theta=1e6),
+    }
+
+
+FULL_SIZE = ("mixtral-8x7b", "qwen3-30b-a3b")  # bf16 by default; the others are tiny CPU shapes
+TINY = ("mixtral", "dbrx", "bert", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3", "deepseek_v2", "gpt_oss",
+        "granitemoe")
+SHAPES = (*FULL_SIZE, *(f"tiny-{family}" for family in TINY))
 
 
 def save_random_checkpoint(shape: str, path: str, layers: int = 2, dtype: torch.dtype = torch.bfloat16,
@@ -25,17 +43,15 @@ def save_random_checkpoint(shape: str, path: str, layers: int = 2, dtype: torch.
     and the tokenizer into ``path``; returns a one-line description."""
     from transformers import AutoModelForCausalLM
 
-    from hf_scatter.tiny import byte_level_tokenizer, tiny_bert, tiny_dbrx, tiny_mixtral, tiny_mixtral_config
+    from hf_scatter.tiny import TINY_BUILDERS, byte_level_tokenizer, tiny_bert
 
     if shape not in SHAPES:
         raise ParityError(f"unknown random shape {shape!r}; choose one of {', '.join(SHAPES)}")
     if layers < 1:
         raise ParityError(f"--random-layers must be at least 1, got {layers}")
     tokenizer = byte_level_tokenizer()
-    if shape == "mixtral-8x7b":
-        from hf_scatter.common.shapes import MIXTRAL_8X7B
-
-        config = tiny_mixtral_config(layers=layers, **MIXTRAL_8X7B)
+    if shape in FULL_SIZE:
+        config = _full_size_configs()[shape](layers)
         with torch.random.fork_rng(devices=[]), torch.device(device):
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -43,7 +59,7 @@ def save_random_checkpoint(shape: str, path: str, layers: int = 2, dtype: torch.
         tokenizer.add_special_tokens({"mask_token": "<mask>"})  # masked-LM scoring needs one
         model = tiny_bert(seed=seed, dtype=dtype, head="masked-lm", layers=layers, vocab=len(tokenizer))
     else:
-        model = (tiny_mixtral if shape == "tiny-mixtral" else tiny_dbrx)(seed=seed, dtype=dtype, layers=layers)
+        model = TINY_BUILDERS[shape.removeprefix("tiny-")](seed=seed, dtype=dtype, layers=layers)
     model.save_pretrained(path, max_shard_size="5GB")
     tokenizer.save_pretrained(path)
     params = sum(p.numel() for p in model.parameters())

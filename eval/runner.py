@@ -202,6 +202,9 @@ def run_parity(model: str, tasks: list[str] | None = None, backends: list[str] |
         chosen = resolve(backends or ["vanilla", "patched"])
     except BackendUnavailable as e:
         raise ParityError(str(e)) from None
+    refusals = [f"backend {b.name}: {reason}" for b in chosen if (reason := b.refuses(config))]
+    if refusals:
+        raise ParityError("; ".join(refusals))
     settings = LoadSettings(model=str(model_dir), tokenizer=str(tokenizer_dir), dtype=dtype, device=device,
                             batch_size=batch_size, max_length=max_length, encoder=encoder, gpu_memory=gpu_memory,
                             profile=profile)

@@ -151,7 +151,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     import contextlib
     import traceback
 
-    from .eval.random_checkpoint import temporary_random_checkpoint
+    from .eval.random_checkpoint import FULL_SIZE, temporary_random_checkpoint
     from .eval.report import plot, to_markdown
     from .eval.runner import ParityError, run_parity
 
@@ -169,7 +169,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             if args.random:
                 import torch
 
-                big = args.random == "mixtral-8x7b"
+                big = args.random in FULL_SIZE
                 dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if big else "float32")
                 model, described = stack.enter_context(temporary_random_checkpoint(
                     args.random, args.random_layers, getattr(torch, dtype), device, args.workdir))
@@ -286,11 +286,14 @@ def _add_convert(sub) -> None:
 
 
 def _add_eval(sub) -> None:
+    from .eval.random_checkpoint import SHAPES as RANDOM_SHAPES
+
     p = sub.add_parser("eval", help="lm-eval parity: the same checkpoint vanilla vs hf-scatter, metric by metric and "
                                     "request by request (offline; exit 1 past a tolerance)")
-    p.add_argument("--model", help="checkpoint directory: Mixtral / DBRX / BERT family, HF or hf-scatter layout")
-    p.add_argument("--random", choices=["mixtral-8x7b", "tiny-mixtral", "tiny-dbrx", "tiny-bert"],
-                   help="instead of --model: a random-weight checkpoint of this shape, saved to a temp dir first")
+    p.add_argument("--model", help="checkpoint directory of a family patch_model runs, HF or hf-scatter layout")
+    p.add_argument("--random", choices=RANDOM_SHAPES, metavar="SHAPE",
+                   help="instead of --model: a random-weight checkpoint of this shape, saved to a temp dir first: "
+                        + ", ".join(RANDOM_SHAPES))
     p.add_argument("--random-layers", type=positive_int, default=2, help="--random: number of layers (default 2)")
     p.add_argument("--tasks", help="comma-separated lm-eval tasks or groups (default: hfs_all, the bundled suite)")
     p.add_argument("--backends", default="vanilla,patched",

@@ -88,6 +88,18 @@ def test_dbrx_parity_fp32(tmp_path, tokenizer, capsys):
     assert report["backends"][1]["patch_report"], "the patched backend must run hf-scatter's modules"
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss"])
+def test_fine_grained_families_parity_fp32(family, tmp_path, capsys):
+    """Each family's random checkpoint: patched (its router, norms, RoPE and experts) equals vanilla request
+    by request, log-likelihoods and greedy generations alike."""
+    rc, report, out = _eval(["--random", f"tiny-{family}", *FP32, "--limit", "2", "--ll-tolerance", "1e-4",
+                             "--tasks", "hfs_facts,hfs_generation"], tmp_path, capsys)
+    assert rc == 0, out.out + out.err
+    assert report["model_type"] == family and report["summary"]["patched"]["ll_max_abs"] <= 1e-4
+    assert report["summary"]["patched"]["generations"] > 0
+    assert any("scattermoe" in i for i in report["backends"][1]["patch_report"])
+
+
 def _perturbed(settings):
     """vanilla with noise on the expert weights: what a broken kernel would look like from outside."""
     lm = BACKENDS["vanilla"].build(settings)
@@ -132,9 +144,12 @@ def test_offloaded_backend_matches_vanilla_request_by_request(mixtral_dir, tmp_p
     assert summary["decisions_changed"] == 0 and summary["generations"] == 3 and summary["generations_changed"] == 0
 
 
-def test_offloaded_backend_refuses_a_masked_lm_before_it_loads(tmp_path, capsys):
-    rc, report, out = _eval(["--random", "tiny-bert", *FP32, "--backends", "vanilla,offloaded"], tmp_path, capsys)
-    assert rc == 2 and report is None and "causal MoE language models" in out.err
+@pytest.mark.parametrize("shape", ["tiny-bert", "tiny-gpt_oss"])
+def test_offloaded_backend_refuses_other_families_before_any_model_loads(shape, tmp_path, capsys):
+    rc, report, out = _eval(["--random", shape, *FP32, "--backends", "vanilla,offloaded"], tmp_path, capsys)
+    assert rc == 2 and report is None
+    assert "backend offloaded: the offloaded backend runs the causal MoE families dbrx, mixtral, olmoe, " in out.err
+    assert "loading" not in out.err, "a model loaded before the refusal"
 
 
 @pytest.mark.parametrize("args, message", [
@@ -265,6 +280,16 @@ def test_bundled_suite_loads_from_any_directory_and_user_tasks_join(tmp_path, mo
     leaves, manager, skipped = resolve_tasks(["my_task", "hfs_all"], [str(user)], builtin_tasks=False, encoder=False)
     assert leaves == ["my_task", *TASKS] and not skipped
     assert len(list(manager.load(["my_task"])["tasks"]["my_task"].test_docs())) == 1
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_fine_grained_qwen3_shape_within_the_metric_tolerance(tmp_path, capsys):
+    """Qwen3-30B-A3B's published shape (128 experts of 768, top-8), 2 layers, random bf16 weights."""
+    rc, report, out = _eval(["--random", "qwen3-30b-a3b", "--dtype", "bfloat16", "--device", "cuda", "--limit", "200",
+                             "--tasks", "hfs_sums,hfs_perplexity", "--batch-size", "32"], tmp_path, capsys)
+    assert rc == 0, out.out + out.err
+    assert all(m["ok"] for m in report["metrics"]) and report["tolerance"]["metric"] == 0.006
+    assert any("scattermoe" in i for i in report["backends"][1]["patch_report"])
 
 
 @pytest.mark.gpu

@@ -1,6 +1,7 @@
 """Offloaded generation (CGOPipe): the same tokens as vanilla ``generate``, on the CPU stand-in and on the GPU;
 request batching, the KV cache and CPU attention, paging, sampling, budgets, the trace, the public API."""
 
+import functools
 import json
 import math
 
@@ -13,9 +14,11 @@ from hf_scatter.offload.plan.attention_buckets import length_buckets
 from hf_scatter.offload.runtime.cpu_attention import KVCache
 from hf_scatter.models.pipeline_adapter import adapter_for
 from hf_scatter.offload.runtime.paging import Layout, PageTable, WeightStore, split_layer
-from hf_scatter.tiny import tiny_dbrx, tiny_mixtral
+from hf_scatter.tiny import TINY_BUILDERS, tiny_dbrx, tiny_mixtral
 
-BUILDERS = {"mixtral": tiny_mixtral, "dbrx": tiny_dbrx}
+# OLMoE with its clip_qkv set (published checkpoints leave it None), so the clamp after the q/k norms runs
+BUILDERS = {**TINY_BUILDERS, "olmoe": functools.partial(TINY_BUILDERS["olmoe"], clip_qkv=0.3)}
+OFFLOADED = ["mixtral", "dbrx", "qwen3_moe", "olmoe"]  # the families with a pipeline adapter
 
 
 @pytest.fixture(autouse=True)
@@ -68,7 +71,7 @@ def strip(tokens, pad=0, eos=None):
 
 
 # ----------------------------------------------------------------------------- equality with vanilla generate
-@pytest.mark.parametrize("family", ["mixtral", "dbrx"])
+@pytest.mark.parametrize("family", OFFLOADED)
 @pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
 def test_greedy_tokens_equal_vanilla_generate_on_cpu(family, fraction):
     model = BUILDERS[family]()
@@ -199,6 +202,15 @@ def test_offloading_a_model_whose_weights_were_released_is_refused_before_any_wo
     hf_scatter.offload(kept, gpu_memory="1GiB", device="cpu", policy=Policy(2, 1), release_weights=False,
                        progress=False).close()
     hf_scatter.offload(kept, gpu_memory="1GiB", device="cpu", policy=Policy(2, 1), progress=False).close()
+
+
+def test_families_without_offloading_or_with_dense_layers_are_refused_before_any_work():
+    with pytest.raises(ValueError, match="offloading supports .*qwen3_moe.* causal LMs; got model_type 'gpt_oss'"):
+        hf_scatter.offload(TINY_BUILDERS["gpt_oss"](), device="cpu", progress=False)
+    model = TINY_BUILDERS["qwen3_moe"](mlp_only_layers=[0])
+    with pytest.raises(NotImplementedError, match=r"layers \[0\] of this qwen3_moe model hold a dense MLP"):
+        hf_scatter.offload(model, device="cpu", progress=False)
+    assert all(p.device.type == "cpu" for p in model.parameters()), "the model was touched"
 
 
 def test_a_closed_offloaded_model_says_so():
@@ -526,7 +538,7 @@ def _fp32_exact():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["mixtral", "dbrx"])
+@pytest.mark.parametrize("family", OFFLOADED)
 def test_greedy_tokens_equal_vanilla_generate_on_gpu(family):
     _fp32_exact()
     model = BUILDERS[family]()
@@ -594,7 +606,7 @@ def test_bench_offload_end_to_end_small(tmp_path):
     assert png.stat().st_size > 0 and trace.stat().st_size > 0
 
 
-@pytest.mark.parametrize("family", ["mixtral", "dbrx"])
+@pytest.mark.parametrize("family", OFFLOADED)
 def test_logits_of_every_position_equal_the_models_own(family):
     """What a log-likelihood evaluation reads: fp32 logits through the offloaded pipeline, padded rows too."""
     model = BUILDERS[family]()

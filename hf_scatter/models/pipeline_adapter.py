@@ -24,6 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.norms import fused_add_rms_norm
+from ..kernels.router import router_topk
+from ..moe.mlp import expert_mlp, glu_activation
 from .spec import ModelSpec
 
 
@@ -115,6 +118,7 @@ class PipelineAdapter:
         """Pre-attention: [T, q + 2 kv] with rotary already applied to the q and k parts."""
         d = self.dims
         qkv = self._project_qkv(w, x)
+        self._normalize_qk(w, qkv)
         T = qkv.shape[0]
         q = qkv[:, :d.q_dim].view(T, d.heads, d.head_dim)
         k = qkv[:, d.q_dim:d.q_dim + d.kv_dim].view(T, d.kv_heads, d.head_dim)
@@ -148,6 +152,9 @@ class PipelineAdapter:
     def _project_qkv(self, w: dict, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def _normalize_qk(self, w: dict, qkv: torch.Tensor) -> None:
+        """Norms (and clamps) of q and k before the rotary embedding, in place in ``qkv`` [T, q + 2 kv]."""
+
     def _post_norm(self, w: dict, o: torch.Tensor, x: torch.Tensor):
         raise NotImplementedError
 
@@ -161,21 +168,101 @@ class PipelineAdapter:
         raise NotImplementedError
 
 
+def offloaded_model_types() -> list[str]:
+    """The families offloaded generation runs: those whose registry entry names a pipeline adapter."""
+    from .registry import families
+
+    return sorted(name for name, f in families().items() if f.pipeline_adapter is not None)
+
+
 def adapter_for(model: nn.Module) -> PipelineAdapter:
-    """The split of ``model`` (a causal LM of a family that offloads: Mixtral, DBRX; patched or not)."""
+    """The split of ``model`` (a causal LM of a family in :func:`offloaded_model_types`; patched or not)."""
     from .registry import families
 
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    offloading = {name: f for name, f in families().items() if f.pipeline_adapter is not None}
-    if model_type not in offloading:
-        raise ValueError(f"offloading supports {', '.join(sorted(offloading))} causal LMs; got model_type "
+    if model_type not in offloaded_model_types():
+        raise ValueError(f"offloading supports {', '.join(offloaded_model_types())} causal LMs; got model_type "
                          f"{model_type!r} ({type(model).__name__})")
     if not hasattr(model, "lm_head"):
         raise ValueError(f"offloading needs the causal-LM model (with lm_head), got {type(model).__name__}: load it "
                          "with AutoModelForCausalLM")
-    adapter = offloading[model_type].pipeline_adapter(model)
+    adapter = families()[model_type].pipeline_adapter(model)
     adapter.other_tensors()  # reads the norms' eps
     layers = adapter.layers()
     if layers:
         adapter.expert_tensors(layers[0])  # reads the activation and the router's normalisation
     return adapter
+
+
+class LlamaStylePipelineAdapter(PipelineAdapter):
+    """The Llama-style MoE layer (Mixtral, Qwen3-MoE, OLMoE): RMSNorm, separate q/k/v projections, a linear
+    router at ``mlp.gate``, SwiGLU experts with a concatenated [gate; up] projection. Subclasses name the
+    family and add its q/k norms or routing; every layer must hold an MoE block."""
+
+    gates_in_logits_dtype = False
+    column_dims = {"gate_up": 2, "down": 2}  # gate_up as [E, 2, I, H] ([gate; up]), down [E, H, I]
+
+    def _dims(self, c) -> Dims:
+        return Dims.of(c, getattr(c, "max_position_embeddings", None), getattr(c, "sliding_window", None))
+
+    def layers(self):
+        layers = list(self.model.model.layers)
+        dense = [i for i, layer in enumerate(layers) if not hasattr(layer.mlp, "experts")]
+        if dense:
+            raise NotImplementedError(f"offloading runs decoder layers that all hold experts; layers {dense} of this "
+                                      f"{self.model_type} model hold a dense MLP (mlp_only_layers / decoder_sparse_step)")
+        return layers
+
+    def pre_tensors(self, layer):
+        a = layer.self_attn
+        return {"norm": layer.input_layernorm.weight, "qkv": Rows(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)}
+
+    def post_tensors(self, layer):
+        return {"o": layer.self_attn.o_proj.weight, "post_norm": layer.post_attention_layernorm.weight,
+                "router": layer.mlp.gate.weight}
+
+    def expert_tensors(self, layer):
+        experts = layer.mlp.experts
+        flags = {f: getattr(experts, f, d) for f, d in (("has_gate", True), ("has_bias", False),
+                                                         ("is_concatenated", True))}
+        if flags != {"has_gate": True, "has_bias": False, "is_concatenated": True}:
+            raise NotImplementedError(f"offloading supports experts with a concatenated [gate; up] projection "
+                                      f"and no bias; this model's experts have {flags}")
+        gate_up, down = experts.gate_up_proj, experts.down_proj
+        if getattr(experts, "is_transposed", False):  # stored [E, H, 2I] / [E, I, H]
+            gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+        E, two_i, H = gate_up.shape
+        self._act_fn = experts.act_fn
+        return {"gate_up": gate_up.reshape(E, 2, two_i // 2, H), "down": down}
+
+    def other_tensors(self):
+        base = self.model.model
+        self._eps = (self.model.model.layers[0].input_layernorm.variance_epsilon,
+                     self.model.model.layers[0].post_attention_layernorm.variance_epsilon, base.norm.variance_epsilon)
+        return {"embed": base.embed_tokens.weight, "final_norm": base.norm.weight,
+                "lm_head": self.model.lm_head.weight}
+
+    def _rotary_module(self):
+        return self.model.model.rotary_emb
+
+    def _project_qkv(self, w, x):
+        return F.linear(fused_add_rms_norm(x, None, w["norm"], eps=self._eps[0], validate=False), w["qkv"])
+
+    def _post_norm(self, w, o, x):
+        return fused_add_rms_norm(o, x, w["post_norm"], eps=self._eps[1], return_sum=True, validate=False)
+
+    def _route(self, logits):
+        """float32 softmax, top-k, renormalised to sum 1 (Mixtral: float32 gates; Qwen-style routers renormalise
+        where ``norm_topk_prob`` says and hand the gates on in the logits' dtype)."""
+        normalize = "sum" if getattr(self.model.config, "norm_topk_prob", True) else None
+        gates, experts = router_topk(logits, self.dims.top_k, normalize=normalize, softmax_dtype=torch.float32)
+        return (gates.to(logits.dtype) if self.gates_in_logits_dtype else gates), experts
+
+    def _experts(self, part, x, experts, gates):
+        E, _, c, H = part["gate_up"].shape
+        w_in = part["gate_up"].view(E, 2 * c, H).transpose(1, 2)
+        return expert_mlp(x, (w_in,), part["down"].transpose(1, 2), experts, gates, glu_activation(self._act_fn),
+                          validate=False)
+
+    def _final_norm(self, other, x):
+        return fused_add_rms_norm(x, None, other["final_norm"], eps=self._eps[2], validate=False)

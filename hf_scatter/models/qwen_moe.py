@@ -4,16 +4,52 @@ expert and its sigmoid gate run as transformers has them, inside the (optionally
 
 from __future__ import annotations
 
+import functools
+
 from transformers.models.olmoe import modeling_olmoe as olmoe
 from transformers.models.qwen2_moe import modeling_qwen2_moe as qwen2
 from transformers.models.qwen3_moe import modeling_qwen3_moe as qwen3
 
+from ..kernels.norms import fused_add_rms_norm
 from .decoder_moe import DecoderFamily, register_decoder_family, softmax_topk_router_forward
+from .pipeline_adapter import LlamaStylePipelineAdapter
+from .spec import llama_style_spec
+
+
+class QwenStylePipelineAdapter(LlamaStylePipelineAdapter):
+    """Offloaded generation of Qwen3-MoE and OLMoE: Mixtral's split plus their q/k RMSNorms before the rotary
+    embedding (Qwen3: per head, over ``head_dim``; OLMoE: over the whole projection, then ``clip_qkv``)."""
+
+    gates_in_logits_dtype = True
+
+    def pre_tensors(self, layer):
+        a = layer.self_attn
+        return {**super().pre_tensors(layer), "q_norm": a.q_norm.weight, "k_norm": a.k_norm.weight}
+
+    def _normalize_qk(self, w, qkv):
+        d, eps = self.dims, self.model.config.rms_norm_eps
+        for part, norm in ((slice(0, d.q_dim), w["q_norm"]), (slice(d.q_dim, d.q_dim + d.kv_dim), w["k_norm"])):
+            states = qkv[:, part]
+            rows = states.reshape(-1, norm.shape[0])  # [T * heads, head_dim] (Qwen3) or [T, heads * head_dim]
+            states.copy_(fused_add_rms_norm(rows, None, norm, eps=eps, validate=False).view(states.shape))
+        clip = getattr(self.model.config, "clip_qkv", None)
+        if clip is not None:
+            qkv.clamp_(min=-clip, max=clip)
+
+
+class Qwen3MoePipelineAdapter(QwenStylePipelineAdapter):
+    model_type = "qwen3_moe"
+
+
+class OlmoePipelineAdapter(QwenStylePipelineAdapter):
+    model_type = "olmoe"
+
 
 QWEN3_MOE = register_decoder_family(DecoderFamily(
     model_type="qwen3_moe", pretrained=qwen3.Qwen3MoePreTrainedModel, decoder_layer=qwen3.Qwen3MoeDecoderLayer,
     moe_block=qwen3.Qwen3MoeSparseMoeBlock, router=qwen3.Qwen3MoeTopKRouter,
-    router_forward=softmax_topk_router_forward, norm=qwen3.Qwen3MoeRMSNorm, attention=qwen3.Qwen3MoeAttention))
+    router_forward=softmax_topk_router_forward, norm=qwen3.Qwen3MoeRMSNorm, attention=qwen3.Qwen3MoeAttention),
+    pipeline_adapter=Qwen3MoePipelineAdapter, spec=functools.partial(llama_style_spec, family="qwen3_moe"))
 
 QWEN2_MOE = register_decoder_family(DecoderFamily(
     model_type="qwen2_moe", pretrained=qwen2.Qwen2MoePreTrainedModel, decoder_layer=qwen2.Qwen2MoeDecoderLayer,
@@ -23,4 +59,5 @@ QWEN2_MOE = register_decoder_family(DecoderFamily(
 OLMOE = register_decoder_family(DecoderFamily(
     model_type="olmoe", pretrained=olmoe.OlmoePreTrainedModel, decoder_layer=olmoe.OlmoeDecoderLayer,
     moe_block=olmoe.OlmoeSparseMoeBlock, router=olmoe.OlmoeTopKRouter,
-    router_forward=softmax_topk_router_forward, norm=olmoe.OlmoeRMSNorm, attention=olmoe.OlmoeAttention))
+    router_forward=softmax_topk_router_forward, norm=olmoe.OlmoeRMSNorm, attention=olmoe.OlmoeAttention),
+    pipeline_adapter=OlmoePipelineAdapter, spec=functools.partial(llama_style_spec, family="olmoe"))

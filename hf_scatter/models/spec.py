@@ -34,6 +34,19 @@ BUILTIN_MODELS: dict[str, tuple[str, dict]] = {
         d_model=6144, n_heads=48, n_layers=40, max_seq_len=32768, vocab_size=100352,
         attn_config={"kv_n_heads": 8, "clip_qkv": 8.0, "rope_theta": 500000.0},
         ffn_config={"ffn_hidden_size": 10752, "moe_num_experts": 16, "moe_top_k": 4})),
+    # fine-grained: Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B, allenai/OLMoE-1B-7B-0924
+    "qwen3-30b-a3b": ("Qwen3MoeConfig", dict(
+        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+        norm_topk_prob=True, vocab_size=151936, max_position_embeddings=40960, rope_theta=1e6)),
+    "qwen3-235b-a22b": ("Qwen3MoeConfig", dict(
+        hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536, num_hidden_layers=94,
+        num_attention_heads=64, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+        norm_topk_prob=True, vocab_size=151936, max_position_embeddings=40960, rope_theta=1e6)),
+    "olmoe-1b-7b": ("OlmoeConfig", dict(
+        hidden_size=2048, intermediate_size=1024, num_hidden_layers=16, num_attention_heads=16,
+        num_key_value_heads=16, num_experts=64, num_experts_per_tok=8, vocab_size=50304,
+        max_position_embeddings=4096, rope_theta=10000.0)),
     "llama-3-8b": ("LlamaConfig", dict(
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)),
@@ -236,18 +249,23 @@ class ModelSpec:
 
 def llama_style_spec(config, label: str, dtype_bytes: int, family: str) -> ModelSpec:
     """Shapes of a Llama-style decoder config (``hidden_size``, ``num_attention_heads``, ...): dense, or with
-    ``num_local_experts`` / ``num_experts_per_tok`` as Mixtral has them."""
+    ``num_local_experts`` / ``num_experts_per_tok`` as Mixtral has them (``num_experts`` and
+    ``moe_intermediate_size`` as Qwen-MoE and OLMoE have them)."""
     needed = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
     missing = [a for a in needed if getattr(config, a, None) is None]
     if missing:
         raise ValueError(f"model_type {getattr(config, 'model_type', '')!r} is not supported: no {', '.join(missing)} "
                          "in its config (supported: mixtral, dbrx and dense Llama-style decoders)")
-    experts = getattr(config, "num_local_experts", None) if family != "dense" else None
+    # Mixtral and GPT-OSS say num_local_experts, Qwen-MoE and OLMoE num_experts (transformers 5.17)
+    experts = (getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+               if family != "dense" else None)
     heads = config.num_attention_heads
     return ModelSpec(name=label, family=family, hidden=config.hidden_size, layers=config.num_hidden_layers,
                      heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
                      head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-                     intermediate=config.intermediate_size, experts=experts or 1,
+                     # one expert's width: fine-grained families keep intermediate_size for dense layers
+                     intermediate=getattr(config, "moe_intermediate_size", None) or config.intermediate_size,
+                     experts=experts or 1,
                      top_k=(getattr(config, "num_experts_per_tok", None) or 1) if experts else 1,
                      vocab=config.vocab_size, tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
                      dtype_bytes=dtype_bytes)

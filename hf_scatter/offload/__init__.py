@@ -21,6 +21,7 @@ import sys as _sys
 import types as _types
 
 from ..common.units import format_bytes, parse_bytes
+from ..models.pipeline_adapter import offloaded_model_types
 from ..models.spec import BUILTIN_MODELS, ModelSpec
 from .measure import measure_profile
 from .plan.cost_model import CostOptions, LayerTime, OpTime, Prediction, decode_layer_time, predict, prefill_layer_time
@@ -37,7 +38,8 @@ __all__ = [
     "BUILTIN_MODELS", "CostOptions", "GPU_SPECS", "HardwareProfile", "HierarchicalRoofline", "KNOWN_PROFILES",
     "LayerTime", "ModelSpec", "OpTime", "PlanError", "Policy", "Prediction", "ProfileError", "Roofs",
     "TurningPoints", "Workload", "decode_layer_time", "default_profile_path", "format_bytes", "load_profile",
-    "measure_profile", "operating_points", "parse_bytes", "plot_roofline", "predict", "prefill_layer_time",
+    "measure_profile", "offloaded_model_types", "operating_points", "parse_bytes", "plot_roofline", "predict",
+    "prefill_layer_time",
     "search_policy", "turning_points",
     "Batch", "GenerationResult", "MicroBatch", "OffloadedModel", "RequestTiming", "offload", "plan_batches",
 ]
