@@ -60,13 +60,16 @@ class Correspondence:
         self.links.append(Link(hf_key, 0, scatter_key, 0, math.prod(shape)))
 
 
-def model_tensors(config) -> tuple[dict[str, tuple[int, ...]], set[str]]:
-    """Shapes of every tensor in the model's ``state_dict`` (built on the meta device: no memory), and
-    the names of tied duplicates."""
+def meta_model(config) -> torch.nn.Module:
+    """The model of ``config`` on the meta device: its parameter names and shapes, no memory."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        return AutoModelForCausalLM.from_config(config)
+
+
+def model_tensors(model: torch.nn.Module) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """Shapes of every tensor in the model's ``state_dict``, and the names of tied duplicates."""
     shapes, seen, tied = {}, set(), set()
     for name, tensor in model.state_dict(keep_vars=True).items():
         shapes[name] = tuple(tensor.shape)
@@ -81,14 +84,11 @@ def scheme_name(name: str) -> str:
     return _LEGACY_NAMES.get(name, name)
 
 
-def hub_correspondence(config, shapes: dict[str, tuple[int, ...]]) -> Correspondence | None:
-    """The links between transformers' checkpoint naming and the model's own, or None where the two are the
-    same tensors under the same names (no conversion mapping applies to the family)."""
-    from transformers import AutoModelForCausalLM
+def hub_correspondence(model: torch.nn.Module, shapes: dict[str, tuple[int, ...]]) -> Correspondence | None:
+    """The links between transformers' checkpoint naming and the (meta) model's own, or None where the two
+    are the same tensors under the same names (no conversion mapping applies to the family)."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
     # Provenance: one number per row (every dimension but the last) of every tensor, so a mapping that
     # splits, chunks or renames shows where each row lands. The last dimension is never rearranged by
     # the mappings we accept (checked against the real shapes below); it holds the row number twice, as
@@ -111,7 +111,7 @@ def hub_correspondence(config, shapes: dict[str, tuple[int, ...]]) -> Correspond
         cols = {shapes[keys[i]][-1] if shapes[keys[i]] else 1 for i in owner.unique().tolist()}
         shape = (*rows_of.shape[:-1], *cols) if len(cols) == 1 and intact else None
         if shape is None or hf_key not in real or tuple(real[hf_key].shape) != shape:
-            raise ValueError(f"transformers' checkpoint mapping for {config.model_type} rearranges the last "
+            raise ValueError(f"transformers' checkpoint mapping for {model.config.model_type} rearranges the last "
                              f"dimension of {hf_key!r}: the converter cannot express it; convert with "
                              f"transformers (from_pretrained, save_pretrained) instead")
         (width,) = cols
@@ -136,8 +136,9 @@ def fused_correspondence(shapes: dict[str, tuple[int, ...]]) -> Correspondence:
 def correspondences(config) -> dict[str, Correspondence]:
     """Every HF naming a checkpoint of ``config``'s family can have, linked to the hf-scatter layout; the
     first is the one ``save_pretrained`` writes."""
-    shapes, tied = model_tensors(config)
-    hub = hub_correspondence(config, shapes)
+    model = meta_model(config)
+    shapes, tied = model_tensors(model)
+    hub = hub_correspondence(model, shapes)
     found = {FUSED: fused_correspondence(shapes)} if hub is None else {HUB: hub, FUSED: fused_correspondence(shapes)}
     for c in found.values():  # tied duplicates, under either name, may be left out of a checkpoint
         c.optional = tied | {link.hf_key for link in c.links if link.scatter_key in tied}

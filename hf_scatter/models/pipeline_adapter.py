@@ -180,8 +180,9 @@ def adapter_for(model: nn.Module) -> PipelineAdapter:
     from .registry import families
 
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in offloaded_model_types():
-        raise ValueError(f"offloading supports {', '.join(offloaded_model_types())} causal LMs; got model_type "
+    offloadable = offloaded_model_types()
+    if model_type not in offloadable:
+        raise ValueError(f"offloading supports {', '.join(offloadable)} causal LMs; got model_type "
                          f"{model_type!r} ({type(model).__name__})")
     if not hasattr(model, "lm_head"):
         raise ValueError(f"offloading needs the causal-LM model (with lm_head), got {type(model).__name__}: load it "
