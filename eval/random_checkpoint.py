@@ -2,8 +2,8 @@
 
 Parity needs no trained weights: both backends get the same bytes. A Mixtral-8x7B- or Qwen3-30B-A3B-shaped
 model with a few layers exercises the real expert sizes (coarse and fine-grained); the tiny shapes, one per
-family, are for CPU checks. Each checkpoint is saved
-with the offline byte-level tokenizer, like a hub directory.
+family, are for CPU checks. Each checkpoint is saved with the offline byte-level tokenizer, like a hub
+directory.
 """
 
 from __future__ import annotations
@@ -15,25 +15,34 @@ import tempfile
 
 import torch
 
+from hf_scatter.tiny import TINY_BUILDERS
+
 from .runner import ParityError
+
+
+def _published(name: str, layers: int):
+    """The planner's built-in config of ``name`` (its published config.json) with ``layers`` layers and the
+    byte-level tokenizer's special tokens, as the tiny configs have them."""
+    import transformers
+
+    from hf_scatter.offload import BUILTIN_MODELS
+
+    cls, kwargs = BUILTIN_MODELS[name]
+    return getattr(transformers, cls)(**{**kwargs, "num_hidden_layers": layers, "pad_token_id": 0, "bos_token_id": 1,
+                                         "eos_token_id": 2})
+
 
 def _full_size_configs() -> dict:
     """Published shapes with any number of layers (attention, experts and vocabulary as released)."""
-    from hf_scatter.common.shapes import MIXTRAL_8X7B, MOE_BLOCKS
-    from hf_scatter.tiny import tiny_decoder_config, tiny_mixtral_config
+    from hf_scatter.common.shapes import MIXTRAL_8X7B
+    from hf_scatter.tiny import tiny_mixtral_config
 
-    return {
-        "mixtral-8x7b": lambda layers: tiny_mixtral_config(layers=layers, **MIXTRAL_8X7B),
-        # Qwen/Qwen3-30B-A3B's config.json: 32 query heads of 128 (wider than the model), 4 KV heads
-        "qwen3-30b-a3b": lambda layers: tiny_decoder_config(
-            "qwen3_moe", layers=layers, **MOE_BLOCKS["qwen3-30b-a3b"], heads=32, kv_heads=4, vocab=151936,
-            head_dim=128, max_position_embeddings=40960, rope_theta=1e6),
-    }
+    return {"mixtral-8x7b": lambda layers: tiny_mixtral_config(layers=layers, **MIXTRAL_8X7B),
+            "qwen3-30b-a3b": lambda layers: _published("qwen3-30b-a3b", layers)}
 
 
 FULL_SIZE = ("mixtral-8x7b", "qwen3-30b-a3b")  # bf16 by default; the others are tiny CPU shapes
-TINY = ("mixtral", "dbrx", "bert", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3", "deepseek_v2", "gpt_oss",
-        "granitemoe")
+TINY = tuple(TINY_BUILDERS)  # every family, as tiny-FAMILY
 SHAPES = (*FULL_SIZE, *(f"tiny-{family}" for family in TINY))
 
 
@@ -43,7 +52,7 @@ def save_random_checkpoint(shape: str, path: str, layers: int = 2, dtype: torch.
     and the tokenizer into ``path``; returns a one-line description."""
     from transformers import AutoModelForCausalLM
 
-    from hf_scatter.tiny import TINY_BUILDERS, byte_level_tokenizer, tiny_bert
+    from hf_scatter.tiny import byte_level_tokenizer, tiny_bert
 
     if shape not in SHAPES:
         raise ParityError(f"unknown random shape {shape!r}; choose one of {', '.join(SHAPES)}")

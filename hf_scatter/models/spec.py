@@ -118,8 +118,7 @@ class ModelSpec:
             return family.spec(config, label, dtype_bytes)
         if getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None):
             raise ValueError(f"model_type {model_type!r} is a mixture-of-experts layout hf-scatter cannot describe "
-                             f"yet (supported: {', '.join(sorted(f for f, v in families().items() if v.spec))} "
-                             "and dense Llama-style decoders)")
+                             f"yet (supported: {_described()})")
         return llama_style_spec(config, label, dtype_bytes, family="dense")
 
     @classmethod
@@ -247,6 +246,13 @@ class ModelSpec:
                 f"{self.kv_bytes_per_token * self.layers / 1024:.0f} KiB per token")
 
 
+def _described() -> str:
+    """The configs the planner reads, for errors: the registry's families with a spec, and dense decoders."""
+    from .registry import families
+
+    return f"{', '.join(sorted(f for f, v in families().items() if v.spec))} and dense Llama-style decoders"
+
+
 def llama_style_spec(config, label: str, dtype_bytes: int, family: str) -> ModelSpec:
     """Shapes of a Llama-style decoder config (``hidden_size``, ``num_attention_heads``, ...): dense, or with
     ``num_local_experts`` / ``num_experts_per_tok`` as Mixtral has them (``num_experts`` and
@@ -255,7 +261,7 @@ def llama_style_spec(config, label: str, dtype_bytes: int, family: str) -> Model
     missing = [a for a in needed if getattr(config, a, None) is None]
     if missing:
         raise ValueError(f"model_type {getattr(config, 'model_type', '')!r} is not supported: no {', '.join(missing)} "
-                         "in its config (supported: mixtral, dbrx and dense Llama-style decoders)")
+                         f"in its config (supported: {_described()})")
     # Mixtral and GPT-OSS say num_local_experts, Qwen-MoE and OLMoE num_experts (transformers 5.17)
     experts = (getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
                if family != "dense" else None)
