@@ -97,6 +97,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     else:
         if flags.get("profile"):
             _check_profile(flags["profile"])
+        if hasattr(suite, "check_flags"):
+            try:
+                suite.check_flags(**flags)
+            except ValueError as e:
+                raise UsageError(str(e)) from None
         try:
             if suite.NEEDS_GPU:
                 require_cuda()

@@ -168,6 +168,8 @@ def test_eval_crash_is_not_reported_as_a_parity_failure(capsys, monkeypatch, tmp
     (["plan", "--model", "mixtral-8x7b", "--profile", "h100-host-anchors", "--gpu-memory", "1e30GiB"], "--gpu-memory"),
     (["plan", "--model", "mixtral-8x7b", "--profile", "h100-host-anchors", "--cpu-memory", "inf"], "--cpu-memory"),
     (["bench", "offload", "--gpu-memory", "2PiB"], "--gpu-memory"),
+    (["bench", "offload", "--model", "olmoe-1b-7b", "--layers", "17"], "--layers"),
+    (["bench", "offload", "--model", "llama-3-8b"], "--model"),
     (["bench", "moe", "--replot", "/no/such/results.json"], "--replot"),
 ])
 def test_output_paths_and_values_are_checked_before_measuring(capsys, no_work, tmp_path, argv, option):

@@ -12,13 +12,29 @@ import hf_scatter
 from hf_scatter.offload import OffloadedModel, PlanError, Policy, plan_batches
 from hf_scatter.offload.plan.attention_buckets import length_buckets
 from hf_scatter.offload.runtime.cpu_attention import KVCache
-from hf_scatter.models.pipeline_adapter import adapter_for
+from hf_scatter.models.pipeline_adapter import LayerAttention, adapter_for
 from hf_scatter.offload.runtime.paging import Layout, PageTable, WeightStore, split_layer
 from hf_scatter.tiny import TINY_BUILDERS, tiny_dbrx, tiny_mixtral
 
+
+
+def tiny_gpt_oss_with_biases(**config):
+    """GPT-OSS with every bias and attention sink random (transformers starts the biases at zero, which would
+    hide a bias added twice or not at all). Its tiny config has a sliding window of 8 on every other layer,
+    shorter than most test prompts."""
+    model = TINY_BUILDERS["gpt_oss"](**config)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("bias", "sinks")):  # sinks of the scale of a score, biases of a weight row's
+                p.copy_(torch.randn(p.shape, generator=g).to(p.dtype) * (1.0 if name.endswith("sinks") else 0.1))
+    return model
+
+
 # OLMoE with its clip_qkv set (published checkpoints leave it None), so the clamp after the q/k norms runs
-BUILDERS = {**TINY_BUILDERS, "olmoe": functools.partial(TINY_BUILDERS["olmoe"], clip_qkv=0.3)}
-OFFLOADED = ["mixtral", "dbrx", "qwen3_moe", "olmoe"]  # the families with a pipeline adapter
+BUILDERS = {**TINY_BUILDERS, "olmoe": functools.partial(TINY_BUILDERS["olmoe"], clip_qkv=0.3),
+            "gpt_oss": tiny_gpt_oss_with_biases}
+OFFLOADED = ["mixtral", "dbrx", "qwen3_moe", "olmoe", "gpt_oss"]  # the families with a pipeline adapter
 
 
 @pytest.fixture(autouse=True)
@@ -171,7 +187,7 @@ def test_requests_that_cannot_fit_are_refused_with_their_index():
         hf_scatter.offload(tiny_mixtral(), gpu_memory="64KiB", device="cpu", policy=Policy(4, 2), progress=False)
     with pytest.raises(ValueError, match="attention on the CPU"):
         hf_scatter.offload(tiny_mixtral(), device="cpu", policy=Policy(4, 2, attention_on_gpu=True), progress=False)
-    with pytest.raises(ValueError, match="supports dbrx, mixtral"):
+    with pytest.raises(ValueError, match="supports dbrx, gpt_oss, mixtral"):
         hf_scatter.offload(torch.nn.Linear(2, 2), device="cpu")
 
 
@@ -205,8 +221,8 @@ def test_offloading_a_model_whose_weights_were_released_is_refused_before_any_wo
 
 
 def test_families_without_offloading_or_with_dense_layers_are_refused_before_any_work():
-    with pytest.raises(ValueError, match="offloading supports .*qwen3_moe.* causal LMs; got model_type 'gpt_oss'"):
-        hf_scatter.offload(TINY_BUILDERS["gpt_oss"](), device="cpu", progress=False)
+    with pytest.raises(ValueError, match="offloading supports .*qwen3_moe.* causal LMs; got model_type 'deepseek_v3'"):
+        hf_scatter.offload(TINY_BUILDERS["deepseek_v3"](), device="cpu", progress=False)
     model = TINY_BUILDERS["qwen3_moe"](mlp_only_layers=[0])
     with pytest.raises(NotImplementedError, match=r"layers \[0\] of this qwen3_moe model hold a dense MLP"):
         hf_scatter.offload(model, device="cpu", progress=False)
@@ -385,11 +401,30 @@ def test_request_batching_balances_micro_batches_without_losing_requests():
         plan_batches([3, 0], 2, 1)
 
 
-def test_cpu_attention_over_bucketed_cache_matches_plain_attention():
+def reference_attention(q, k, v, window=None, sinks=None):
+    """float64, K/V expanded per query head: ``q`` [H, d] at the last of ``k``/``v``'s [S, Hkv, d] positions."""
+    H, d = q.shape
+    S = k.shape[0]
+    k = k.double().repeat_interleave(H // k.shape[1], dim=1).transpose(0, 1)  # [H, S, d]
+    v = v.double().repeat_interleave(H // v.shape[1], dim=1).transpose(0, 1)
+    scores = (q.double().unsqueeze(1) @ k.transpose(1, 2)).squeeze(1) / math.sqrt(d)  # [H, S]
+    if window is not None:
+        scores[:, :max(0, S - window)] = float("-inf")
+    if sinks is not None:
+        probs = torch.cat([scores, sinks.double()[:, None]], 1).softmax(-1)[:, :-1]
+    else:
+        probs = scores.softmax(-1)
+    return (probs.unsqueeze(1) @ v).reshape(-1)
+
+
+@pytest.mark.parametrize("window, with_sinks", [(None, False), (7, False), (None, True), (7, True)])
+def test_cpu_attention_over_bucketed_cache_matches_plain_attention(window, with_sinks):
     torch.manual_seed(0)
     H, Hkv, d, layers = 4, 2, 8, 2
     prompts, new = [30, 29, 26, 13, 12, 4], 5  # longest first
-    cache = KVCache([[(p, p + new - 1) for p in prompts]], layers, Hkv, d, H, torch.float32)
+    sinks = torch.randn(H) * 2 if with_sinks else None
+    attention = [LayerAttention(), LayerAttention(window=window, sinks=sinks)]
+    cache = KVCache([[(p, p + new - 1) for p in prompts]], layers, Hkv, d, H, torch.float32, attention=attention)
     # the fewest buckets padded at most 1.25x: 34..30 (102 slots for 97 tokens) | 17..8 (51 for 41)
     assert [(b.start, b.end) for b in cache.buckets[0]] == [(0, 3), (3, 6)]
     keys = [torch.randn(p + new - 1, Hkv, d) for p in prompts]
@@ -409,14 +444,40 @@ def test_cpu_attention_over_bucketed_cache_matches_plain_attention():
                          torch.stack([v[p + step] for v, p in zip(values, prompts)]).reshape(len(prompts), -1)], 1)
         out = torch.full((len(prompts), H * d), float("nan"))
         cache.attend(layer, 0, step, qkv, out)
-        for i, p in enumerate(prompts):  # float64, K/V expanded per query head
-            k = keys[i][:p + step + 1].double().repeat_interleave(H // Hkv, dim=1).transpose(0, 1)
-            v = values[i][:p + step + 1].double().repeat_interleave(H // Hkv, dim=1).transpose(0, 1)
-            scores = (q[i].double().unsqueeze(1) @ k.transpose(1, 2)) / math.sqrt(d)
-            ref = (scores.softmax(-1) @ v).reshape(-1)
+        for i, p in enumerate(prompts):
+            ref = reference_attention(q[i], keys[i][:p + step + 1], values[i][:p + step + 1], window, sinks)
             torch.testing.assert_close(out[i].double(), ref, rtol=1e-5, atol=1e-5)
     assert cache.nbytes == KVCache.planned_bytes([[(p, p + new - 1) for p in prompts]], layers, Hkv, d, 4)
     assert length_buckets([10, 9, 8, 2]) == [(0, 3, 10), (3, 4, 2)]
+
+
+@pytest.mark.parametrize("window, with_sinks", [(None, False), (5, False), (None, True), (5, True)])
+def test_prompt_attention_with_windows_and_sinks_matches_the_reference(window, with_sinks):
+    """The prefill's attention within each prompt of a chunk, in blocks of queries small enough that the
+    sink path takes several (max_score_bytes), against float64 attention of every position."""
+    from hf_scatter.models.pipeline_adapter import Dims
+    from hf_scatter.offload.runtime.attention import prompt_attention
+
+    torch.manual_seed(0)
+    H, Hkv, d = 4, 2, 8
+    dims = Dims(name="t", family="t", hidden=32, layers=1, heads=H, kv_heads=Hkv, head_dim=d, intermediate=8,
+                experts=2, top_k=1, vocab=8)
+    lens = [11, 11, 6, 3]  # two prompts of one length share a call
+    rows, a = [], 0
+    for i, p in enumerate(lens):
+        rows.append((i, a, a + p))
+        a += p
+    qkv = torch.randn(a, dims.qkv_dim)
+    sinks = torch.randn(H) * 2 if with_sinks else None
+    out = prompt_attention(qkv, rows, dims, LayerAttention(window=window, sinks=sinks), sinks,
+                           max_score_bytes=4 * H * 11 * 2 * 3)  # 3 queries a block
+    for _, a, b in rows:
+        q = qkv[a:b, :H * d].view(-1, H, d)
+        k = qkv[a:b, H * d:(H + Hkv) * d].view(-1, Hkv, d)
+        v = qkv[a:b, (H + Hkv) * d:].view(-1, Hkv, d)
+        for t in range(b - a):
+            ref = reference_attention(q[t], k[:t + 1], v[:t + 1], window, sinks)
+            torch.testing.assert_close(out[a + t].double(), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_cublas_workspace_is_reserved_as_pytorch_sizes_it():
@@ -593,15 +654,16 @@ def test_gpu_memory_stays_within_the_budget_and_transfers_overlap(tmp_path):
 
 
 @pytest.mark.gpu
-def test_bench_offload_end_to_end_small(tmp_path):
+@pytest.mark.parametrize("model, layers", [("mixtral-8x7b", 3), ("gpt-oss-20b", 4)])
+def test_bench_offload_end_to_end_small(tmp_path, model, layers):
     from hf_scatter.cli import main
 
     out, png, trace = tmp_path / "offload.json", tmp_path / "offload.png", tmp_path / "trace.json"
-    assert main(["bench", "offload", "--layers", "3", "--new-tokens", "4", "--requests", "64", "--gpu-memory",
-                 "8GiB", "--profile", "h100-host-anchors", "--trace", str(trace), "--out", str(out),
-                 "--plot", str(png)]) == 0
+    assert main(["bench", "offload", "--model", model, "--layers", str(layers), "--new-tokens", "4", "--requests",
+                 "64", "--gpu-memory", "8GiB", "--profile", "h100-host-anchors", "--trace", str(trace), "--out",
+                 str(out), "--plot", str(png), "--validate-tokens", "0"]) == 0
     report = json.loads(out.read_text())
-    assert report["within_budget"] and report["accelerate"]["layers_on_gpu"] < 3
+    assert report["model"] == model and report["within_budget"] and report["accelerate"]["layers_on_gpu"] < layers
     assert report["hf_scatter"]["tokens_per_s"] > 0 and report["accelerate"]["tokens_per_s"] > 0
     assert png.stat().st_size > 0 and trace.stat().st_size > 0
 
@@ -624,3 +686,20 @@ def test_logits_of_every_position_equal_the_models_own(family):
     # the same pipeline still generates afterwards (the weight stream's stage order is kept)
     sequence = off.generate(ids[:1, :len(reqs[0])], max_new_tokens=3, progress=False)[0]
     assert sequence[len(reqs[0]):].tolist() == vanilla_new_tokens(model, reqs[:1], 3)[0]
+
+
+def test_a_sliding_window_on_every_layer_holds_in_prefill_and_decode():
+    """Mixtral's config-wide sliding_window (shorter than the prompts here): logits of every position, and greedy
+    tokens past the window, as the model's own."""
+    model = tiny_mixtral(sliding_window=6)
+    reqs = requests()
+    with torch.no_grad():
+        want = [model(r.unsqueeze(0)).logits[0] for r in reqs]
+    alone = vanilla_new_tokens(model, reqs, 10)
+    off = hf_scatter.offload(model, gpu_memory="1GiB", device="cpu", policy=Policy(3, 2, weights_gpu_fraction=0.5),
+                             release_weights=False, progress=False)
+    assert {a.window for a in off.pipe.attention} == {6}
+    got = off.logits(*padded(reqs, side="right"))
+    for i, r in enumerate(reqs):
+        torch.testing.assert_close(got[i, :len(r)], want[i], rtol=1e-5, atol=1e-5)
+    assert off.generate(*padded(reqs), max_new_tokens=10, return_dict=True, progress=False).tokens == alone

@@ -2,7 +2,8 @@
 
 A suite is one module here, listed in :data:`SUITES`, exposing ``NEEDS_GPU``, ``add_arguments(parser)`` (its
 own flags, named after ``run``'s keyword arguments), ``run(**flags) -> report``, ``to_markdown(report)`` and
-``plot(report, path)``. The CLI builds one sub-command per suite from these; a new suite is a new module and
+``plot(report, path)``, and optionally ``check_flags(**flags)`` (raises ValueError on flags that do not fit
+together, before the GPU check). The CLI builds one sub-command per suite from these; a new suite is a new module and
 a line here.
 """
 
@@ -14,7 +15,7 @@ SUITES = {
     "convert": "conversion GB/s and CPU load time, HF vs hf-scatter layout (no GPU needed)",
     "bert": "packed BERT-base inference vs padded SDPA (latency, throughput, memory)",
     "serve": "Poisson-arrival BERT serving: no batching / naive / DP batching, vanilla vs packed",
-    "offload": "Mixtral-8x7B-shaped offloaded generation: CGOPipe vs HF accelerate offload vs the HRM prediction",
+    "offload": "offloaded generation of a published shape (--model): CGOPipe vs HF accelerate offload vs the HRM",
 }
 
 

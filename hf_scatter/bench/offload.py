@@ -1,8 +1,9 @@
-"""Offloaded generation on Mixtral-8x7B shapes: hf-scatter's CGOPipe against HF accelerate offload, and
-against what the HRM predicts for the policy it chose.
+"""Offloaded generation on published shapes: hf-scatter's CGOPipe against HF accelerate offload, and against what
+the HRM predicts for the policy it chose.
 
-One process, one GPU budget: a Mixtral-8x7B-shaped model with ``layers`` of its 32 layers (random bf16
-weights, built on the meta device and filled from a tiled random block, so building takes seconds) is run
+One process, one GPU budget: a model of a built-in shape (``--model``: Mixtral-8x7B by default, Qwen3-30B-A3B,
+GPT-OSS-120B, ...) with ``layers`` of its layers (random bf16 weights, built on the meta device and filled from a
+tiled random block, so building takes seconds) is run
 
 * by HF accelerate: ``infer_auto_device_map`` + ``dispatch_model`` within the same GPU budget (what
   ``from_pretrained(device_map="auto", max_memory=...)`` does), ``model.generate`` on a small batch with a
@@ -10,7 +11,9 @@ weights, built on the meta device and filled from a tiled random block, so build
 * by ``hf_scatter.offload(model, gpu_memory=...)`` with the HRM's policy for the workload, on every
   request with ``new_tokens`` new tokens each, optionally writing a Chrome trace.
 
-Prompts are MTBench-like: lengths drawn uniformly from 40..114 tokens (mean 77), random token ids.
+Prompts are MTBench-like: lengths drawn uniformly from 40..114 tokens (mean 77), random token ids. Throughput of
+the whole model is the measured one scaled by layers / all layers (decode time grows with the layer count; the
+embedding and head are a small share), labelled as such.
 """
 
 from __future__ import annotations
@@ -26,28 +29,36 @@ from ..common.markdown import markdown_table
 from ..common.timing import run_header
 from .availability import require_cuda
 
+DEFAULT_MODEL = "mixtral-8x7b"
 PROMPT_LENS = (40, 114)  # MTBench-like: mean 77 tokens
 FILL_BLOCK = (1 << 24) + 11  # elements of the random block the weights are tiled from (odd: no two experts alike)
 
 
 # ----------------------------------------------------------------------------- model and requests
-def build_model(layers: int, seed: int = 0):
-    """A ``MixtralForCausalLM`` with Mixtral-8x7B shapes and ``layers`` layers, random bf16 weights (std
-    0.02, norms 1), built without running transformers' initialisation on billions of parameters."""
-    from transformers import MixtralForCausalLM
+def offload_models() -> list[str]:
+    """Built-in shapes of the families the offloaded runtime runs."""
+    from ..models.pipeline_adapter import offloaded_model_types
+    from ..models.spec import BUILTIN_MODELS, builtin_config
+
+    return [name for name in BUILTIN_MODELS if builtin_config(name).model_type in offloaded_model_types()]
+
+
+def build_model(layers: int, seed: int = 0, model: str = DEFAULT_MODEL):
+    """A causal LM of built-in shape ``model`` with ``layers`` layers, random bf16 weights (std 0.02, norms 1),
+    built without running transformers' initialisation on billions of parameters."""
+    from transformers import AutoModelForCausalLM
 
     from ..models.spec import builtin_config
 
-    config = builtin_config("mixtral-8x7b")
-    config.num_hidden_layers = layers
+    config = builtin_config(model, num_hidden_layers=layers)
     with torch.device("meta"):
-        model = MixtralForCausalLM(config).to(torch.bfloat16)
-    model = model.to_empty(device="cpu").eval()
+        lm = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    lm = lm.to_empty(device="cpu").eval()
     g = torch.Generator().manual_seed(seed)
     block = (torch.randn(2 * FILL_BLOCK, generator=g) * 0.02).to(torch.bfloat16)
     shift = 0
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in lm.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
                 p.fill_(1.0)
                 continue
@@ -56,10 +67,9 @@ def build_model(layers: int, seed: int = 0):
                 n = min(FILL_BLOCK, flat.numel() - start)
                 shift = (shift + 7919) % FILL_BLOCK
                 flat[start:start + n].copy_(block[shift:shift + n])
-    from transformers.models.mixtral.modeling_mixtral import MixtralRotaryEmbedding
-
-    model.model.rotary_emb = MixtralRotaryEmbedding(config)  # its buffers were left uninitialised by to_empty
-    return model
+    rotary = lm.model.rotary_emb
+    lm.model.rotary_emb = type(rotary)(config)  # its buffers were left uninitialised by to_empty
+    return lm
 
 
 def prompts(count: int, vocab: int, seed: int = 0) -> list[torch.Tensor]:
@@ -85,14 +95,16 @@ def run_accelerate(model, requests: list[torch.Tensor], gpu_budget: int, new_tok
     from accelerate import dispatch_model, infer_auto_device_map
     from accelerate.hooks import remove_hook_from_module
 
+    from ..offload import ModelSpec
+
     ids, mask = _left_padded(requests)
-    config = model.config
+    spec = ModelSpec.from_config(model.config)
     # HF keeps the KV cache and activations on the GPU: leave them room inside the same budget
     kv = len(requests) * ids.shape[1] + len(requests) * new_tokens
-    kv_bytes = kv * config.num_hidden_layers * 2 * config.num_key_value_heads * 128 * 2
-    headroom = int(kv_bytes + ids.numel() * config.intermediate_size * 2 * 8 + 2**30)
+    kv_bytes = kv * spec.layers * spec.kv_bytes_per_token
+    headroom = int(kv_bytes + ids.numel() * spec.top_k * spec.intermediate * 2 * 8 + 2**30)
     device_map = infer_auto_device_map(model, max_memory={0: max(gpu_budget - headroom, 0), "cpu": 2**50},
-                                       no_split_module_classes=["MixtralDecoderLayer"], dtype=torch.bfloat16)
+                                       no_split_module_classes=model._no_split_modules, dtype=torch.bfloat16)
     on_gpu = sorted(k for k, v in device_map.items() if v != "cpu")
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -176,8 +188,10 @@ NEEDS_GPU = True
 
 def add_arguments(parser) -> None:
     """Flags of ``hf-scatter bench offload``, named after :func:`run`'s arguments."""
+    parser.add_argument("--model", default=DEFAULT_MODEL, choices=offload_models(),
+                        help=f"built-in shape of the model (default {DEFAULT_MODEL})")
     parser.add_argument("--layers", type=positive_int, default=12,
-                        help="layers of the Mixtral-8x7B-shaped model (default 12)")
+                        help="layers of the model, at most its published count (default 12)")
     parser.add_argument("--new-tokens", type=positive_int, default=128, help="tokens generated per request")
     parser.add_argument("--requests", type=positive_int, default=1024, help="number of MTBench-like requests")
     parser.add_argument("--gpu-memory", type=byte_size, default="16GiB", help="GPU memory budget of both systems")
@@ -189,24 +203,35 @@ def add_arguments(parser) -> None:
                              "measured); 0 skips them")
 
 
+def check_flags(layers: int = 12, model: str = DEFAULT_MODEL, **_) -> int:
+    """The model's published layer count, after checking ``layers`` is at most that."""
+    from ..models.spec import ModelSpec
+
+    published = ModelSpec.from_config(model).layers
+    if layers > published:
+        raise ValueError(f"--layers {layers}: {model} has {published} layers; pass --layers {published} or fewer")
+    return published
+
+
 def run(layers: int = 12, new_tokens: int = 128, requests: int = 1024, gpu_memory: str = "16GiB",
         peer_batch: int = 16, peer_new_tokens: int = 8, profile: str | None = None, trace: str | None = None,
-        validate_tokens: int = 16, progress: bool = True) -> dict:
+        validate_tokens: int = 16, progress: bool = True, model: str = DEFAULT_MODEL) -> dict:
     """The whole comparison (one GPU run of a few minutes). Kernel autotuning is off unless
     HF_SCATTER_AUTOTUNE is set: the link bounds this workload, and tuning every shape would spend minutes
     compiling candidates."""
+    published = check_flags(layers=layers, model=model)
     saved = os.environ.get("HF_SCATTER_AUTOTUNE")
     os.environ.setdefault("HF_SCATTER_AUTOTUNE", "0")
     try:
         return _run(layers, new_tokens, requests, gpu_memory, peer_batch, peer_new_tokens, profile, trace,
-                    validate_tokens, progress)
+                    validate_tokens, progress, model, published)
     finally:
         if saved is None:
             os.environ.pop("HF_SCATTER_AUTOTUNE", None)
 
 
 def _run(layers, new_tokens, requests, gpu_memory, peer_batch, peer_new_tokens, profile, trace, validate_tokens,
-         progress) -> dict:
+         progress, model_name, published_layers) -> dict:
     import hf_scatter
     from ..offload import ModelSpec, Workload, load_profile, measure_profile, parse_bytes, predict
     from ..offload.plan.policy import Policy
@@ -218,13 +243,13 @@ def _run(layers, new_tokens, requests, gpu_memory, peer_batch, peer_new_tokens, 
     profile_s = time.perf_counter() - start
     budget = parse_bytes(gpu_memory, "gpu_memory")
     start = time.perf_counter()
-    model = build_model(layers)
+    model = build_model(layers, model=model_name)
     build_s = time.perf_counter() - start
     reqs = prompts(requests, model.config.vocab_size)
     lens = [len(r) for r in reqs]
     workload = Workload.from_prompts(lens, new_tokens)
     peer = run_accelerate(model, reqs[:peer_batch], budget, peer_new_tokens)
-    spec = ModelSpec.from_config(model.config, name=f"mixtral-8x7b ({layers} of 32 layers)")
+    spec = ModelSpec.from_config(model.config, name=f"{model_name} ({layers} of {published_layers} layers)")
     validation = validate_hrm(model, reqs, prof, spec, budget, validate_tokens) if validate_tokens else []
 
     torch.cuda.reset_peak_memory_stats()
@@ -247,7 +272,8 @@ def _run(layers, new_tokens, requests, gpu_memory, peer_batch, peer_new_tokens, 
     ours = stats["tokens_per_s"]
     main_prediction = predicted[prof.name]  # the profile the policy was planned with
     report = {
-        **header, "layers": layers, "gpu_budget": budget, "cpu_budget": offloaded.cpu_budget,
+        **header, "model": model_name, "layers": layers, "published_layers": published_layers,
+        "gpu_budget": budget, "cpu_budget": offloaded.cpu_budget,
         "workload": {"requests": requests, "prompt_lens": PROMPT_LENS, "mean_prompt": workload.prompt_len,
                      "new_tokens": new_tokens},
         "profile": prof.name, "profile_s": profile_s, "build_s": build_s, "offload_s": offload_s,
@@ -263,6 +289,8 @@ def _run(layers, new_tokens, requests, gpu_memory, peer_batch, peer_new_tokens, 
         "decode_step_s": stats["decode_s"] / max(stats["decode_steps"], 1),
         "hrm_validation": validation + [_validation_row(
             "the policy the HRM chose (the run above)", budget, realised, stats, predicted[prof.name], layers)],
+        # the whole model's throughput if decode and prefill time grow with the layer count (labelled: scaled)
+        "full_model_tokens_per_s_scaled": ours * layers / published_layers,
         "speedup_vs_accelerate": ours / peer["tokens_per_s"],
         "fraction_of_prediction": ours / main_prediction.tokens_per_s,
         "within_budget": peak <= budget,
@@ -287,13 +315,16 @@ def to_markdown(report: dict) -> str:
         rows.append([f"HRM prediction for this policy ({name})", f"{p['tokens_per_s']:,.1f}", "", ""])
     table = markdown_table(["system", "tokens/s", "GPU peak GiB", "vs accelerate"], rows)
     first = next(iter(report["predicted"].values()))
-    lines = [f"Mixtral-8x7B shapes, {report['layers']} of 32 layers, GPU budget {report['gpu_budget'] / gib:.0f} GiB, "
+    lines = [f"{_shape(report)}, GPU budget {report['gpu_budget'] / gib:.0f} GiB, "
              f"{report['workload']['requests']} requests of {report['workload']['mean_prompt']:.0f} prompt tokens "
              f"(mean), {report['device']}", "", table, "",
              f"measured / predicted: {report['fraction_of_prediction']:.0%}; decode step "
              f"{report['decode_step_s']:.3f} s measured vs {first['decode_step_s']:.3f} s predicted; prefill "
              f"{ours['prefill_s']:.1f} s vs {first['prefill_s']:.1f} s; GPU memory within budget: "
              f"{report['within_budget']}"]
+    if report.get("full_model_tokens_per_s_scaled") is not None and report["layers"] < report["published_layers"]:
+        lines.append(f"all {report['published_layers']} layers, scaled by layers from this run (not measured): "
+                     f"{report['full_model_tokens_per_s_scaled']:,.1f} tokens/s")
     trace = report.get("trace")
     if trace and trace.get("weight_transfer_overlap") is not None:
         lines.append(f"weight transfer overlapped with GPU or CPU compute: {trace['weight_transfer_overlap']:.0%} of "
@@ -305,6 +336,12 @@ def to_markdown(report: dict) -> str:
                   validation_markdown(report["hrm_validation"])]
     lines += ["", report["policy_markdown"]]
     return "\n".join(lines)
+
+
+def _shape(report: dict) -> str:
+    """'qwen3-30b-a3b shape, 24 of 48 layers' (reports from before ``--model`` are Mixtral-8x7B's)."""
+    return (f"{report.get('model', DEFAULT_MODEL)} shape, {report['layers']} of {report.get('published_layers', 32)} "
+            "layers")
 
 
 def validation_markdown(rows: list[dict]) -> str:
@@ -402,8 +439,7 @@ def plot(report: dict, path: str) -> None:
     for i, v in enumerate(values):
         ax.text(i, v, f"{v:,.0f}", ha="center", va="bottom", fontsize=8)
     ax.tick_params(axis="x", labelsize=8, rotation=15)
-    ax.set_title(f"Mixtral-8x7B shape, {report['layers']}/32 layers, {report['gpu_budget'] / 2**30:.0f} GiB GPU",
-                 fontsize=10)
+    ax.set_title(f"{_shape(report)}, {report['gpu_budget'] / 2**30:.0f} GiB GPU", fontsize=10)
     if trace:
         ax = axes[0][1]
         lanes = list(trace["busy_s"])

@@ -47,6 +47,17 @@ class Dims(ModelSpec):
         return self.q_dim + 2 * self.kv_dim
 
 
+@dataclass(frozen=True)
+class LayerAttention:
+    """How one layer's attention departs from causal softmax attention over the whole context: a sliding
+    ``window`` (a query at position i sees keys at positions > i - window, as transformers masks it) and
+    attention ``sinks`` (GPT-OSS: one learnt logit per query head in the softmax denominator, whose value row
+    is zero), kept as a float32 CPU copy so the CPU attention reads it after the layer's weights moved."""
+
+    window: int | None = None
+    sinks: torch.Tensor | None = None  # [heads] float32, CPU
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of ``x`` [T, heads, d] with ``cos``/``sin`` [T, d] (halves rotated, as in Llama)."""
     half = x.shape[-1] // 2
@@ -110,6 +121,11 @@ class PipelineAdapter:
     def rotary(self, device: torch.device) -> nn.Module:
         return copy.deepcopy(self._rotary_module()).to(device)
 
+    def layer_attention(self) -> list[LayerAttention]:
+        """Each layer's window and sinks; by default the config's ``sliding_window`` (None: full) on every
+        layer, as Mixtral and the Qwen-MoE configs apply it."""
+        return [LayerAttention(window=self.dims.sliding_window)] * self.dims.layers
+
     # ----- math -----
     def embed(self, other: dict, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, other["embed"])
@@ -128,15 +144,19 @@ class PipelineAdapter:
         return qkv
 
     def post(self, w: dict, expert_parts: list[dict], x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """Post-attention: the layer's output hidden state (the next residual)."""
-        o = F.linear(attn, w["o"])
+        """Post-attention: the layer's output hidden state (the next residual). Optional biases: ``o_bias``,
+        ``router_bias`` and ``down_bias`` [E, H] (an expert's output bias, added once however many column
+        parts the expert is split into)."""
+        o = F.linear(attn, w["o"], w.get("o_bias"))
         normed, summed = self._post_norm(w, o, x)
-        logits = F.linear(normed, w["router"])
+        logits = F.linear(normed, w["router"], w.get("router_bias"))
         gates, experts = self._route(logits)
         out = None
         for part in expert_parts:
             y = self._experts(part, normed, experts, gates).to(normed.dtype)
             out = y if out is None else out + y
+        if "down_bias" in w:  # [T, k, H] biases of the chosen experts, mixed by their gates
+            out = out + (w["down_bias"][experts] * gates.unsqueeze(-1).to(normed.dtype)).sum(1)
         return summed + out
 
     def logits(self, other: dict, x: torch.Tensor) -> torch.Tensor:
@@ -247,10 +267,14 @@ class LlamaStylePipelineAdapter(PipelineAdapter):
         return self.model.model.rotary_emb
 
     def _project_qkv(self, w, x):
-        return F.linear(fused_add_rms_norm(x, None, w["norm"], eps=self._eps[0], validate=False), w["qkv"])
+        return F.linear(self._norm(x, None, w["norm"], self._eps[0]), w["qkv"], w.get("qkv_bias"))
 
     def _post_norm(self, w, o, x):
-        return fused_add_rms_norm(o, x, w["post_norm"], eps=self._eps[1], return_sum=True, validate=False)
+        return self._norm(o, x, w["post_norm"], self._eps[1], return_sum=True)
+
+    def _norm(self, x, residual, weight, eps, return_sum=False):
+        """The family's RMSNorm of ``x + residual`` (with the sum when ``return_sum``)."""
+        return fused_add_rms_norm(x, residual, weight, eps=eps, return_sum=return_sum, validate=False)
 
     def _route(self, logits):
         """float32 softmax, top-k, renormalised to sum 1 (Mixtral: float32 gates; Qwen-style routers renormalise
@@ -266,4 +290,4 @@ class LlamaStylePipelineAdapter(PipelineAdapter):
                           validate=False)
 
     def _final_norm(self, other, x):
-        return fused_add_rms_norm(x, None, other["final_norm"], eps=self._eps[2], validate=False)
+        return self._norm(x, None, other["final_norm"], self._eps[2])

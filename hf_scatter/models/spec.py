@@ -47,6 +47,16 @@ BUILTIN_MODELS: dict[str, tuple[str, dict]] = {
         hidden_size=2048, intermediate_size=1024, num_hidden_layers=16, num_attention_heads=16,
         num_key_value_heads=16, num_experts=64, num_experts_per_tok=8, vocab_size=50304,
         max_position_embeddings=4096, rope_theta=10000.0)),
+    # openai/gpt-oss-20b, openai/gpt-oss-120b: the rest (head_dim 64, sliding window 128 on every other layer,
+    # YaRN rope, biases, clamped SwiGLU) are GptOssConfig's defaults
+    "gpt-oss-20b": ("GptOssConfig", dict(
+        hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4, vocab_size=201088,
+        sliding_window=128, max_position_embeddings=131072)),
+    "gpt-oss-120b": ("GptOssConfig", dict(
+        hidden_size=2880, intermediate_size=2880, num_hidden_layers=36, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64, num_local_experts=128, num_experts_per_tok=4, vocab_size=201088,
+        sliding_window=128, max_position_embeddings=131072)),
     "llama-3-8b": ("LlamaConfig", dict(
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)),
@@ -277,11 +287,12 @@ def llama_style_spec(config, label: str, dtype_bytes: int, family: str) -> Model
                      dtype_bytes=dtype_bytes)
 
 
-def builtin_config(name: str):
-    """The transformers config object of a built-in model name."""
+def builtin_config(name: str, **overrides):
+    """The transformers config object of a built-in model name; ``overrides`` (e.g. ``num_hidden_layers``) go to
+    the constructor, so what the config derives from them (GPT-OSS's ``layer_types``) follows."""
     import transformers
 
     if name not in BUILTIN_MODELS:
         raise ValueError(f"unknown built-in model {name!r}: choose one of {', '.join(BUILTIN_MODELS)}")
     cls_name, kwargs = BUILTIN_MODELS[name]
-    return getattr(transformers, cls_name)(**kwargs)
+    return getattr(transformers, cls_name)(**{**kwargs, **overrides})

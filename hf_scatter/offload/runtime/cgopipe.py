@@ -31,10 +31,10 @@ from types import SimpleNamespace
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from ...models.pipeline_adapter import PipelineAdapter
 from ..plan.attention_buckets import BucketCosts
+from .attention import prompt_attention
 from .batching import Batch
 from .cpu_attention import AttentionWorker, KVCache
 from .memory import HEAD_ROWS
@@ -131,6 +131,8 @@ class CGOPipe:
         self.device = streams.device
         self.dtype = other["embed"].dtype
         self.num_stages = self.dims.layers + 1
+        self.attention = adapter.layer_attention()  # each layer's window and sinks
+        self.device_sinks = [None if a.sinks is None else a.sinks.to(self.device) for a in self.attention]
 
     # ------------------------------------------------------------------ one batch
     def run(self, batch: Batch, prompts: list[torch.Tensor], max_new_tokens: int, sampling: Sampling,
@@ -165,7 +167,7 @@ class CGOPipe:
                 mbs[-1].history = History.of([prompts[r] for r in micro.requests], max_new_tokens, self.device)
             offset += m
         kv = KVCache([[(p, p + max_new_tokens - 1) for p in mb.prompt_lens] for mb in mbs], d.layers, d.kv_heads,
-                     d.head_dim, d.heads, self.dtype, self.bucket_costs)
+                     d.head_dim, d.heads, self.dtype, self.bucket_costs, self.attention)
         result = BatchResult(tokens={r: [] for r in batch.requests})
         finished: set[int] = set()
         token_events: list[list] = [[] for _ in range(max_new_tokens)]
@@ -366,36 +368,15 @@ class CGOPipe:
             c.attn = None
             return None
         qkv = adapter.qkv(w.pre, c.x, c.cos, c.sin)
-        c.attn = self._prompt_attention(qkv, c.rows)
+        # the scores of a block of queries (sinks) within what the chunk's workspace was sized for
+        c.attn = prompt_attention(qkv, c.rows, self.dims, self.attention[s], self.device_sinks[s],
+                                  max_score_bytes=self.chunk_tokens * self.dims.q_dim * self.dtype.itemsize)
         return qkv
 
     def _store_prompt(self, kv: KVCache, layer: int, c: _Chunk, buf: torch.Tensor, ready) -> None:
         ready.synchronize()
         with self.tracer.host_span("CPU attention", f"store prompt kv L{layer} mb {c.mb}"):
             kv.write_prompts(layer, c.mb, c.rows, buf)
-
-    def _prompt_attention(self, qkv: torch.Tensor, rows: list[tuple[int, int, int]]) -> torch.Tensor:
-        """Causal attention within each prompt of a chunk (prompts of equal length in one call)."""
-        d = self.dims
-        T = qkv.shape[0]
-        q = qkv[:, :d.q_dim].view(T, d.heads, d.head_dim)
-        k = qkv[:, d.q_dim:d.q_dim + d.kv_dim].view(T, d.kv_heads, d.head_dim)
-        v = qkv[:, d.q_dim + d.kv_dim:].view(T, d.kv_heads, d.head_dim)
-        out = torch.empty(T, d.q_dim, dtype=qkv.dtype, device=qkv.device)
-        i = 0
-        while i < len(rows):
-            p = rows[i][2] - rows[i][1]
-            j = i
-            while j < len(rows) and rows[j][2] - rows[j][1] == p:
-                j += 1
-            a, b, g = rows[i][1], rows[j - 1][2], j - i
-            o = F.scaled_dot_product_attention(q[a:b].view(g, p, d.heads, d.head_dim).transpose(1, 2),
-                                               k[a:b].view(g, p, d.kv_heads, d.head_dim).transpose(1, 2),
-                                               v[a:b].view(g, p, d.kv_heads, d.head_dim).transpose(1, 2),
-                                               is_causal=True, enable_gqa=True)
-            out[a:b].view(g, p, d.heads, d.head_dim).copy_(o.transpose(1, 2))
-            i = j
-        return out
 
     def _chunks(self, mbs: list[_MicroBatch], prompts: list[torch.Tensor]) -> list[_Chunk]:
         chunks = []

@@ -3,7 +3,7 @@
 The KV cache of a batch lives in CPU memory in the model's dtype (bf16 for a bf16 model). Within a
 micro-batch, requests (longest first, as :mod:`batching` orders them) are grouped into *length buckets*;
 each bucket is one ``[requests, kv_heads, capacity, head_dim]`` tensor per layer, so a decode step is one
-fused SDPA call per bucket (:func:`decode_attention`): grouped-query attention reads each KV head once for
+fused SDPA call per bucket (:func:`~.attention.decode_attention`): grouped-query attention reads each KV head once for
 all the query heads that share it (expanding K/V per query head was 10-25x slower on the H100 host).
 The buckets trade the two costs of a call: a fixed one (the handoff to the worker and its thread team; about 0.3 ms on
 the 16-core H100 host) and the padded rows it reads. :func:`~hf_scatter.offload.plan.attention_buckets.length_buckets`
@@ -22,23 +22,10 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
+from ...models.pipeline_adapter import LayerAttention
 from ..plan.attention_buckets import BucketCosts
-
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
-                     ) -> torch.Tensor:
-    """Grouped-query attention of one new token per row: ``q`` [n, heads, d] over ``k``/``v``
-    [n, kv_heads, S, d], ``mask`` [n, S] (True: attend). The heads // kv_heads query heads that share a KV
-    head become that head's query rows, so each K/V head is read once and no copy is expanded; this form
-    also stays on SDPA's fused CPU kernel in bf16, where ``enable_gqa=True`` fell back to the unfused path
-    on the CPU build we measured (torch 2.13, 10x slower)."""
-    n, H, d = q.shape
-    Hkv = k.shape[1]
-    out = F.scaled_dot_product_attention(q.reshape(n, Hkv, H // Hkv, d), k, v,
-                                         attn_mask=None if mask is None else mask.view(n, 1, 1, -1))
-    return out.reshape(n, H, d)
-
+from .attention import decode_attention, window_start
 
 @dataclass
 class _Bucket:
@@ -54,12 +41,17 @@ class _Bucket:
 
 class KVCache:
     """KV cache of one batch. ``micro_batches[j]`` lists ``(prompt_len, capacity)`` of its rows, longest
-    first; capacity = prompt + the new tokens whose keys will be stored (max_new_tokens - 1)."""
+    first; capacity = prompt + the new tokens whose keys will be stored (max_new_tokens - 1). ``attention``:
+    each layer's window and sinks (default: plain causal attention)."""
 
     def __init__(self, micro_batches: Sequence[Sequence[tuple[int, int]]], layers: int, kv_heads: int,
-                 head_dim: int, q_heads: int, dtype: torch.dtype, costs: BucketCosts = BucketCosts()):
+                 head_dim: int, q_heads: int, dtype: torch.dtype, costs: BucketCosts = BucketCosts(),
+                 attention: Sequence[LayerAttention] | None = None):
         self.layers, self.kv_heads, self.head_dim, self.q_heads = layers, kv_heads, head_dim, q_heads
         self.dtype = dtype
+        self.attention = list(attention) if attention is not None else [LayerAttention()] * layers
+        if len(self.attention) != layers:
+            raise ValueError(f"KVCache: {len(self.attention)} layers' attention settings for {layers} layers")
         row_token_bytes = 2 * kv_heads * head_dim * dtype.itemsize
         self.prompt_lens = []
         self.buckets: list[list[_Bucket]] = []
@@ -109,6 +101,7 @@ class KVCache:
         H, Hkv, d = self.q_heads, self.kv_heads, self.head_dim
         qd, kvd = H * d, Hkv * d
         positions = self.prompt_lens[mb] + step
+        window, sinks = self.attention[layer].window, self.attention[layer].sinks
         for b in self.buckets[mb]:
             a, e, n = b.start, b.end, b.end - b.start
             k_cache, v_cache = b.k[layer], b.v[layer]
@@ -116,10 +109,16 @@ class KVCache:
             k_cache[b.rows, :, pos] = qkv[a:e, qd:qd + kvd].view(n, Hkv, d)
             v_cache[b.rows, :, pos] = qkv[a:e, qd + kvd:].view(n, Hkv, d)
             length = b.max_prompt + step + 1
+            first = window_start(b.min_prompt + step, window)  # no row of the bucket sees keys before it
+            keys = torch.arange(first, length)
             mask = None
             if b.min_prompt != b.max_prompt:  # rows of different lengths: hide each row's unused tail
-                mask = torch.arange(length) <= pos[:, None]
-            o = decode_attention(qkv[a:e, :qd].view(n, H, d), k_cache[:, :, :length], v_cache[:, :, :length], mask)
+                mask = keys <= pos[:, None]
+            if window is not None and b.max_prompt + step - window + 1 > first:  # some row's window starts later
+                inside = keys > pos[:, None] - window
+                mask = inside if mask is None else mask & inside
+            o = decode_attention(qkv[a:e, :qd].view(n, H, d), k_cache[:, :, first:length],
+                                 v_cache[:, :, first:length], mask, sinks)
             out[a:e].view(n, H, d).copy_(o)
 
 

@@ -111,12 +111,12 @@ def offload(model, gpu_memory: int | float | str = "16GiB", cpu_memory: int | fl
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(model, dtype="auto")
-    adapter = adapter_for(model)
     if any(p.is_meta for p in model.parameters()):
         raise ValueError("the model's weights are on the meta device: an earlier hf_scatter.offload(model) moved them "
                          "into its OffloadedModel (release_weights=True, the default), or the model was built "
                          "without weights. Reuse the first OffloadedModel, or reload the model (from_pretrained) "
                          "for a new one; pass release_weights=False to offload() to keep the model whole")
+    adapter = adapter_for(model)
     device = _device(device)
     gpu_budget = parse_bytes(gpu_memory, "gpu_memory")
     prof = _profile(profile, device, required=policy is None)
@@ -356,11 +356,7 @@ class OffloadedModel:
         per_token = 2 * d.layers * d.kv_dim * b
         host_free = self.cpu_budget - self.store.layout.host_bytes
         caps = [p + max_new_tokens - 1 for p in lens]
-        window = d.sliding_window
         for i, p in enumerate(lens):
-            if window is not None and caps[i] > window:
-                raise ValueError(f"request {i} spans {caps[i]} positions, beyond the model's sliding window of "
-                                 f"{window}: the offloaded runtime implements full attention only")
             if caps[i] * per_token > host_free:
                 raise PlanError(f"request {i} ({p} prompt tokens + {max_new_tokens} new) needs "
                                 f"{format_bytes(caps[i] * per_token)} of KV cache but cpu_memory leaves "

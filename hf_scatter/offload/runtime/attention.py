@@ -1,0 +1,108 @@
+"""The attention math of the offloaded pipeline: prompts on the device, one new token per row on the CPU.
+
+Plain causal attention runs as one fused SDPA call (grouped-query heads folded into query rows, so each K/V
+head is read once). A layer's :class:`~hf_scatter.models.pipeline_adapter.LayerAttention` adds what some
+families need: a sliding window (a boolean mask; decode also skips the keys before every row's window) and
+attention sinks (GPT-OSS), which SDPA has no argument for. Sinks run as explicit float32 softmax over the
+scores and the sink logit, the sink's column dropped afterwards, as transformers' eager GPT-OSS attention
+does; prompts do so a block of queries at a time so the [heads, queries, keys] scores stay bounded.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ...models.pipeline_adapter import Dims, LayerAttention
+
+
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None,
+                   sinks: torch.Tensor) -> torch.Tensor:
+    """Softmax attention whose denominator also holds ``exp(sink)`` of each query head.
+
+    ``q`` [B, Hkv, G, T, d] (the G query heads sharing a KV head), ``k``/``v`` [B, Hkv, S, d], ``allowed``
+    bool broadcastable to [B, 1, 1, T, S] (True: attend; None: every key), ``sinks`` [Hkv * G] (head h reads
+    KV head h // G). Returns [B, Hkv, G, T, d] in ``v``'s dtype."""
+    B, Hkv, G, T, d = q.shape
+    scores = torch.matmul(q.reshape(B, Hkv, G * T, d), k.transpose(-1, -2)).float()  # [B, Hkv, G*T, S]
+    scores = scores.view(B, Hkv, G, T, -1) * d ** -0.5
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    sink = sinks.to(device=scores.device, dtype=torch.float32).view(1, Hkv, G, 1, 1).expand(B, Hkv, G, T, 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]  # [B, Hkv, G, T, S]
+    out = torch.matmul(probs.to(v.dtype).reshape(B, Hkv, G * T, -1), v)  # [B, Hkv, G*T, d]
+    return out.view(B, Hkv, G, T, d)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Grouped-query attention of one new token per row: ``q`` [n, heads, d] over ``k``/``v``
+    [n, kv_heads, S, d], ``mask`` [n, S] (True: attend), ``sinks`` [heads] or None. The heads // kv_heads
+    query heads that share a KV head become that head's query rows, so each K/V head is read once and no copy
+    is expanded; this form also stays on SDPA's fused CPU kernel in bf16, where ``enable_gqa=True`` fell back
+    to the unfused path on the CPU build we measured (torch 2.13, 10x slower)."""
+    n, H, d = q.shape
+    Hkv = k.shape[1]
+    if sinks is not None:
+        allowed = None if mask is None else mask.view(n, 1, 1, 1, -1)
+        return sink_attention(q.view(n, Hkv, H // Hkv, 1, d), k, v, allowed, sinks).reshape(n, H, d)
+    out = F.scaled_dot_product_attention(q.reshape(n, Hkv, H // Hkv, d), k, v,
+                                         attn_mask=None if mask is None else mask.view(n, 1, 1, -1))
+    return out.reshape(n, H, d)
+
+
+def window_start(position: int, window: int | None) -> int:
+    """The first key position a query at ``position`` sees (transformers: keys at positions > i - window)."""
+    return 0 if window is None else max(0, position - window + 1)
+
+
+def prompt_attention(qkv: torch.Tensor, rows: list[tuple[int, int, int]], d: Dims,
+                     layer: LayerAttention = LayerAttention(), sinks: torch.Tensor | None = None,
+                     max_score_bytes: int = 1 << 28) -> torch.Tensor:
+    """Causal attention within each prompt of a chunk: ``qkv`` [T, q + 2 kv] (rotary applied), ``rows`` =
+    (row, first token, end token) per prompt; returns [T, q]. Prompts of equal length share one call.
+    ``sinks``: ``layer.sinks`` on ``qkv``'s device; with sinks, queries go in blocks whose float32 scores
+    take at most ``max_score_bytes``."""
+    T = qkv.shape[0]
+    q = qkv[:, :d.q_dim].view(T, d.heads, d.head_dim)  # [T, H, d]
+    k = qkv[:, d.q_dim:d.q_dim + d.kv_dim].view(T, d.kv_heads, d.head_dim)  # [T, Hkv, d]
+    v = qkv[:, d.q_dim + d.kv_dim:].view(T, d.kv_heads, d.head_dim)
+    out = torch.empty(T, d.q_dim, dtype=qkv.dtype, device=qkv.device)
+    G = d.heads // d.kv_heads
+    i = 0
+    while i < len(rows):
+        p = rows[i][2] - rows[i][1]
+        j = i
+        while j < len(rows) and rows[j][2] - rows[j][1] == p:
+            j += 1
+        a, b, g = rows[i][1], rows[j - 1][2], j - i
+        qs = q[a:b].view(g, p, d.heads, d.head_dim).transpose(1, 2)  # [g, H, p, d]
+        ks = k[a:b].view(g, p, d.kv_heads, d.head_dim).transpose(1, 2)  # [g, Hkv, p, d]
+        vs = v[a:b].view(g, p, d.kv_heads, d.head_dim).transpose(1, 2)
+        dst = out[a:b].view(g, p, d.heads, d.head_dim)
+        if sinks is None and layer.window is None:
+            dst.copy_(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True).transpose(1, 2))
+        elif sinks is None:
+            allowed = _causal_window(torch.arange(p, device=qkv.device), p, layer.window)  # [p, p]
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed, enable_gqa=True)
+            dst.copy_(o.transpose(1, 2))
+        else:
+            block = max(1, max_score_bytes // (4 * d.heads * p * g))
+            qg = qs.reshape(g, d.kv_heads, G, p, d.head_dim)  # [g, Hkv, G, p, d]
+            for s in range(0, p, block):
+                e = min(p, s + block)
+                first = window_start(s, layer.window)  # keys before it are outside every query's window
+                allowed = _causal_window(torch.arange(s, e, device=qkv.device), e, layer.window)[:, first:]
+                o = sink_attention(qg[:, :, :, s:e], ks[:, :, first:e], vs[:, :, first:e], allowed, sinks)
+                dst[:, s:e].copy_(o.reshape(g, d.heads, e - s, d.head_dim).transpose(1, 2))
+        i = j
+    return out
+
+
+def _causal_window(positions: torch.Tensor, keys: int, window: int | None) -> torch.Tensor:
+    """[len(positions), keys] bool: key j is visible from a query at position i (j <= i, within the window)."""
+    j = torch.arange(keys, device=positions.device)
+    allowed = j <= positions[:, None]
+    if window is not None:
+        allowed &= j > positions[:, None] - window
+    return allowed
