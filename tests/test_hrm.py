@@ -367,3 +367,24 @@ def test_cpu_attention_is_priced_per_length_bucket_as_the_runtime_splits_it():
     one = decode_terms(hrm, MIXTRAL, policy, 120.0).evaluate(0, 0).terms["cpu"]
     bucketed = decode_terms(hrm, MIXTRAL, policy, 120.0, spread).evaluate(0, 0).terms["cpu"]
     assert bucketed > one  # every extra call pays the overhead, and each bucket reads to its longest row
+
+
+def test_cpu_attention_follows_the_query_heads_beyond_the_measured_group():
+    """Profiles measure CPU attention with 4 query heads per KV head; Qwen3-MoE has 8 (32 over 4) and took twice
+    as long per KV byte on the H100 host. Fewer than measured (OLMoE: 1) still reads every KV byte."""
+    from hf_scatter.models.spec import ModelSpec
+
+    prof = synthetic(cpu_attention=[dict(batch=b, context=c, q_heads=32, kv_heads=8, head_dim=128, dtype_bytes=2,
+                                         seconds=2.5e-4 + b * c * 4096 / 50e9) for b in (1, 32) for c in (64, 512)])
+    hrm = HierarchicalRoofline(prof)
+    mixtral, qwen3, olmoe = (ModelSpec.from_config(n) for n in ("mixtral-8x7b", "qwen3-30b-a3b", "olmoe-1b-7b"))
+    assert (qwen3.heads // qwen3.kv_heads, olmoe.heads // olmoe.kv_heads) == (8, 1)
+    assert hrm.cpu_attention_bytes_per_token(mixtral) == mixtral.kv_bytes_per_token
+    assert hrm.cpu_attention_bytes_per_token(qwen3) == 2 * qwen3.kv_bytes_per_token
+    assert hrm.cpu_attention_bytes_per_token(olmoe) == olmoe.kv_bytes_per_token
+    # Qwen3's 2 KiB of K/V per token cost what Mixtral's 4 KiB do: the same query heads attend
+    from hf_scatter.offload.plan.cost_model import decode_terms
+
+    policy = Policy(64, 32)
+    cpu = [decode_terms(hrm, m, policy, 120.0).evaluate(0, 0).terms["cpu"] for m in (mixtral, qwen3)]
+    assert cpu[1] == pytest.approx(cpu[0], rel=1e-9)

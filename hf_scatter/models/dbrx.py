@@ -173,9 +173,9 @@ class DbrxPipelineAdapter(PipelineAdapter):
     def _route(self, logits):
         return router_topk(logits, self.dims.top_k, normalize=self._normalize, softmax_dtype=logits.dtype)
 
-    def _experts(self, part, x, experts, gates):
+    def _experts(self, part, x, experts, gates, routing):
         return expert_mlp(x, (part["w1"].transpose(1, 2), part["v1"].transpose(1, 2)), part["w2"], experts, gates,
-                          glu_pair_activation(self._act_fn), validate=False)
+                          glu_pair_activation(self._act_fn), validate=False, routing=routing)
 
     def _final_norm(self, other, x):
         return fused_add_layer_norm(x, None, other["final_norm"], None, eps=self._eps[2], validate=False)

@@ -105,11 +105,11 @@ class GptOssPipelineAdapter(LlamaStylePipelineAdapter):
     def _route(self, logits):
         return router_select(logits, self.dims.top_k, gpt_oss_selection())
 
-    def _experts(self, part, x, experts, gates):
+    def _experts(self, part, x, experts, gates, routing):
         E, _, c, H = part["gate_up"].shape
         w_in = part["gate_up"].view(E, 2 * c, H).transpose(1, 2)  # [E, H, 2c]: [gate; up] columns
         return expert_mlp(x, (w_in,), part["down"].transpose(1, 2), experts, gates, FusedSwiGLU(self._gate),
-                          b_in=(part["gate_up_bias"].reshape(E, 2 * c),), validate=False)
+                          b_in=(part["gate_up_bias"].reshape(E, 2 * c),), validate=False, routing=routing)
 
 
 GPT_OSS = register_decoder_family(DecoderFamily(

@@ -27,6 +27,7 @@ from torch import nn
 from ..kernels.norms import fused_add_rms_norm
 from ..kernels.router import router_topk
 from ..moe.mlp import expert_mlp, glu_activation
+from ..moe.routing import flatten_sort_count
 from .spec import ModelSpec
 
 
@@ -151,9 +152,10 @@ class PipelineAdapter:
         normed, summed = self._post_norm(w, o, x)
         logits = F.linear(normed, w["router"], w.get("router_bias"))
         gates, experts = self._route(logits)
+        routing = flatten_sort_count(experts, self.dims.experts, validate=False)  # one sort for every part
         out = None
         for part in expert_parts:
-            y = self._experts(part, normed, experts, gates).to(normed.dtype)
+            y = self._experts(part, normed, experts, gates, routing).to(normed.dtype)
             out = y if out is None else out + y
         if "down_bias" in w:  # [T, k, H] biases of the chosen experts, mixed by their gates
             out = out + (w["down_bias"][experts] * gates.unsqueeze(-1).to(normed.dtype)).sum(1)
@@ -181,7 +183,9 @@ class PipelineAdapter:
     def _route(self, logits: torch.Tensor):
         raise NotImplementedError
 
-    def _experts(self, part: dict, x: torch.Tensor, experts: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+    def _experts(self, part: dict, x: torch.Tensor, experts: torch.Tensor, gates: torch.Tensor,
+                 routing: tuple) -> torch.Tensor:
+        """One column part of every expert (``routing``: the shared sort of ``experts``)."""
         raise NotImplementedError
 
     def _final_norm(self, other: dict, x: torch.Tensor) -> torch.Tensor:
@@ -283,11 +287,11 @@ class LlamaStylePipelineAdapter(PipelineAdapter):
         gates, experts = router_topk(logits, self.dims.top_k, normalize=normalize, softmax_dtype=torch.float32)
         return (gates.to(logits.dtype) if self.gates_in_logits_dtype else gates), experts
 
-    def _experts(self, part, x, experts, gates):
+    def _experts(self, part, x, experts, gates, routing):
         E, _, c, H = part["gate_up"].shape
         w_in = part["gate_up"].view(E, 2 * c, H).transpose(1, 2)
         return expert_mlp(x, (w_in,), part["down"].transpose(1, 2), experts, gates, glu_activation(self._act_fn),
-                          validate=False)
+                          validate=False, routing=routing)
 
     def _final_norm(self, other, x):
         return self._norm(x, None, other["final_norm"], self._eps[2])

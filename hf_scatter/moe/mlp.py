@@ -27,18 +27,19 @@ def expert_mlp(x: torch.Tensor, w_in: Sequence[torch.Tensor], w_out: torch.Tenso
                gates: torch.Tensor, activation: Callable[..., torch.Tensor],
                b_in: Sequence[torch.Tensor | None] | None = None, b_out: torch.Tensor | None = None,
                post_norm: Callable[[torch.Tensor], torch.Tensor] | None = None,
-               validate: bool = True) -> torch.Tensor:
+               validate: bool = True, routing: tuple | None = None) -> torch.Tensor:
     """Two-layer experts on ParallelLinear: ``sum_j gates[t,j] * out_e(activation(*in_e(x_t)))``.
 
     Weights are in kernel layout ([E, d_in, d_out], transposed views welcome). ``w_in`` holds one input
     projection (a fused [gate; up] or a plain up) or several (DBRX's separate gate and up); each runs
     scattered -> grouped and ``activation`` receives their grouped outputs. The output projection runs
     grouped -> scattered and mixes the k outputs with ``gates``, unless ``post_norm`` must see each
-    expert's output first (then the mix is an fp32 weighted sum).
+    expert's output first (then the mix is an fp32 weighted sum). ``routing``: ``flatten_sort_count`` of
+    ``expert_idxs`` when the caller has it (several column parts of the same experts share one sort).
     """
     T, k = expert_idxs.shape
     E = w_out.shape[0]
-    routing = flatten_sort_count(expert_idxs, E, validate)
+    routing = routing if routing is not None else flatten_sort_count(expert_idxs, E, validate)
     b_in = b_in if b_in is not None else (None,) * len(w_in)
     if isinstance(activation, FusedSwiGLU) and len(w_in) == 1 and post_norm is None \
             and not torch.compiler.is_compiling():  # one autograd node: lower backward peak

@@ -129,6 +129,8 @@ class HierarchicalRoofline:
         if self._moe is None:
             self.uncalibrated.append("moe_efficiency (expert GEMMs at the dense GEMM efficiency)")
         self._cpu_attention = _fit_cpu_attention(p.cpu_attention)
+        groups = [pt["q_heads"] / pt["kv_heads"] for pt in p.cpu_attention or [] if pt.get("kv_heads")]
+        self._attention_group = float(np.median(groups)) if groups else 1.0
         if self._cpu_attention is None:
             self.uncalibrated.append("cpu_attention (CPU attention at the CPU copy bandwidth)")
 
@@ -160,10 +162,18 @@ class HierarchicalRoofline:
         roof = max(op.flops / self.roofs.gpu_flops, op.bytes / self.roofs.gpu_bandwidth)
         return roof / self.gemm_efficiency(op.rows, op.moe)
 
-    def cpu_attention_seconds(self, batch: float, context: float, kv_bytes_per_token: float) -> float:
-        """One CPU decode-attention call over ``batch`` sequences of ``context`` cached tokens."""
+    def cpu_attention_bytes_per_token(self, model: ModelSpec) -> float:
+        """What one cached token costs CPU decode attention, in the KV bytes the measured rate counts: its K and
+        V, times how many more query heads share each KV head than in the measured points. The CPU computes
+        for every query head: Qwen3-MoE (8 per KV head) took twice as long per KV byte as the profile's 4
+        (H100 host, 2026-11), so the work follows the query heads beyond the measured group."""
+        return model.kv_bytes_per_token * max(1.0, model.heads / model.kv_heads / self._attention_group)
+
+    def cpu_attention_seconds(self, batch: float, context: float, bytes_per_token: float) -> float:
+        """One CPU decode-attention call over ``batch`` sequences of ``context`` cached tokens
+        (``bytes_per_token``: :meth:`cpu_attention_bytes_per_token`)."""
         rate, overhead = self.cpu_attention_rate(context)
-        return overhead + batch * context * kv_bytes_per_token / rate
+        return overhead + batch * context * bytes_per_token / rate
 
     def cpu_seconds(self, op: OpCost) -> float:
         """A GEMM-like op on the CPU (bf16 FLOP/s, copy bandwidth)."""

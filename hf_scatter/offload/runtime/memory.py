@@ -57,14 +57,24 @@ def cublas_workspace_size(config: str, major: int) -> int:
     return 4096 * 8 * 1024 if major >= 9 else (4096 * 2 + 16 * 8) * 1024
 
 
-def workspace_bytes(d: Dims, tokens: int, b: int) -> int:
-    """Transient device memory of ``tokens`` rows through one stage, plus one slice of the LM head and
-    sampling (upper bound: every temporary of the largest step counted as live at once)."""
+def stage_bytes(d: Dims, tokens: int, b: int) -> int:
+    """Transient device memory of ``tokens`` rows through one stage (upper bound: every temporary of the
+    largest step counted as live at once)."""
     pre = tokens * b * (d.hidden + d.qkv_dim + 3 * (d.q_dim + d.kv_dim) + d.q_dim + 2 * d.kv_dim)
     experts = tokens * d.top_k * (3 * d.intermediate + d.hidden) * b + tokens * d.top_k * 32
     post = tokens * b * 5 * d.hidden + tokens * d.experts * 16 + experts
-    head = min(tokens, HEAD_ROWS) * d.vocab * (b + 32)  # logits, fp32 copy, top-p sort values / indices, ...
-    return max(pre, post) + head
+    return max(pre, post)
+
+
+def head_bytes(d: Dims, tokens: int, b: int) -> int:
+    """One slice of at most HEAD_ROWS rows through the LM head and sampling: logits, their fp32 copy, top-p's
+    sorted values and indices, ..."""
+    return min(tokens, HEAD_ROWS) * d.vocab * (b + 32)
+
+
+def workspace_bytes(d: Dims, tokens: int, b: int) -> int:
+    """Transient device memory of ``tokens`` rows through one stage, plus one slice of the LM head."""
+    return stage_bytes(d, tokens, b) + head_bytes(d, tokens, b)
 
 
 def row_bytes(d: Dims, b: int) -> int:
@@ -130,10 +140,13 @@ def plan_device(adapter: PipelineAdapter, fraction: float, budget: int, batch: i
 
 
 def _chunk_tokens(d: Dims, batch: int, available: int, b: int) -> int:
-    """Prefill chunk size: the largest power of two up to CHUNK_TOKENS whose workspace takes at most a
+    """Prefill chunk size: the largest power of two up to CHUNK_TOKENS whose stage temporaries take at most a
     quarter of the activation memory (the rest holds the prompt tokens of a group, and every group streams
-    the weights once more), else the largest that fits at all (0: none)."""
+    the weights once more), else the largest that fits at all (0: none). The LM head's slice is the same for
+    every chunk size, so it does not count against the quarter: with a 152k vocabulary (Qwen3) it alone
+    took the quarter and left 256-token chunks, whose per-chunk host cost made the prefill 40x slower than
+    the planner's 4096-token chunks (H100, 24 Qwen3-30B-A3B layers)."""
     fits = [c for c in (CHUNK_TOKENS >> i for i in range(7)) if c >= MIN_CHUNK_TOKENS and
             prefill_bytes(d, batch, c, c, b) <= available]
-    roomy = [c for c in fits if workspace_bytes(d, c, b) <= available // 4]
+    roomy = [c for c in fits if stage_bytes(d, c, b) <= (available - head_bytes(d, c, b)) // 4]
     return (roomy or fits or [0])[0]
