@@ -144,11 +144,12 @@ def test_offloaded_backend_matches_vanilla_request_by_request(mixtral_dir, tmp_p
     assert summary["decisions_changed"] == 0 and summary["generations"] == 3 and summary["generations_changed"] == 0
 
 
-@pytest.mark.parametrize("shape", ["tiny-bert", "tiny-gpt_oss"])
+@pytest.mark.parametrize("shape", ["tiny-bert", "tiny-deepseek_v3"])
 def test_offloaded_backend_refuses_other_families_before_any_model_loads(shape, tmp_path, capsys):
     rc, report, out = _eval(["--random", shape, *FP32, "--backends", "vanilla,offloaded"], tmp_path, capsys)
     assert rc == 2 and report is None
-    assert "backend offloaded: the offloaded backend runs the causal MoE families dbrx, mixtral, olmoe, " in out.err
+    assert "backend offloaded: the offloaded backend runs the causal MoE families dbrx, gpt_oss, mixtral, olmoe, " \
+        in out.err
     assert "loading" not in out.err, "a model loaded before the refusal"
 
 
