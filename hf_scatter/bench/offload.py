@@ -188,8 +188,9 @@ NEEDS_GPU = True
 
 def add_arguments(parser) -> None:
     """Flags of ``hf-scatter bench offload``, named after :func:`run`'s arguments."""
-    parser.add_argument("--model", default=DEFAULT_MODEL, choices=offload_models(),
-                        help=f"built-in shape of the model (default {DEFAULT_MODEL})")
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help=f"built-in shape of a family the offloaded runtime runs (default {DEFAULT_MODEL}; "
+                             "mixtral-8x22b, dbrx, qwen3-30b-a3b, olmoe-1b-7b, gpt-oss-120b, ...)")
     parser.add_argument("--layers", type=positive_int, default=12,
                         help="layers of the model, at most its published count (default 12)")
     parser.add_argument("--new-tokens", type=positive_int, default=128, help="tokens generated per request")
@@ -204,9 +205,13 @@ def add_arguments(parser) -> None:
 
 
 def check_flags(layers: int = 12, model: str = DEFAULT_MODEL, **_) -> int:
-    """The model's published layer count, after checking ``layers`` is at most that."""
+    """The model's published layer count, after checking ``model`` is an offloadable built-in and ``layers`` at
+    most its layer count (here, not as argparse choices: listing them builds every built-in config)."""
     from ..models.spec import ModelSpec
 
+    if model not in offload_models():
+        raise ValueError(f"--model {model!r}: choose a built-in shape of a family offloading runs: "
+                         f"{', '.join(offload_models())}")
     published = ModelSpec.from_config(model).layers
     if layers > published:
         raise ValueError(f"--layers {layers}: {model} has {published} layers; pass --layers {published} or fewer")
