@@ -83,7 +83,7 @@ def prompt_attention(qkv: torch.Tensor, rows: list[tuple[int, int, int]], d: Dim
         if sinks is None and layer.window is None:
             dst.copy_(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True).transpose(1, 2))
         elif sinks is None:
-            allowed = _causal_window(torch.arange(p, device=qkv.device), p, layer.window)  # [p, p]
+            allowed = visible_keys(torch.arange(p, device=qkv.device), 0, p, layer.window)  # [p, p]
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed, enable_gqa=True)
             dst.copy_(o.transpose(1, 2))
         else:
@@ -92,16 +92,17 @@ def prompt_attention(qkv: torch.Tensor, rows: list[tuple[int, int, int]], d: Dim
             for s in range(0, p, block):
                 e = min(p, s + block)
                 first = window_start(s, layer.window)  # keys before it are outside every query's window
-                allowed = _causal_window(torch.arange(s, e, device=qkv.device), e, layer.window)[:, first:]
+                allowed = visible_keys(torch.arange(s, e, device=qkv.device), first, e, layer.window)
                 o = sink_attention(qg[:, :, :, s:e], ks[:, :, first:e], vs[:, :, first:e], allowed, sinks)
                 dst[:, s:e].copy_(o.reshape(g, d.heads, e - s, d.head_dim).transpose(1, 2))
         i = j
     return out
 
 
-def _causal_window(positions: torch.Tensor, keys: int, window: int | None) -> torch.Tensor:
-    """[len(positions), keys] bool: key j is visible from a query at position i (j <= i, within the window)."""
-    j = torch.arange(keys, device=positions.device)
+def visible_keys(positions: torch.Tensor, first: int, end: int, window: int | None) -> torch.Tensor:
+    """[len(positions), end - first] bool: key position j in [first, end) is visible from a query at position i
+    (j <= i, and within the window)."""
+    j = torch.arange(first, end, device=positions.device)
     allowed = j <= positions[:, None]
     if window is not None:
         allowed &= j > positions[:, None] - window

@@ -25,7 +25,7 @@ import torch
 
 from ...models.pipeline_adapter import LayerAttention
 from ..plan.attention_buckets import BucketCosts
-from .attention import decode_attention, window_start
+from .attention import decode_attention, visible_keys, window_start
 
 @dataclass
 class _Bucket:
@@ -110,13 +110,9 @@ class KVCache:
             v_cache[b.rows, :, pos] = qkv[a:e, qd + kvd:].view(n, Hkv, d)
             length = b.max_prompt + step + 1
             first = window_start(b.min_prompt + step, window)  # no row of the bucket sees keys before it
-            keys = torch.arange(first, length)
-            mask = None
-            if b.min_prompt != b.max_prompt:  # rows of different lengths: hide each row's unused tail
-                mask = keys <= pos[:, None]
-            if window is not None and b.max_prompt + step - window + 1 > first:  # some row's window starts later
-                inside = keys > pos[:, None] - window
-                mask = inside if mask is None else mask & inside
+            # rows of different lengths: hide each shorter row's unused tail, and the keys before its window
+            # (rows of one length see exactly keys [first, length))
+            mask = visible_keys(pos, first, length, window) if b.min_prompt != b.max_prompt else None
             o = decode_attention(qkv[a:e, :qd].view(n, H, d), k_cache[:, :, first:length],
                                  v_cache[:, :, first:length], mask, sinks)
             out[a:e].view(n, H, d).copy_(o)
