@@ -88,16 +88,20 @@ def test_dbrx_parity_fp32(tmp_path, tokenizer, capsys):
     assert report["backends"][1]["patch_report"], "the patched backend must run hf-scatter's modules"
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v2", "gpt_oss"])
 def test_fine_grained_families_parity_fp32(family, tmp_path, capsys):
-    """Each family's random checkpoint: patched (its router, norms, RoPE and experts) equals vanilla request
-    by request, log-likelihoods and greedy generations alike."""
+    """Each family's random checkpoint: patched (its router, norms, RoPE and experts) and offloaded (CGOPipe on
+    the CPU stand-in) equal vanilla request by request, log-likelihoods and greedy generations alike."""
     rc, report, out = _eval(["--random", f"tiny-{family}", *FP32, "--limit", "2", "--ll-tolerance", "1e-4",
-                             "--tasks", "hfs_facts,hfs_generation"], tmp_path, capsys)
+                             "--tasks", "hfs_facts,hfs_generation", "--backends", "vanilla,patched,offloaded"],
+                            tmp_path, capsys)
     assert rc == 0, out.out + out.err
-    assert report["model_type"] == family and report["summary"]["patched"]["ll_max_abs"] <= 1e-4
-    assert report["summary"]["patched"]["generations"] > 0
+    assert report["model_type"] == family
+    for backend in ("patched", "offloaded"):
+        summary = report["summary"][backend]
+        assert summary["ll_max_abs"] <= 1e-4 and summary["generations"] > 0 and summary["generations_changed"] == 0
     assert any("scattermoe" in i for i in report["backends"][1]["patch_report"])
+    assert any(r.startswith(f"offloaded: OffloadedModel({family}") for r in report["backends"][2]["patch_report"])
 
 
 def _perturbed(settings):
@@ -144,11 +148,11 @@ def test_offloaded_backend_matches_vanilla_request_by_request(mixtral_dir, tmp_p
     assert summary["decisions_changed"] == 0 and summary["generations"] == 3 and summary["generations_changed"] == 0
 
 
-@pytest.mark.parametrize("shape", ["tiny-bert", "tiny-deepseek_v3"])
+@pytest.mark.parametrize("shape", ["tiny-bert", "tiny-qwen2_moe"])
 def test_offloaded_backend_refuses_other_families_before_any_model_loads(shape, tmp_path, capsys):
     rc, report, out = _eval(["--random", shape, *FP32, "--backends", "vanilla,offloaded"], tmp_path, capsys)
     assert rc == 2 and report is None
-    assert "backend offloaded: the offloaded backend runs the causal MoE families dbrx, gpt_oss, mixtral, olmoe, " \
+    assert "backend offloaded: the offloaded backend runs the causal MoE families dbrx, deepseek_v2, deepseek_v3, " \
         in out.err
     assert "loading" not in out.err, "a model loaded before the refusal"
 

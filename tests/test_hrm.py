@@ -103,22 +103,32 @@ def test_calibration_terms_interpolate_measurements():
 
 
 # ----- model description -----
-@pytest.mark.parametrize("family", ["mixtral", "dbrx", "llama"])
+@pytest.mark.parametrize("family", ["mixtral", "dbrx", "llama", "deepseek_v3", "deepseek_v2"])
 def test_model_spec_weight_bytes_equal_the_real_parameter_count(family, tmp_path):
+    """Through config.json, as a user passes it. DeepSeek: latent attention (V3 with a low-rank query, V2 without),
+    shared experts and a first dense layer."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from hf_scatter.tiny import tiny_dbrx_config, tiny_mixtral_config
+    from hf_scatter.tiny import tiny_dbrx_config, tiny_decoder_config, tiny_mixtral_config
 
     config = {"mixtral": lambda: tiny_mixtral_config(hidden=48, experts=6, top_k=3, intermediate=40),
               "dbrx": lambda: tiny_dbrx_config(hidden=48, experts=5, intermediate=40),
               "llama": lambda: LlamaConfig(hidden_size=48, intermediate_size=80, num_hidden_layers=3,
-                                           num_attention_heads=4, num_key_value_heads=2, vocab_size=100)}[family]()
-    config.save_pretrained(tmp_path)  # through config.json, as a user passes it
+                                           num_attention_heads=4, num_key_value_heads=2, vocab_size=100),
+              "deepseek_v3": lambda: tiny_decoder_config("deepseek_v3", hidden=48, experts=6, top_k=3, intermediate=40),
+              "deepseek_v2": lambda: tiny_decoder_config("deepseek_v2", hidden=48, experts=6, top_k=3, intermediate=40,
+                                                         q_lora_rank=None)}[family]()
+    config.save_pretrained(tmp_path)
     spec = ModelSpec.from_config(str(tmp_path))
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    assert spec.weight_bytes == sum(p.numel() * 2 for p in model.parameters())
-    assert spec.kv_bytes_per_token == 2 * 2 * 12 * 2  # K and V, 2 KV heads of 48 / 4 = 12, bf16
+    assert spec.weight_bytes == pytest.approx(sum(p.numel() * 2 for p in model.parameters()), rel=1e-12)
+    if family.startswith("deepseek"):  # one latent of rank 16 and a rotary key of 8 per token, keys = values
+        assert spec.kv_bytes_per_token == (16 + 8) * 2 and spec.values_are_keys
+        assert spec.largest_layer_weight_bytes > spec.layer_weight_bytes  # the dense first layer is narrower
+    else:
+        assert spec.kv_bytes_per_token == 2 * 2 * 12 * 2  # K and V, 2 KV heads of 48 / 4 = 12, bf16
+        assert spec.largest_layer_weight_bytes == spec.layer_weight_bytes
     assert spec.is_moe == (family != "llama")
 
 
@@ -126,6 +136,13 @@ def test_builtin_models_match_published_sizes():
     assert MIXTRAL.weight_bytes / 2 == pytest.approx(46.7e9, rel=0.002)  # Mixtral-8x7B: 46.7B parameters
     assert ModelSpec.from_config("dbrx").weight_bytes / 2 == pytest.approx(132e9, rel=0.005)  # DBRX: 132B
     assert ModelSpec.from_config("llama-3-8b").weight_bytes / 2 == pytest.approx(8.03e9, rel=0.002)
+    lite, v3 = ModelSpec.from_config("deepseek-v2-lite"), ModelSpec.from_config("deepseek-v3")
+    assert lite.weight_bytes / 2 == pytest.approx(15.7e9, rel=0.003)  # DeepSeek-V2-Lite: 15.7B parameters
+    assert v3.weight_bytes / 2 == pytest.approx(671e9, rel=0.002)  # DeepSeek-V3: 671B without its MTP module
+    assert lite.kv_bytes_per_token == (512 + 64) * 2  # the latent and the rotary key, cached once
+    ops = lite.decode_ops(1, 100)  # every token runs the 2 shared experts; 26 of 27 layers route
+    assert ops["mlp"].flops == pytest.approx(2 * 3 * 2048 * (2 * 1408 * 26 + 10944) / 27)
+    assert ops["ffn"].flops == pytest.approx(2 * 6 * 3 * 2048 * 1408 * 26 / 27)
     assert MIXTRAL.kv_bytes_per_token * MIXTRAL.layers == 128 * 1024  # 2 x 8 heads x 128 x bf16 x 32 layers
     ops = MIXTRAL.decode_ops(1, 100)
     assert ops["ffn"].flops == 2 * 2 * 3 * 4096 * 14336  # top-2 experts, three GEMMs
@@ -332,6 +349,13 @@ def test_plan_command_prints_table_and_draws_roofline(tmp_path, capsys):
     assert report["policy"]["prediction"]["fits"] is True
     assert main(["plan", "--model", "not-a-model", "--profile", "h100-host-anchors"]) == 2
     assert "neither a built-in" in capsys.readouterr().err
+
+
+def test_plan_reads_deepseek_latent_attention_shared_experts_and_dense_layers(capsys):
+    assert main(["plan", "--model", "deepseek-v2-lite", "--gpu-memory", "16GiB", "--profile", "h100-host-anchors"]) == 0
+    text = capsys.readouterr().out
+    assert "64 experts, top-6 + shared experts of width 2816, 1 dense layer first, latent attention (rank 512)" in text
+    assert "| predicted throughput |" in text
 
 
 def test_plot_roofline_directly(tmp_path):

@@ -18,23 +18,43 @@ from hf_scatter.tiny import TINY_BUILDERS, tiny_dbrx, tiny_mixtral
 
 
 
-def tiny_gpt_oss_with_biases(**config):
-    """GPT-OSS with every bias and attention sink random (transformers starts the biases at zero, which would
-    hide a bias added twice or not at all). Its tiny config has a sliding window of 8 on every other layer,
-    shorter than most test prompts."""
-    model = TINY_BUILDERS["gpt_oss"](**config)
-    g = torch.Generator().manual_seed(1)
+def with_random(model, suffixes: tuple[str, ...], scale: float = 0.1, seed: int = 1):
+    """``model`` with every parameter or buffer ending in one of ``suffixes`` random (transformers starts biases
+    at zero, which would hide a bias added twice or not at all)."""
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("bias", "sinks")):  # sinks of the scale of a score, biases of a weight row's
-                p.copy_(torch.randn(p.shape, generator=g).to(p.dtype) * (1.0 if name.endswith("sinks") else 0.1))
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith(suffixes):
+                p.copy_(torch.randn(p.shape, generator=g).to(p.dtype) * scale)
     return model
+
+
+def tiny_gpt_oss_with_biases(**config):
+    """GPT-OSS with every bias and attention sink random: sinks of the scale of a score, biases of a weight
+    row's. Its tiny config has a sliding window of 8 on every other layer, shorter than most test prompts."""
+    model = with_random(TINY_BUILDERS["gpt_oss"](**config), ("bias",))
+    return with_random(model, ("sinks",), scale=1.0, seed=2)
+
+
+def tiny_deepseek_v3_with_biases(**config):
+    """DeepSeek-V3 with the attention's biases and the router's score-correction bias random (the bias moves the
+    choice of experts only)."""
+    model = TINY_BUILDERS["deepseek_v3"](attention_bias=True, **config)
+    return with_random(with_random(model, ("proj.bias", "proj_with_mqa.bias")), ("e_score_correction_bias",),
+                       scale=1.0, seed=3)
+
+
+def tiny_deepseek_v2_lite_style(**config):
+    """DeepSeek-V2 as V2-Lite has it: a full-rank query projection (no q_lora_rank); MLP biases random."""
+    return with_random(TINY_BUILDERS["deepseek_v2"](q_lora_rank=None, mlp_bias=True, **config), ("bias",))
 
 
 # OLMoE with its clip_qkv set (published checkpoints leave it None), so the clamp after the q/k norms runs
 BUILDERS = {**TINY_BUILDERS, "olmoe": functools.partial(TINY_BUILDERS["olmoe"], clip_qkv=0.3),
-            "gpt_oss": tiny_gpt_oss_with_biases}
-OFFLOADED = ["mixtral", "dbrx", "qwen3_moe", "olmoe", "gpt_oss"]  # the families with a pipeline adapter
+            "gpt_oss": tiny_gpt_oss_with_biases, "deepseek_v3": tiny_deepseek_v3_with_biases,
+            "deepseek_v2": tiny_deepseek_v2_lite_style}
+# the families with a pipeline adapter
+OFFLOADED = ["mixtral", "dbrx", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3", "deepseek_v2"]
 
 
 @pytest.fixture(autouse=True)
@@ -187,7 +207,7 @@ def test_requests_that_cannot_fit_are_refused_with_their_index():
         hf_scatter.offload(tiny_mixtral(), gpu_memory="64KiB", device="cpu", policy=Policy(4, 2), progress=False)
     with pytest.raises(ValueError, match="attention on the CPU"):
         hf_scatter.offload(tiny_mixtral(), device="cpu", policy=Policy(4, 2, attention_on_gpu=True), progress=False)
-    with pytest.raises(ValueError, match="supports dbrx, gpt_oss, mixtral"):
+    with pytest.raises(ValueError, match="supports dbrx, deepseek_v2, deepseek_v3, gpt_oss, mixtral"):
         hf_scatter.offload(torch.nn.Linear(2, 2), device="cpu")
 
 
@@ -221,8 +241,8 @@ def test_offloading_a_model_whose_weights_were_released_is_refused_before_any_wo
 
 
 def test_families_without_offloading_or_with_dense_layers_are_refused_before_any_work():
-    with pytest.raises(ValueError, match="offloading supports .*qwen3_moe.* causal LMs; got model_type 'deepseek_v3'"):
-        hf_scatter.offload(TINY_BUILDERS["deepseek_v3"](), device="cpu", progress=False)
+    with pytest.raises(ValueError, match="offloading supports .*qwen3_moe.* causal LMs; got model_type 'qwen2_moe'"):
+        hf_scatter.offload(TINY_BUILDERS["qwen2_moe"](), device="cpu", progress=False)
     model = TINY_BUILDERS["qwen3_moe"](mlp_only_layers=[0])
     with pytest.raises(NotImplementedError, match=r"layers \[0\] of this qwen3_moe model hold a dense MLP"):
         hf_scatter.offload(model, device="cpu", progress=False)
@@ -401,13 +421,14 @@ def test_request_batching_balances_micro_batches_without_losing_requests():
         plan_batches([3, 0], 2, 1)
 
 
-def reference_attention(q, k, v, window=None, sinks=None):
+def reference_attention(q, k, v, window=None, sinks=None, scale=None):
     """float64, K/V expanded per query head: ``q`` [H, d] at the last of ``k``/``v``'s [S, Hkv, d] positions."""
     H, d = q.shape
     S = k.shape[0]
     k = k.double().repeat_interleave(H // k.shape[1], dim=1).transpose(0, 1)  # [H, S, d]
     v = v.double().repeat_interleave(H // v.shape[1], dim=1).transpose(0, 1)
-    scores = (q.double().unsqueeze(1) @ k.transpose(1, 2)).squeeze(1) / math.sqrt(d)  # [H, S]
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    scores = (q.double().unsqueeze(1) @ k.transpose(1, 2)).squeeze(1) * scale  # [H, S]
     if window is not None:
         scores[:, :max(0, S - window)] = float("-inf")
     if sinks is not None:
@@ -417,20 +438,24 @@ def reference_attention(q, k, v, window=None, sinks=None):
     return (probs.unsqueeze(1) @ v).reshape(-1)
 
 
-@pytest.mark.parametrize("window, with_sinks", [(None, False), (7, False), (None, True), (7, True)])
-def test_cpu_attention_over_bucketed_cache_matches_plain_attention(window, with_sinks):
+@pytest.mark.parametrize("window, with_sinks, latent", [
+    (None, False, False), (7, False, False), (None, True, False), (7, True, False), (None, False, True)])
+def test_cpu_attention_over_bucketed_cache_matches_plain_attention(window, with_sinks, latent):
+    """``latent``: MLA's absorbed form, one KV head that is also the value (cached once) and its own scale."""
     torch.manual_seed(0)
-    H, Hkv, d, layers = 4, 2, 8, 2
+    H, Hkv, d, layers = 4, (1 if latent else 2), 8, 2
     prompts, new = [30, 29, 26, 13, 12, 4], 5  # longest first
     sinks = torch.randn(H) * 2 if with_sinks else None
-    attention = [LayerAttention(), LayerAttention(window=window, sinks=sinks)]
-    cache = KVCache([[(p, p + new - 1) for p in prompts]], layers, Hkv, d, H, torch.float32, attention=attention)
+    scale = 0.3 if latent else None
+    attention = [LayerAttention(), LayerAttention(window=window, sinks=sinks, scale=scale)]
+    cache = KVCache([[(p, p + new - 1) for p in prompts]], layers, Hkv, d, H, torch.float32, attention=attention,
+                    values_are_keys=latent)
     # the fewest buckets padded at most 1.25x: 34..30 (102 slots for 97 tokens) | 17..8 (51 for 41)
     assert [(b.start, b.end) for b in cache.buckets[0]] == [(0, 3), (3, 6)]
     keys = [torch.randn(p + new - 1, Hkv, d) for p in prompts]
-    values = [torch.randn(p + new - 1, Hkv, d) for p in prompts]
+    values = keys if latent else [torch.randn(p + new - 1, Hkv, d) for p in prompts]
     layer = 1
-    kv = torch.cat([torch.cat([k[:p].reshape(p, -1), v[:p].reshape(p, -1)], 1)
+    kv = torch.cat([torch.cat([k[:p].reshape(p, -1)] + ([] if latent else [v[:p].reshape(p, -1)]), 1)
                     for k, v, p in zip(keys, values, prompts)])
     rows, a = [], 0
     for i, p in enumerate(prompts):
@@ -439,15 +464,19 @@ def test_cpu_attention_over_bucketed_cache_matches_plain_attention(window, with_
     cache.write_prompts(layer, 0, rows, kv)
     for step in range(new - 1):
         q = torch.randn(len(prompts), H, d)
-        qkv = torch.cat([q.reshape(len(prompts), -1),
-                         torch.stack([k[p + step] for k, p in zip(keys, prompts)]).reshape(len(prompts), -1),
-                         torch.stack([v[p + step] for v, p in zip(values, prompts)]).reshape(len(prompts), -1)], 1)
+        parts = [q, torch.stack([k[p + step] for k, p in zip(keys, prompts)])]
+        if not latent:
+            parts.append(torch.stack([v[p + step] for v, p in zip(values, prompts)]))
+        qkv = torch.cat([t.reshape(len(prompts), -1) for t in parts], 1)
         out = torch.full((len(prompts), H * d), float("nan"))
         cache.attend(layer, 0, step, qkv, out)
         for i, p in enumerate(prompts):
-            ref = reference_attention(q[i], keys[i][:p + step + 1], values[i][:p + step + 1], window, sinks)
+            ref = reference_attention(q[i], keys[i][:p + step + 1], values[i][:p + step + 1], window, sinks, scale)
             torch.testing.assert_close(out[i].double(), ref, rtol=1e-5, atol=1e-5)
-    assert cache.nbytes == KVCache.planned_bytes([[(p, p + new - 1) for p in prompts]], layers, Hkv, d, 4)
+    planned = KVCache.planned_bytes([[(p, p + new - 1) for p in prompts]], layers, Hkv, d, 4, values_are_keys=latent)
+    assert cache.nbytes == planned
+    if latent:  # the keys, once
+        assert planned == KVCache.planned_bytes([[(p, p + new - 1) for p in prompts]], layers, Hkv, d, 4) // 2
     assert length_buckets([10, 9, 8, 2]) == [(0, 3, 10), (3, 4, 2)]
 
 

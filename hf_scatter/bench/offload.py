@@ -67,8 +67,10 @@ def build_model(layers: int, seed: int = 0, model: str = DEFAULT_MODEL):
                 n = min(FILL_BLOCK, flat.numel() - start)
                 shift = (shift + 7919) % FILL_BLOCK
                 flat[start:start + n].copy_(block[shift:shift + n])
+        for buffer in lm.buffers():  # left uninitialised by to_empty (DeepSeek-V3's score-correction bias: 0)
+            buffer.zero_()
     rotary = lm.model.rotary_emb
-    lm.model.rotary_emb = type(rotary)(config)  # its buffers were left uninitialised by to_empty
+    lm.model.rotary_emb = type(rotary)(config)  # its tables, computed again
     return lm
 
 
@@ -102,7 +104,7 @@ def run_accelerate(model, requests: list[torch.Tensor], gpu_budget: int, new_tok
     # HF keeps the KV cache and activations on the GPU: leave them room inside the same budget
     kv = len(requests) * ids.shape[1] + len(requests) * new_tokens
     kv_bytes = kv * spec.layers * spec.kv_bytes_per_token
-    headroom = int(kv_bytes + ids.numel() * spec.top_k * spec.intermediate * 2 * 8 + 2**30)
+    headroom = int(kv_bytes + ids.numel() * spec.ffn_width * 2 * 8 + 2**30)
     device_map = infer_auto_device_map(model, max_memory={0: max(gpu_budget - headroom, 0), "cpu": 2**50},
                                        no_split_module_classes=model._no_split_modules, dtype=torch.bfloat16)
     on_gpu = sorted(k for k, v in device_map.items() if v != "cpu")

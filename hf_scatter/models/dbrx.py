@@ -170,7 +170,7 @@ class DbrxPipelineAdapter(PipelineAdapter):
                                               validate=False)
         return normed.to(summed.dtype), summed
 
-    def _route(self, logits):
+    def _select(self, logits):
         return router_topk(logits, self.dims.top_k, normalize=self._normalize, softmax_dtype=logits.dtype)
 
     def _experts(self, part, x, experts, gates, routing):

@@ -102,7 +102,7 @@ class GptOssPipelineAdapter(LlamaStylePipelineAdapter):
         y = (weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))).to(s.dtype)
         return (y, s) if return_sum else y
 
-    def _route(self, logits):
+    def _select(self, logits):
         return router_select(logits, self.dims.top_k, gpt_oss_selection())
 
     def _experts(self, part, x, experts, gates, routing):

@@ -45,18 +45,22 @@ class Dims(ModelSpec):
 
     @property
     def qkv_dim(self) -> int:
-        return self.q_dim + 2 * self.kv_dim
+        """Width of the pre-attention output: queries, keys, and values unless the keys are the values (MLA)."""
+        return self.q_dim + self.kv_width
 
 
 @dataclass(frozen=True)
 class LayerAttention:
     """How one layer's attention departs from causal softmax attention over the whole context: a sliding
-    ``window`` (a query at position i sees keys at positions > i - window, as transformers masks it) and
+    ``window`` (a query at position i sees keys at positions > i - window, as transformers masks it),
     attention ``sinks`` (GPT-OSS: one learnt logit per query head in the softmax denominator, whose value row
-    is zero), kept as a float32 CPU copy so the CPU attention reads it after the layer's weights moved."""
+    is zero), kept as a float32 CPU copy so the CPU attention reads it after the layer's weights moved, and the
+    softmax ``scale`` where it is not ``head_dim ** -0.5`` (MLA: the latent head is wider than the heads the
+    model scales by)."""
 
     window: int | None = None
     sinks: torch.Tensor | None = None  # [heads] float32, CPU
+    scale: float | None = None
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -145,13 +149,19 @@ class PipelineAdapter:
         return qkv
 
     def post(self, w: dict, expert_parts: list[dict], x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """Post-attention: the layer's output hidden state (the next residual). Optional biases: ``o_bias``,
-        ``router_bias`` and ``down_bias`` [E, H] (an expert's output bias, added once however many column
-        parts the expert is split into)."""
-        o = F.linear(attn, w["o"], w.get("o_bias"))
+        """Post-attention: the layer's output hidden state (the next residual)."""
+        o = self._attention_output(w, attn)
         normed, summed = self._post_norm(w, o, x)
-        logits = F.linear(normed, w["router"], w.get("router_bias"))
-        gates, experts = self._route(logits)
+        return summed + self._mlp(w, expert_parts, normed)
+
+    def _attention_output(self, w: dict, attn: torch.Tensor) -> torch.Tensor:
+        """The output projection of the attention ``attn`` [T, q] (optional bias ``o_bias``)."""
+        return F.linear(attn, w["o"], w.get("o_bias"))
+
+    def _mlp(self, w: dict, expert_parts: list[dict], normed: torch.Tensor) -> torch.Tensor:
+        """The routed experts of ``normed`` [T, H], summed over their column parts; ``down_bias`` [E, H] (an
+        expert's output bias) is added once however many parts the expert is split into."""
+        gates, experts = self._route(w, normed)
         routing = flatten_sort_count(experts, self.dims.experts, validate=False)  # one sort for every part
         out = None
         for part in expert_parts:
@@ -159,7 +169,7 @@ class PipelineAdapter:
             out = y if out is None else out + y
         if "down_bias" in w:  # [T, k, H] biases of the chosen experts, mixed by their gates
             out = out + (w["down_bias"][experts] * gates.unsqueeze(-1).to(normed.dtype)).sum(1)
-        return summed + out
+        return out
 
     def logits(self, other: dict, x: torch.Tensor) -> torch.Tensor:
         return F.linear(self._final_norm(other, x), other["lm_head"]).float()
@@ -180,7 +190,11 @@ class PipelineAdapter:
     def _post_norm(self, w: dict, o: torch.Tensor, x: torch.Tensor):
         raise NotImplementedError
 
-    def _route(self, logits: torch.Tensor):
+    def _route(self, w: dict, normed: torch.Tensor):
+        """(gates [T, k], experts [T, k]) of the router ``router`` (optional ``router_bias``)."""
+        return self._select(F.linear(normed, w["router"], w.get("router_bias")))
+
+    def _select(self, logits: torch.Tensor):
         raise NotImplementedError
 
     def _experts(self, part: dict, x: torch.Tensor, experts: torch.Tensor, gates: torch.Tensor,
@@ -280,7 +294,7 @@ class LlamaStylePipelineAdapter(PipelineAdapter):
         """The family's RMSNorm of ``x + residual`` (with the sum when ``return_sum``)."""
         return fused_add_rms_norm(x, residual, weight, eps=eps, return_sum=return_sum, validate=False)
 
-    def _route(self, logits):
+    def _select(self, logits):
         """float32 softmax, top-k, renormalised to sum 1 (Mixtral: float32 gates; Qwen-style routers renormalise
         where ``norm_topk_prob`` says and hand the gates on in the logits' dtype)."""
         normalize = "sum" if getattr(self.model.config, "norm_topk_prob", True) else None

@@ -57,6 +57,19 @@ BUILTIN_MODELS: dict[str, tuple[str, dict]] = {
         hidden_size=2880, intermediate_size=2880, num_hidden_layers=36, num_attention_heads=64,
         num_key_value_heads=8, head_dim=64, num_local_experts=128, num_experts_per_tok=4, vocab_size=201088,
         sliding_window=128, max_position_embeddings=131072)),
+    # deepseek-ai/DeepSeek-V2-Lite and DeepSeek-V3 (shapes; their YaRN rope scaling is left out, it changes no size)
+    "deepseek-v2-lite": ("DeepseekV2Config", dict(
+        hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27,
+        num_attention_heads=16, num_key_value_heads=16, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
+        first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, topk_method="greedy", n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False,
+        vocab_size=102400, max_position_embeddings=163840)),
+    "deepseek-v3": ("DeepseekV3Config", dict(
+        hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+        num_attention_heads=128, num_key_value_heads=128, n_routed_experts=256, n_shared_experts=1,
+        num_experts_per_tok=8, first_k_dense_replace=3, kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True,
+        vocab_size=129280, max_position_embeddings=163840)),
     "llama-3-8b": ("LlamaConfig", dict(
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)),
@@ -98,6 +111,19 @@ class ModelSpec:
     tied_embeddings: bool = False
     dtype_bytes: int = 2
     kv_dtype_bytes: int = 2
+    # DeepSeek-style MLPs besides the routed experts (0: none): the shared experts every token of an MoE layer
+    # runs (their total width), and the first ``dense_layers`` layers, which hold one dense MLP instead
+    shared_intermediate: int = 0
+    dense_layers: int = 0
+    dense_intermediate: int = 0
+    # Multi-head latent attention (DeepSeek-V2/V3; 0: standard attention). Priced in the absorbed form the
+    # offloaded runtime runs: the cache holds one latent "head" of ``head_dim = kv_lora_rank + qk_rope_dim``
+    # per token, which is both key and value (``kv_heads = 1``), and every query head attends over it
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_dim: int = 0
+    qk_rope_dim: int = 0
+    v_head_dim: int = 0
 
     def __post_init__(self):
         for field in ("hidden", "layers", "heads", "kv_heads", "head_dim", "intermediate", "experts", "top_k", "vocab"):
@@ -105,6 +131,8 @@ class ModelSpec:
                 raise ValueError(f"model {self.name!r}: {field} must be positive, got {getattr(self, field)}")
         if self.top_k > self.experts:
             raise ValueError(f"model {self.name!r}: top_k {self.top_k} exceeds the {self.experts} experts")
+        if not 0 <= self.dense_layers <= self.layers:
+            raise ValueError(f"model {self.name!r}: {self.dense_layers} dense layers of {self.layers}")
 
     # ----- construction -----
     @classmethod
@@ -157,22 +185,59 @@ class ModelSpec:
         return self.kv_heads * self.head_dim
 
     @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def values_are_keys(self) -> bool:
+        """The cached key is also the value (MLA's latent): a token's cache holds it once."""
+        return self.is_mla
+
+    @property
+    def kv_width(self) -> int:
+        """Elements one token caches in one layer: its keys and values (its latent alone under MLA)."""
+        return self.kv_dim * (1 if self.values_are_keys else 2)
+
+    @property
     def is_moe(self) -> bool:
         return self.family != "dense"
 
     @property
+    def moe_layer_share(self) -> float:
+        """The share of layers that hold experts (the rest are DeepSeek's first dense layers)."""
+        return (self.layers - self.dense_layers) / self.layers
+
+    @property
+    def _qkv_weight_elements(self) -> int:
+        """Pre-attention GEMM weights. MLA: the query projection (low-rank or not), the joint latent + rotary key
+        projection, and the key half of ``kv_b_proj``, which the absorbed form applies to the query."""
+        if not self.is_mla:
+            return self.hidden * (self.q_dim + 2 * self.kv_dim)
+        q_out = self.heads * (self.qk_nope_dim + self.qk_rope_dim)
+        q = self.q_lora_rank * (self.hidden + q_out) if self.q_lora_rank else self.hidden * q_out
+        return q + self.hidden * (self.kv_lora_rank + self.qk_rope_dim) + self.heads * self.qk_nope_dim * self.kv_lora_rank
+
+    @property
+    def _o_weight_elements(self) -> int:
+        """Output projection (MLA: after the value half of ``kv_b_proj`` takes each head's latent to its values)."""
+        if not self.is_mla:
+            return self.q_dim * self.hidden
+        return self.heads * self.v_head_dim * (self.kv_lora_rank + self.hidden)
+
+    @property
     def qkv_weight_bytes(self) -> float:
-        """Input norm + fused Q, K, V projections."""
-        return (self.hidden * (self.q_dim + 2 * self.kv_dim) + self.hidden) * self.dtype_bytes
+        """Input norm + fused Q, K, V projections (MLA: and the norms of its low-rank query and latent)."""
+        norms = self.hidden + self.q_lora_rank + self.kv_lora_rank
+        return (self._qkv_weight_elements + norms) * self.dtype_bytes
 
     @property
     def o_weight_bytes(self) -> float:
-        return self.q_dim * self.hidden * self.dtype_bytes
+        return self._o_weight_elements * self.dtype_bytes
 
     @property
     def router_weight_bytes(self) -> float:
         """Post-attention norm + router (the norm alone for dense models)."""
-        router = self.hidden * self.experts if self.is_moe else 0
+        router = self.hidden * self.experts * self.moe_layer_share if self.is_moe else 0
         return (router + self.hidden) * self.dtype_bytes
 
     @property
@@ -182,11 +247,36 @@ class ModelSpec:
 
     @property
     def ffn_weight_bytes(self) -> float:
-        return self.experts * self.expert_weight_bytes
+        """The routed experts of a layer (averaged over the layers, dense ones included)."""
+        return self.experts * self.expert_weight_bytes * self.moe_layer_share
+
+    @property
+    def mlp_weight_bytes(self) -> float:
+        """The MLPs every token runs, averaged over the layers: shared experts and first dense layers (0 for
+        Mixtral-style models)."""
+        width = self.shared_intermediate * (self.layers - self.dense_layers) + self.dense_intermediate * self.dense_layers
+        return 3 * self.hidden * width / self.layers * self.dtype_bytes
 
     @property
     def layer_weight_bytes(self) -> float:
-        return self.qkv_weight_bytes + self.o_weight_bytes + self.router_weight_bytes + self.ffn_weight_bytes
+        """Mean bytes of a layer (``layers`` times this is every layer's)."""
+        return (self.qkv_weight_bytes + self.o_weight_bytes + self.router_weight_bytes + self.ffn_weight_bytes
+                + self.mlp_weight_bytes)
+
+    @property
+    def largest_layer_weight_bytes(self) -> float:
+        """The largest layer: what a buffer for any one streamed layer must hold."""
+        attention = self.qkv_weight_bytes + self.o_weight_bytes + self.router_weight_bytes
+        moe = self.experts * self.expert_weight_bytes + 3 * self.hidden * self.shared_intermediate * self.dtype_bytes
+        dense = 3 * self.hidden * self.dense_intermediate * self.dtype_bytes if self.dense_layers else 0
+        return attention + (max(moe, dense) if self.dense_layers < self.layers else dense)
+
+    @property
+    def ffn_width(self) -> int:
+        """MLP columns one token computes in a layer (the widest layer): its routed copies and shared experts,
+        or a dense layer's MLP."""
+        return max(self.top_k * self.intermediate + self.shared_intermediate,
+                   self.dense_intermediate if self.dense_layers else 0)
 
     @property
     def other_weight_bytes(self) -> float:
@@ -201,7 +291,7 @@ class ModelSpec:
     @property
     def kv_bytes_per_token(self) -> float:
         """KV cache of one token in one layer (K and V)."""
-        return 2 * self.kv_dim * self.kv_dtype_bytes
+        return self.kv_width * self.kv_dtype_bytes
 
     def active_experts(self, tokens: float) -> float:
         """Expected number of distinct experts ``tokens`` tokens hit under uniform top-k routing."""
@@ -227,18 +317,21 @@ class ModelSpec:
     def _ops(self, tokens: float, attention_flops: float, kv_bytes: float) -> dict[str, OpCost]:
         h = self.hidden
         ops = [
-            OpCost("qkv", 2.0 * tokens * h * (self.q_dim + 2 * self.kv_dim), self.qkv_weight_bytes, 0.0, tokens,
-                   KERNELS["qkv"]),
+            OpCost("qkv", 2.0 * tokens * self._qkv_weight_elements, self.qkv_weight_bytes, 0.0, tokens, KERNELS["qkv"]),
             OpCost("attention", attention_flops, 0.0, kv_bytes, tokens, KERNELS["attention"]),
-            OpCost("o_proj", 2.0 * tokens * self.q_dim * h, self.o_weight_bytes, 0.0, tokens, KERNELS["o_proj"]),
+            OpCost("o_proj", 2.0 * tokens * self._o_weight_elements, self.o_weight_bytes, 0.0, tokens,
+                   KERNELS["o_proj"]),
         ]
         if self.is_moe:
             ops.append(OpCost("router", 2.0 * tokens * h * self.experts, self.router_weight_bytes, 0.0, tokens,
                               KERNELS["router"]))
-        active = self.active_experts(tokens)
-        ops.append(OpCost("ffn", 6.0 * tokens * self.top_k * h * self.intermediate,
-                          active * self.expert_weight_bytes, 0.0, tokens * self.top_k / self.experts,
+        active, share = self.active_experts(tokens), self.moe_layer_share
+        ops.append(OpCost("ffn", 6.0 * tokens * self.top_k * h * self.intermediate * share,
+                          active * self.expert_weight_bytes * share, 0.0, tokens * self.top_k / self.experts,
                           KERNELS["ffn"] if self.is_moe else DENSE_FFN_KERNELS, moe=self.is_moe))
+        if self.mlp_weight_bytes:  # shared experts and dense layers: every token, full rows
+            ops.append(OpCost("mlp", 2.0 * tokens * self.mlp_weight_bytes / self.dtype_bytes, self.mlp_weight_bytes,
+                              0.0, tokens, DENSE_FFN_KERNELS))
         return {op.name: op for op in ops}
 
     def head_op(self, tokens: float) -> OpCost:
@@ -251,6 +344,12 @@ class ModelSpec:
 
     def describe(self) -> str:
         kind = f"{self.experts} experts, top-{self.top_k}" if self.is_moe else "dense"
+        if self.shared_intermediate:
+            kind += f" + shared experts of width {self.shared_intermediate}"
+        if self.dense_layers:
+            kind += f", {self.dense_layers} dense layer{'s' if self.dense_layers > 1 else ''} first"
+        if self.is_mla:
+            kind += f", latent attention (rank {self.kv_lora_rank})"
         return (f"{self.name}: {self.layers} layers, hidden {self.hidden}, {kind}, {self.weight_bytes / 1e9:.1f} GB "
                 f"of weights ({self.layer_weight_bytes / 1e9:.2f} GB per layer), KV "
                 f"{self.kv_bytes_per_token * self.layers / 1024:.0f} KiB per token")

@@ -254,7 +254,7 @@ def decode_terms(hrm: HierarchicalRoofline, model: ModelSpec, policy: Policy, co
         copies_d2h = n_ub
     else:
         activations_h2d += n_seq * model.q_dim * b  # attention output back
-        activations_d2h += n_seq * (model.q_dim + 2 * model.kv_dim) * b  # q, k, v to the CPU
+        activations_d2h += n_seq * (model.q_dim + model.kv_width) * b  # q, k, v to the CPU
         d2h = Lin()
         copies_d2h = n_ub
     if not policy.experts_on_gpu:
@@ -288,7 +288,7 @@ def decode_terms(hrm: HierarchicalRoofline, model: ModelSpec, policy: Policy, co
 
 def _op_weight_bytes(model: ModelSpec, name: str) -> float:
     return {"qkv": model.qkv_weight_bytes, "o_proj": model.o_weight_bytes, "router": model.router_weight_bytes,
-            "ffn": model.ffn_weight_bytes}.get(name, 0.0)
+            "ffn": model.ffn_weight_bytes, "mlp": model.mlp_weight_bytes}.get(name, 0.0)
 
 
 def prefill_terms(hrm: HierarchicalRoofline, model: ModelSpec, policy: Policy, workload: Workload,
@@ -342,13 +342,13 @@ def decode_contexts(workload: Workload, samples: int) -> list[tuple[float, float
 def memory_use(model: ModelSpec, policy: Policy, workload: Workload, options: CostOptions) -> tuple[dict, dict]:
     """(GPU, CPU) memory by purpose, each a :class:`Lin` in (x, y)."""
     b, kvb, n_seq, mu = model.dtype_bytes, model.kv_bytes_per_token, policy.batch_size, policy.micro_batch_size
-    layer, all_layers = model.layer_weight_bytes, model.layers * model.layer_weight_bytes
+    layer, all_layers = model.largest_layer_weight_bytes, model.layers * model.layer_weight_bytes
     kv_tokens = n_seq * workload.mean_kv_tokens
     kv_all_layers = kv_tokens * model.layers * kvb
     staged = min(mu, n_seq) * workload.mean_kv_tokens * kvb
     chunk = min(options.prefill_chunk_tokens, n_seq * workload.prompt_len)
-    qkv_width = model.q_dim + 2 * model.kv_dim
-    ffn_width = 3 * model.top_k * model.intermediate  # gate, up, activation of the routed copies
+    qkv_width = model.q_dim + model.kv_width
+    ffn_width = 3 * model.ffn_width  # gate, up, activation of the routed copies and shared experts
     # every sequence's hidden state and attention I/O; one micro-batch's workspace and fp32 logits
     decode_act = (n_seq * (2 * model.hidden + qkv_width + model.q_dim) * b
                   + mu * (2 * model.hidden + qkv_width + model.q_dim + ffn_width) * b + mu * model.vocab * 4)

@@ -167,7 +167,10 @@ class HierarchicalRoofline:
         V, times how many more query heads share each KV head than in the measured points. The CPU computes
         for every query head: Qwen3-MoE (8 per KV head) took twice as long per KV byte as the profile's 4
         (H100 host, 2026-11), so the work follows the query heads beyond the measured group."""
-        return model.kv_bytes_per_token * max(1.0, model.heads / model.kv_heads / self._attention_group)
+        # K and V as the measured points count them, also where the cache holds the keys once (MLA's latent is
+        # both): the CPU reads it twice, once for the scores and once for the values
+        k_and_v = 2 * model.kv_dim * model.kv_dtype_bytes
+        return k_and_v * max(1.0, model.heads / model.kv_heads / self._attention_group)
 
     def cpu_attention_seconds(self, batch: float, context: float, bytes_per_token: float) -> float:
         """One CPU decode-attention call over ``batch`` sequences of ``context`` cached tokens

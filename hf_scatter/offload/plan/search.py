@@ -112,5 +112,5 @@ def _check_feasible(spec: ModelSpec, workload: Workload, gpu_usable: float, cpu_
         raise PlanError(
             f"{format_bytes(gpu_usable)} of usable GPU memory is too small for {spec.name}: the embedding and LM head "
             f"({format_bytes(spec.other_weight_bytes)}) plus a double buffer for one streamed layer "
-            f"({format_bytes(2 * spec.layer_weight_bytes)}) and activations need at least {format_bytes(floor)} "
+            f"({format_bytes(2 * spec.largest_layer_weight_bytes)}) and activations need at least {format_bytes(floor)} "
             f"(plus the {options.gpu_margin:.0%} fragmentation margin): raise --gpu-memory")

@@ -6,6 +6,8 @@ families need: a sliding window (a boolean mask; decode also skips the keys befo
 attention sinks (GPT-OSS), which SDPA has no argument for. Sinks run as explicit float32 softmax over the
 scores and the sink logit, the sink's column dropped afterwards, as transformers' eager GPT-OSS attention
 does; prompts do so a block of queries at a time so the [heads, queries, keys] scores stay bounded.
+Multi-head latent attention (DeepSeek) arrives here already absorbed: one latent KV head that is both key and
+value, and a softmax scale of its own.
 """
 
 from __future__ import annotations
@@ -17,15 +19,15 @@ from ...models.pipeline_adapter import Dims, LayerAttention
 
 
 def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None,
-                   sinks: torch.Tensor) -> torch.Tensor:
+                   sinks: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """Softmax attention whose denominator also holds ``exp(sink)`` of each query head.
 
     ``q`` [B, Hkv, G, T, d] (the G query heads sharing a KV head), ``k``/``v`` [B, Hkv, S, d], ``allowed``
     bool broadcastable to [B, 1, 1, T, S] (True: attend; None: every key), ``sinks`` [Hkv * G] (head h reads
-    KV head h // G). Returns [B, Hkv, G, T, d] in ``v``'s dtype."""
+    KV head h // G), ``scale`` (None: ``d ** -0.5``). Returns [B, Hkv, G, T, d] in ``v``'s dtype."""
     B, Hkv, G, T, d = q.shape
     scores = torch.matmul(q.reshape(B, Hkv, G * T, d), k.transpose(-1, -2)).float()  # [B, Hkv, G*T, S]
-    scores = scores.view(B, Hkv, G, T, -1) * d ** -0.5
+    scores = scores.view(B, Hkv, G, T, -1) * (d ** -0.5 if scale is None else scale)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
     sink = sinks.to(device=scores.device, dtype=torch.float32).view(1, Hkv, G, 1, 1).expand(B, Hkv, G, T, 1)
@@ -35,9 +37,10 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: t
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
-                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     sinks: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     """Grouped-query attention of one new token per row: ``q`` [n, heads, d] over ``k``/``v``
-    [n, kv_heads, S, d], ``mask`` [n, S] (True: attend), ``sinks`` [heads] or None. The heads // kv_heads
+    [n, kv_heads, S, d], ``mask`` [n, S] (True: attend), ``sinks`` [heads] or None, ``scale`` (None:
+    ``d ** -0.5``). The heads // kv_heads
     query heads that share a KV head become that head's query rows, so each K/V head is read once and no copy
     is expanded; this form also stays on SDPA's fused CPU kernel in bf16, where ``enable_gqa=True`` fell back
     to the unfused path on the CPU build we measured (torch 2.13, 10x slower)."""
@@ -45,9 +48,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     Hkv = k.shape[1]
     if sinks is not None:
         allowed = None if mask is None else mask.view(n, 1, 1, 1, -1)
-        return sink_attention(q.view(n, Hkv, H // Hkv, 1, d), k, v, allowed, sinks).reshape(n, H, d)
+        return sink_attention(q.view(n, Hkv, H // Hkv, 1, d), k, v, allowed, sinks, scale).reshape(n, H, d)
     out = F.scaled_dot_product_attention(q.reshape(n, Hkv, H // Hkv, d), k, v,
-                                         attn_mask=None if mask is None else mask.view(n, 1, 1, -1))
+                                         attn_mask=None if mask is None else mask.view(n, 1, 1, -1), scale=scale)
     return out.reshape(n, H, d)
 
 
@@ -59,14 +62,15 @@ def window_start(position: int, window: int | None) -> int:
 def prompt_attention(qkv: torch.Tensor, rows: list[tuple[int, int, int]], d: Dims,
                      layer: LayerAttention = LayerAttention(), sinks: torch.Tensor | None = None,
                      max_score_bytes: int = 1 << 28) -> torch.Tensor:
-    """Causal attention within each prompt of a chunk: ``qkv`` [T, q + 2 kv] (rotary applied), ``rows`` =
+    """Causal attention within each prompt of a chunk: ``qkv`` [T, q + 2 kv] (rotary applied; [T, q + kv]
+    when the keys are the values), ``rows`` =
     (row, first token, end token) per prompt; returns [T, q]. Prompts of equal length share one call.
     ``sinks``: ``layer.sinks`` on ``qkv``'s device; with sinks, queries go in blocks whose float32 scores
     take at most ``max_score_bytes``."""
     T = qkv.shape[0]
     q = qkv[:, :d.q_dim].view(T, d.heads, d.head_dim)  # [T, H, d]
     k = qkv[:, d.q_dim:d.q_dim + d.kv_dim].view(T, d.kv_heads, d.head_dim)  # [T, Hkv, d]
-    v = qkv[:, d.q_dim + d.kv_dim:].view(T, d.kv_heads, d.head_dim)
+    v = k if d.values_are_keys else qkv[:, d.q_dim + d.kv_dim:].view(T, d.kv_heads, d.head_dim)
     out = torch.empty(T, d.q_dim, dtype=qkv.dtype, device=qkv.device)
     G = d.heads // d.kv_heads
     i = 0
@@ -81,10 +85,11 @@ def prompt_attention(qkv: torch.Tensor, rows: list[tuple[int, int, int]], d: Dim
         vs = v[a:b].view(g, p, d.kv_heads, d.head_dim).transpose(1, 2)
         dst = out[a:b].view(g, p, d.heads, d.head_dim)
         if sinks is None and layer.window is None:
-            dst.copy_(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True).transpose(1, 2))
+            dst.copy_(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True,
+                                                     scale=layer.scale).transpose(1, 2))
         elif sinks is None:
             allowed = visible_keys(torch.arange(p, device=qkv.device), 0, p, layer.window)  # [p, p]
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed, enable_gqa=True, scale=layer.scale)
             dst.copy_(o.transpose(1, 2))
         else:
             block = max(1, max_score_bytes // (4 * d.heads * p * g))
@@ -93,7 +98,8 @@ def prompt_attention(qkv: torch.Tensor, rows: list[tuple[int, int, int]], d: Dim
                 e = min(p, s + block)
                 first = window_start(s, layer.window)  # keys before it are outside every query's window
                 allowed = visible_keys(torch.arange(s, e, device=qkv.device), first, e, layer.window)
-                o = sink_attention(qg[:, :, :, s:e], ks[:, :, first:e], vs[:, :, first:e], allowed, sinks)
+                o = sink_attention(qg[:, :, :, s:e], ks[:, :, first:e], vs[:, :, first:e], allowed, sinks,
+                                   layer.scale)
                 dst[:, s:e].copy_(o.reshape(g, d.heads, e - s, d.head_dim).transpose(1, 2))
         i = j
     return out

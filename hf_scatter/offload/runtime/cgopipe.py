@@ -167,7 +167,7 @@ class CGOPipe:
                 mbs[-1].history = History.of([prompts[r] for r in micro.requests], max_new_tokens, self.device)
             offset += m
         kv = KVCache([[(p, p + max_new_tokens - 1) for p in mb.prompt_lens] for mb in mbs], d.layers, d.kv_heads,
-                     d.head_dim, d.heads, self.dtype, self.bucket_costs, self.attention)
+                     d.head_dim, d.heads, self.dtype, self.bucket_costs, self.attention, d.values_are_keys)
         result = BatchResult(tokens={r: [] for r in batch.requests})
         finished: set[int] = set()
         token_events: list[list] = [[] for _ in range(max_new_tokens)]
@@ -314,7 +314,7 @@ class CGOPipe:
                  generator, token_host: torch.Tensor, token_events: list) -> None:
         tracer, d = self.tracer, self.dims
         chunks = self._chunks(mbs, prompts)
-        kv_dim = 2 * d.kv_dim
+        kv_dim = d.kv_width
         biggest = max(c.tokens for c in chunks)
         staging = [self.staging.get(f"prompt_kv{i}", (biggest, kv_dim), self.dtype) for i in range(2)]
         in_use = [None, None]  # Future of the cache write still reading each staging buffer

@@ -42,17 +42,19 @@ class _Bucket:
 class KVCache:
     """KV cache of one batch. ``micro_batches[j]`` lists ``(prompt_len, capacity)`` of its rows, longest
     first; capacity = prompt + the new tokens whose keys will be stored (max_new_tokens - 1). ``attention``:
-    each layer's window and sinks (default: plain causal attention)."""
+    each layer's window, sinks and scale (default: plain causal attention). ``values_are_keys``: the cache
+    holds keys only and attends with them as the values too (MLA's latent), at half the memory."""
 
     def __init__(self, micro_batches: Sequence[Sequence[tuple[int, int]]], layers: int, kv_heads: int,
                  head_dim: int, q_heads: int, dtype: torch.dtype, costs: BucketCosts = BucketCosts(),
-                 attention: Sequence[LayerAttention] | None = None):
+                 attention: Sequence[LayerAttention] | None = None, values_are_keys: bool = False):
         self.layers, self.kv_heads, self.head_dim, self.q_heads = layers, kv_heads, head_dim, q_heads
         self.dtype = dtype
+        self.values_are_keys = values_are_keys
         self.attention = list(attention) if attention is not None else [LayerAttention()] * layers
         if len(self.attention) != layers:
             raise ValueError(f"KVCache: {len(self.attention)} layers' attention settings for {layers} layers")
-        row_token_bytes = 2 * kv_heads * head_dim * dtype.itemsize
+        row_token_bytes = self._tensors() * kv_heads * head_dim * dtype.itemsize
         self.prompt_lens = []
         self.buckets: list[list[_Bucket]] = []
         self.row_bucket: list[list[tuple[int, int]]] = []
@@ -64,7 +66,8 @@ class KVCache:
                 n = end - start
                 shape = (layers, n, kv_heads, cap, head_dim)
                 # zeros, not empty: masked keys get zero weight, but 0 x NaN garbage in V would still be NaN
-                k, v = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+                k = torch.zeros(shape, dtype=dtype)
+                v = k if values_are_keys else torch.zeros(shape, dtype=dtype)
                 buckets.append(_Bucket(start, end, cap, k, v, torch.arange(n), int(lens[start:end].max()),
                                        int(lens[start:end].min())))
                 where += [(b, i) for i in range(n)]
@@ -73,48 +76,55 @@ class KVCache:
 
     @staticmethod
     def planned_bytes(micro_batches: Sequence[Sequence[tuple[int, int]]], layers: int, kv_heads: int, head_dim: int,
-                      dtype_bytes: int, costs: BucketCosts = BucketCosts()) -> int:
+                      dtype_bytes: int, costs: BucketCosts = BucketCosts(), values_are_keys: bool = False) -> int:
         """Bytes the cache would take, without allocating it."""
-        row_token_bytes = 2 * kv_heads * head_dim * dtype_bytes
+        row_token_bytes = (1 if values_are_keys else 2) * kv_heads * head_dim * dtype_bytes
         return sum((end - start) * cap * layers * row_token_bytes for rows in micro_batches
                    for start, end, cap in costs.buckets([c for _, c in rows], row_token_bytes))
 
+    def _tensors(self) -> int:
+        return 1 if self.values_are_keys else 2
+
     @property
     def nbytes(self) -> int:
-        return sum(b.k.numel() * b.k.element_size() * 2 for mb in self.buckets for b in mb)
+        return sum(b.k.numel() * b.k.element_size() * self._tensors() for mb in self.buckets for b in mb)
 
     def write_prompts(self, layer: int, mb: int, rows: Sequence[tuple[int, int, int]], kv: torch.Tensor) -> None:
         """Prompt keys/values of layer ``layer``: ``rows`` = (row in the micro-batch, first token, end token)
-        into ``kv`` [tokens, 2 * kv_heads * head_dim] (keys, then values)."""
+        into ``kv`` [tokens, 2 * kv_heads * head_dim] (keys, then values; the keys alone when they are the
+        values)."""
         kv_dim = self.kv_heads * self.head_dim
         for row, a, b in rows:
             bucket, i = self.row_bucket[mb][row]
             cache = self.buckets[mb][bucket]
             p = b - a
             cache.k[layer, i, :, :p].copy_(kv[a:b, :kv_dim].view(p, self.kv_heads, self.head_dim).transpose(0, 1))
-            cache.v[layer, i, :, :p].copy_(kv[a:b, kv_dim:].view(p, self.kv_heads, self.head_dim).transpose(0, 1))
+            if not self.values_are_keys:
+                cache.v[layer, i, :, :p].copy_(kv[a:b, kv_dim:].view(p, self.kv_heads, self.head_dim).transpose(0, 1))
 
     def attend(self, layer: int, mb: int, step: int, qkv: torch.Tensor, out: torch.Tensor) -> None:
         """Decode step ``step`` (0 = the first token after the prompt) of every row of micro-batch ``mb``:
         store its new key/value at position prompt + step, attend over positions 0..prompt + step.
-        ``qkv`` [rows, q + 2 kv] (rotary applied), ``out`` [rows, q]."""
+        ``qkv`` [rows, q + 2 kv] (rotary applied; [rows, q + kv] when the keys are the values), ``out`` [rows, q]."""
         H, Hkv, d = self.q_heads, self.kv_heads, self.head_dim
         qd, kvd = H * d, Hkv * d
         positions = self.prompt_lens[mb] + step
-        window, sinks = self.attention[layer].window, self.attention[layer].sinks
+        setting = self.attention[layer]
+        window, sinks = setting.window, setting.sinks
         for b in self.buckets[mb]:
             a, e, n = b.start, b.end, b.end - b.start
             k_cache, v_cache = b.k[layer], b.v[layer]
             pos = positions[a:e]
             k_cache[b.rows, :, pos] = qkv[a:e, qd:qd + kvd].view(n, Hkv, d)
-            v_cache[b.rows, :, pos] = qkv[a:e, qd + kvd:].view(n, Hkv, d)
+            if not self.values_are_keys:
+                v_cache[b.rows, :, pos] = qkv[a:e, qd + kvd:].view(n, Hkv, d)
             length = b.max_prompt + step + 1
             first = window_start(b.min_prompt + step, window)  # no row of the bucket sees keys before it
             # rows of different lengths: hide each shorter row's unused tail, and the keys before its window
             # (rows of one length see exactly keys [first, length))
             mask = visible_keys(pos, first, length, window) if b.min_prompt != b.max_prompt else None
             o = decode_attention(qkv[a:e, :qd].view(n, H, d), k_cache[:, :, first:length],
-                                 v_cache[:, :, first:length], mask, sinks)
+                                 v_cache[:, :, first:length], mask, sinks, setting.scale)
             out[a:e].view(n, H, d).copy_(o)
 
 

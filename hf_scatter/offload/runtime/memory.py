@@ -61,7 +61,7 @@ def stage_bytes(d: Dims, tokens: int, b: int) -> int:
     """Transient device memory of ``tokens`` rows through one stage (upper bound: every temporary of the
     largest step counted as live at once)."""
     pre = tokens * b * (d.hidden + d.qkv_dim + 3 * (d.q_dim + d.kv_dim) + d.q_dim + 2 * d.kv_dim)
-    experts = tokens * d.top_k * (3 * d.intermediate + d.hidden) * b + tokens * d.top_k * 32
+    experts = tokens * (3 * d.ffn_width + d.top_k * d.hidden) * b + tokens * d.top_k * 32
     post = tokens * b * 5 * d.hidden + tokens * d.experts * 16 + experts
     return max(pre, post)
 

@@ -353,7 +353,7 @@ class OffloadedModel:
         penalty, n-gram block and min_new_tokens read there) would not hold them; a request that cannot run at
         all is named."""
         d, b = self.dims, self.dtype.itemsize
-        per_token = 2 * d.layers * d.kv_dim * b
+        per_token = d.layers * d.kv_width * b
         host_free = self.cpu_budget - self.store.layout.host_bytes
         caps = [p + max_new_tokens - 1 for p in lens]
         for i, p in enumerate(lens):
