@@ -212,7 +212,14 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     from .offload.measure import measure_profile
 
     _check_outputs(out=args.out)
-    profile = measure_profile(quick=args.quick, progress=not args.no_progress)
+    from .offload import ModelSpec
+
+    try:  # before any measuring: a bad model name costs nothing
+        shapes = [ModelSpec.from_config(m) for m in args.model or []]
+    except ValueError as e:
+        print(f"error: --model: {e}", file=sys.stderr)
+        return 2
+    profile = measure_profile(quick=args.quick, progress=not args.no_progress, attention_shapes=shapes)
     path = profile.save(args.out)
     print(markdown_table(["quantity", "value", "source"], profile.summary_rows()))
     if "gpu" in profile.notes:
@@ -350,6 +357,9 @@ def _add_profile(sub) -> None:
                                        "under a minute) and save them as JSON")
     p.add_argument("--out", help="JSON file (default: ~/.cache/hf_scatter/profiles/<host>__<device>.json)")
     p.add_argument("--quick", action="store_true", help="smaller sizes and fewer points (a few seconds)")
+    p.add_argument("--model", action="append", metavar="NAME_OR_CONFIG",
+                   help="also measure CPU attention at this model's shape (query heads per KV head, head size, MLA); "
+                        "repeatable; plans for that model then use it")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_profile)
 

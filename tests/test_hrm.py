@@ -324,16 +324,23 @@ def test_profile_command_measures_cpu_terms_and_plan_uses_them(tmp_path, capsys)
     import torch
 
     out = tmp_path / "prof.json"
-    assert main(["profile", "--quick", "--no-progress", "--out", str(out)]) == 0
+    assert main(["profile", "--quick", "--no-progress", "--model", "deepseek-v2-lite", "--out", str(out)]) == 0
     prof = load_profile(str(out))
     assert prof.cpu_flops_fp32 > 0 and prof.cpu_bandwidth > 0 and prof.cpu_memory > 0 and prof.cpu_op_s > 0
-    assert {(p["batch"], p["context"]) for p in prof.cpu_attention} == {(b, c) for b in (1, 4, 32) for c in (256, 2048)}
+    grid = {(b, c) for b in (1, 4, 32) for c in (256, 2048)}
+    shapes = {}
+    for p in prof.cpu_attention:  # the standard shape, then DeepSeek-V2-Lite's latent
+        shapes.setdefault((p["q_heads"], p["kv_heads"], p["head_dim"], p.get("values_are_keys", False)),
+                          set()).add((p["batch"], p["context"]))
+    assert shapes == {(32, 8, 128, False): grid, (16, 1, 576, True): {(b, c) for b in (4, 32, 256) for c in (256, 2048)}}
     rate, _ = HierarchicalRoofline(dataclasses.replace(
         prof, gpu_flops=1e14, gpu_bandwidth=1e12, h2d_pinned=1e10)).cpu_attention_rate(1024)
     assert rate > 0
     if not torch.cuda.is_available():
         assert prof.gpu_flops is None and "GPU and PCIe terms not measured" in prof.notes["gpu"]
         assert "not measured" in capsys.readouterr().out
+    assert main(["profile", "--quick", "--model", "no-such-model", "--out", str(out)]) == 2
+    assert "--model: model 'no-such-model' is neither a built-in" in capsys.readouterr().err
 
 
 def test_plan_command_prints_table_and_draws_roofline(tmp_path, capsys):
@@ -349,6 +356,33 @@ def test_plan_command_prints_table_and_draws_roofline(tmp_path, capsys):
     assert report["policy"]["prediction"]["fits"] is True
     assert main(["plan", "--model", "not-a-model", "--profile", "h100-host-anchors"]) == 2
     assert "neither a built-in" in capsys.readouterr().err
+
+
+def test_cpu_attention_measured_at_a_models_own_shape_replaces_the_query_head_scaling():
+    """DeepSeek's latent (16 query heads on one 576-wide head that is also the value): the query-head scaling
+    would price it at 4x the standard shape's cost per KV byte; where the profile measured that shape, its own
+    points are the price. Other models keep the standard shape."""
+    from hf_scatter.offload.plan.cost_model import decode_terms
+
+    lite = ModelSpec.from_config("deepseek-v2-lite")
+    standard = [dict(batch=b, context=c, q_heads=32, kv_heads=8, head_dim=128, dtype_bytes=2,
+                     seconds=2.5e-4 + b * c * 4096 / 50e9) for b in (1, 32) for c in (64, 512)]
+    latent = [dict(batch=b, context=c, q_heads=16, kv_heads=1, head_dim=576, dtype_bytes=2, values_are_keys=True,
+                   seconds=1e-4 + b * c * 2304 / 80e9) for b in (1, 32) for c in (64, 512)]
+    scaled, measured = HierarchicalRoofline(synthetic(cpu_attention=standard)), \
+        HierarchicalRoofline(synthetic(cpu_attention=standard + latent))
+    assert scaled.cpu_attention_bytes_per_token(lite) == 4 * 2 * 576 * 2
+    assert measured.cpu_attention_bytes_per_token(lite) == 2 * 576 * 2
+    assert measured.cpu_attention_rate(512, lite)[0] == pytest.approx(80e9, rel=1e-6)
+    assert measured.cpu_attention_rate(512, MIXTRAL)[0] == pytest.approx(50e9, rel=1e-6)
+    assert measured.cpu_attention_rate(512)[0] == pytest.approx(50e9, rel=1e-6)  # the standard shape by default
+    policy = Policy(64, 32)
+    cpu = [decode_terms(h, lite, policy, 300.0).evaluate(0, 0).terms["cpu"] for h in (scaled, measured)]
+    per_call = [1e-4 + 32 * 300 * 2304 / 80e9, 2.5e-4 + 32 * 300 * 4 * 2304 / 50e9]  # two micro-batches of 32
+    assert cpu[1] == pytest.approx(per_call[0] * 2, rel=1e-6) and cpu[0] == pytest.approx(per_call[1] * 2, rel=1e-6)
+    # Mixtral's price is the same whether or not another shape was measured
+    assert decode_terms(measured, MIXTRAL, policy, 300.0).evaluate(0, 0).terms["cpu"] == pytest.approx(
+        decode_terms(scaled, MIXTRAL, policy, 300.0).evaluate(0, 0).terms["cpu"], rel=1e-12)
 
 
 def test_plan_reads_deepseek_latent_attention_shared_experts_and_dense_layers(capsys):

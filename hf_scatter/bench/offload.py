@@ -246,7 +246,9 @@ def _run(layers, new_tokens, requests, gpu_memory, peer_batch, peer_new_tokens, 
     require_cuda()
     header = run_header()
     start = time.perf_counter()
-    prof = load_profile(profile) if profile else measure_profile(progress=progress)
+    # measured here: the CPU attention at this model's own shape too (a given --profile has only its own points)
+    prof = load_profile(profile) if profile else measure_profile(progress=progress,
+                                                                 attention_shapes=[ModelSpec.from_config(model_name)])
     profile_s = time.perf_counter() - start
     budget = parse_bytes(gpu_memory, "gpu_memory")
     start = time.perf_counter()

@@ -19,6 +19,7 @@ from ..common.timing import median_ms
 from ..kernels.backend import autotune_override
 from ..moe.mlp import expert_mlp, glu_activation
 from .plan.profile import HardwareProfile, current_machine, host_memory_bytes
+from .plan.hrm import attention_shape
 from .runtime.cpu_attention import AttentionWorker, KVCache, attention_threads
 
 
@@ -64,7 +65,8 @@ def _attention_inputs(batch, context, q_heads, kv_heads, head_dim, device="cpu")
     return q, k, torch.randn_like(k)
 
 
-def _cpu_attention_point(worker, batch: int, context: int, q_heads=32, kv_heads=8, head_dim=128) -> dict:
+def _cpu_attention_point(worker, batch: int, context: int, q_heads=32, kv_heads=8, head_dim=128,
+                         values_are_keys: bool = False) -> dict:
     """One decode step of ``batch`` requests of about ``context`` cached tokens through the runtime's own
     path: :meth:`KVCache.attend` (new K/V written, masked SDPA over one length bucket of prompts within
     +-10% of each other) on the attention worker thread, waited for by another thread: the per-call cost
@@ -73,12 +75,14 @@ def _cpu_attention_point(worker, batch: int, context: int, q_heads=32, kv_heads=
 
     # longest first, mean ``context``
     lens = [round(context * (1.1 - 0.2 * i / (batch - 1))) for i in range(batch)] if batch > 1 else [context]
-    cache = KVCache([[(p, p + 1) for p in lens]], 1, kv_heads, head_dim, q_heads, torch.bfloat16)
+    cache = KVCache([[(p, p + 1) for p in lens]], 1, kv_heads, head_dim, q_heads, torch.bfloat16,
+                    values_are_keys=values_are_keys)
     qkv = torch.randn(batch, (q_heads + 2 * kv_heads) * head_dim).to(torch.bfloat16)
     out = torch.empty(batch, q_heads * head_dim, dtype=torch.bfloat16)
     seconds = _median_s(lambda: worker.submit(cache.attend, 0, 0, 0, qkv, out).result(), budget_s=0.5)
-    return dict(batch=batch, context=context, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=2,
-                seconds=seconds)
+    point = dict(batch=batch, context=context, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=2,
+                 seconds=seconds)
+    return {**point, "values_are_keys": True} if values_are_keys else point
 
 
 @contextlib.contextmanager
@@ -267,9 +271,11 @@ GPU_STEPS = [("GPU matmul", _gpu_flops), ("GPU copy", _gpu_bandwidth), ("GEMM ef
              ("PCIe", _link), ("host DRAM", _host_dram)]
 
 
-def measure_profile(quick: bool = False, progress: bool = True) -> HardwareProfile:
+def measure_profile(quick: bool = False, progress: bool = True, attention_shapes=()) -> HardwareProfile:
     """Measure this machine (about 30 s with a GPU, ``quick``: a few seconds). Without a CUDA GPU only the CPU
-    terms are filled and ``notes['gpu']`` says the GPU terms are missing."""
+    terms are filled and ``notes['gpu']`` says the GPU terms are missing. ``attention_shapes``: models (their
+    :class:`ModelSpec`) whose own CPU attention shape is measured too (query heads per KV head, head size and
+    MLA's shared key and value change the speed per KV byte by up to 8x on the H100 host)."""
     from tqdm import tqdm
 
     host, device = current_machine()
@@ -282,8 +288,14 @@ def measure_profile(quick: bool = False, progress: bool = True) -> HardwareProfi
     def attention(p):
         worker = AttentionWorker(attention_threads(p))
         try:
+            standard = (32, 8, 128, False)  # Mixtral's, first
+            models = [s for s in dict.fromkeys(attention_shape(m) for m in attention_shapes) if s != standard]
             with _link_traffic() as busy:
-                p.cpu_attention = [_cpu_attention_point(worker, b, c) for c in contexts for b in (1, 4, 32)]
+                p.cpu_attention = [_cpu_attention_point(worker, b, c, *standard) for c in contexts for b in (1, 4, 32)]
+                # a model's own shape at the rows per call its plans use (256: a micro-batch; the small batches
+                # above cost DeepSeek's latent 7x more per row on the H100 host)
+                p.cpu_attention += [_cpu_attention_point(worker, b, c, *shape) for shape in models for c in contexts
+                                    for b in (4, 32, 256)]
         finally:
             worker.close()
         p.notes["cpu_attention"] = ("measured: KVCache.attend on the attention worker, one masked length bucket"

@@ -220,10 +220,10 @@ def decode_terms(hrm: HierarchicalRoofline, model: ModelSpec, policy: Policy, co
     for size, count in _micro_batches(policy):
         for name, op in model.decode_ops(size, context_len).items():
             if name == "attention" and not policy.attention_on_gpu:
-                rate, overhead = hrm.cpu_attention_rate(context_len)
+                rate, overhead = hrm.cpu_attention_rate(context_len, model)
                 work = hrm.cpu_attention_bytes_per_token(model)
                 calls = attention_calls(size, workload, work, overhead, 1.0 / rate)
-                seconds = Lin(count * sum(hrm.cpu_attention_seconds(rows, context_len + spread, work)
+                seconds = Lin(count * sum(hrm.cpu_attention_seconds(rows, context_len + spread, work, model)
                                           + CPU_OPS["attention"] * hrm.cpu_op_s for rows, spread in calls))
                 cpu += seconds
                 cpu_dram += count * op.kv_bytes

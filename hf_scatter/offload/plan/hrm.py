@@ -128,9 +128,14 @@ class HierarchicalRoofline:
         self._moe = _efficiency_curve(p, "moe_efficiency")
         if self._moe is None:
             self.uncalibrated.append("moe_efficiency (expert GEMMs at the dense GEMM efficiency)")
-        self._cpu_attention = _fit_cpu_attention(p.cpu_attention)
-        groups = [pt["q_heads"] / pt["kv_heads"] for pt in p.cpu_attention or [] if pt.get("kv_heads")]
-        self._attention_group = float(np.median(groups)) if groups else 1.0
+        # CPU attention: the profile's standard shape (its first points), and any model shapes measured besides
+        by_shape: dict[tuple, list] = {}
+        for pt in p.cpu_attention or []:
+            by_shape.setdefault(attention_shape(pt), []).append(pt)
+        self._cpu_attention_by_shape = {shape: _fit_cpu_attention(pts) for shape, pts in by_shape.items()}
+        standard = next(iter(by_shape), None)
+        self._cpu_attention = self._cpu_attention_by_shape.get(standard)
+        self._attention_group = standard[0] / standard[1] if standard and standard[1] else 1.0
         if self._cpu_attention is None:
             self.uncalibrated.append("cpu_attention (CPU attention at the CPU copy bandwidth)")
 
@@ -143,11 +148,17 @@ class HierarchicalRoofline:
             return 1.0
         return float(np.interp(math.log(max(rows, 1e-9)), *curve))
 
-    def cpu_attention_rate(self, context: float) -> tuple[float, float]:
-        """(KV bytes/s, seconds of overhead per call) of CPU decode attention at this context length."""
-        if self._cpu_attention is None:
+    def _measured_shape(self, model: ModelSpec | None):
+        """The fit of CPU attention measured at ``model``'s own attention shape, if the profile has one."""
+        return None if model is None else self._cpu_attention_by_shape.get(attention_shape(model))
+
+    def cpu_attention_rate(self, context: float, model: ModelSpec | None = None) -> tuple[float, float]:
+        """(KV bytes/s, seconds of overhead per call) of CPU decode attention at this context length: measured
+        at ``model``'s attention shape where the profile has it, else at the profile's standard shape."""
+        fit = self._measured_shape(model) or self._cpu_attention
+        if fit is None:
             return self.roofs.cpu_bandwidth, 0.0
-        log_ctx, rates, overhead = self._cpu_attention
+        log_ctx, rates, overhead = fit
         return float(np.exp(np.interp(math.log(max(context, 1.0)), log_ctx, np.log(rates)))), overhead
 
     # ----- op times -----
@@ -164,18 +175,22 @@ class HierarchicalRoofline:
 
     def cpu_attention_bytes_per_token(self, model: ModelSpec) -> float:
         """What one cached token costs CPU decode attention, in the KV bytes the measured rate counts: its K and
-        V, times how many more query heads share each KV head than in the measured points. The CPU computes
-        for every query head: Qwen3-MoE (8 per KV head) took twice as long per KV byte as the profile's 4
-        (H100 host, 2026-11), so the work follows the query heads beyond the measured group."""
-        # K and V as the measured points count them, also where the cache holds the keys once (MLA's latent is
-        # both): the CPU reads it twice, once for the scores and once for the values
+        V (also where the cache holds the keys once: MLA's latent is read for the scores and again as the
+        values). Measured at the model's own shape, that is all; otherwise it is scaled by how many more query
+        heads share each KV head than in the standard shape's points. The CPU computes for every query head:
+        Qwen3-MoE (8 per KV head) took twice as long per KV byte as the profile's 4 (H100 host, 2026-11), but
+        how the time grows with the group depends on the head size and the CPU, so the bench measures the
+        model's shape and this scaling is only the fallback."""
         k_and_v = 2 * model.kv_dim * model.kv_dtype_bytes
+        if self._measured_shape(model) is not None:
+            return k_and_v
         return k_and_v * max(1.0, model.heads / model.kv_heads / self._attention_group)
 
-    def cpu_attention_seconds(self, batch: float, context: float, bytes_per_token: float) -> float:
+    def cpu_attention_seconds(self, batch: float, context: float, bytes_per_token: float,
+                              model: ModelSpec | None = None) -> float:
         """One CPU decode-attention call over ``batch`` sequences of ``context`` cached tokens
-        (``bytes_per_token``: :meth:`cpu_attention_bytes_per_token`)."""
-        rate, overhead = self.cpu_attention_rate(context)
+        (``bytes_per_token``: :meth:`cpu_attention_bytes_per_token`, at ``model``'s rate)."""
+        rate, overhead = self.cpu_attention_rate(context, model)
         return overhead + batch * context * bytes_per_token / rate
 
     def cpu_seconds(self, op: OpCost) -> float:
@@ -211,6 +226,15 @@ def _efficiency_curve(profile: HardwareProfile, field: str) -> tuple[np.ndarray,
     if any(not 0 < e <= 1.0 for _, e in pts) or any(m <= 0 for m, _ in pts):
         raise ProfileError(f"profile {profile.name!r}: {field} needs positive rows and values in (0, 1]")
     return np.log([m for m, _ in pts]), np.array([e for _, e in pts])
+
+
+def attention_shape(source) -> tuple[int, int, int, bool]:
+    """(query heads, KV heads, head size, keys are the values) of a :class:`ModelSpec` or of a profile's CPU
+    attention point: what CPU decode attention's speed per KV byte depends on besides the hardware."""
+    if isinstance(source, dict):
+        return (int(source["q_heads"]), int(source["kv_heads"]), int(source["head_dim"]),
+                bool(source.get("values_are_keys", False)))
+    return source.heads, source.kv_heads, source.head_dim, source.values_are_keys
 
 
 def _fit_cpu_attention(points: list) -> tuple[np.ndarray, np.ndarray, float] | None:
