@@ -229,9 +229,12 @@ def test_interrupted_run_leaves_no_partial_dst_and_keeps_an_old_one(tmp_path, mo
 
 # ------------------------------------------------------------------------------------ kills and signals
 _PAUSED = """
-import os, sys, time
+import os, signal, sys, time
 from hf_scatter.conversion import writer
 flag, where, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
+# Ctrl-C as a terminal delivers it: a test run started in the background (nohup ... &) hands its children
+# SIGINT ignored, and Python then installs no KeyboardInterrupt handler
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pause():
