@@ -24,6 +24,7 @@ from transformers.models.deepseek_v2 import modeling_deepseek_v2 as v2
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as v3
 
 from ..kernels.router_select import Selection, deepseek_v2_selection, deepseek_v3_selection, router_select
+from ..moe.mlp import glu_activation
 from .decoder_moe import DecoderFamily, register_decoder_family
 from .pipeline_adapter import LayerAttention, LlamaStylePipelineAdapter, Rows
 from .spec import ModelSpec
@@ -98,6 +99,7 @@ class DeepseekPipelineAdapter(LlamaStylePipelineAdapter):
         c = model.config
         a = model.model.layers[0].self_attn
         self._act_fn = ACT2FN[c.hidden_act]
+        self._glu = glu_activation(self._act_fn)  # act(gate) * up of the shared and dense MLPs, as the experts'
         self._nope, self._rope_dim, self._latent, self._v = (a.qk_nope_head_dim, a.qk_rope_head_dim, a.kv_lora_rank,
                                                              a.v_head_dim)
         self._scale = float(a.scaling)
@@ -183,8 +185,8 @@ class DeepseekPipelineAdapter(LlamaStylePipelineAdapter):
 
     def _mlp(self, w, expert_parts, normed):
         if "dense_gate_up" in w:  # one of the first dense layers
-            return _dense_mlp(w, "dense", normed, self._act_fn)
-        return super()._mlp(w, expert_parts, normed) + _dense_mlp(w, "shared", normed, self._act_fn)
+            return _dense_mlp(w, "dense", normed, self._glu)
+        return super()._mlp(w, expert_parts, normed) + _dense_mlp(w, "shared", normed, self._glu)
 
     def _route(self, w, normed):
         logits = F.linear(normed.float(), w["router"].float())  # [T, E], as the router computes them
@@ -201,10 +203,11 @@ def _mlp_tensors(prefix: str, mlp: nn.Module) -> dict:
     return t
 
 
-def _dense_mlp(w: dict, prefix: str, x: torch.Tensor, act_fn) -> torch.Tensor:
-    """``down(act(gate(x)) * up(x))`` from :func:`_mlp_tensors`' weights."""
-    gate, up = F.linear(x, w[f"{prefix}_gate_up"], w.get(f"{prefix}_gate_up_bias")).chunk(2, dim=-1)
-    return F.linear(act_fn(gate) * up, w[f"{prefix}_down"], w.get(f"{prefix}_down_bias"))
+def _dense_mlp(w: dict, prefix: str, x: torch.Tensor, glu) -> torch.Tensor:
+    """``down(act(gate(x)) * up(x))`` from :func:`_mlp_tensors`' weights (``glu``: ``act(gate) * up`` of
+    [gate; up] columns, :func:`~hf_scatter.moe.mlp.glu_activation`)."""
+    gate_up = F.linear(x, w[f"{prefix}_gate_up"], w.get(f"{prefix}_gate_up_bias"))  # [T, 2I]
+    return F.linear(glu(gate_up), w[f"{prefix}_down"], w.get(f"{prefix}_down_bias"))
 
 
 class DeepseekV3PipelineAdapter(DeepseekPipelineAdapter):

@@ -65,12 +65,15 @@ def _attention_inputs(batch, context, q_heads, kv_heads, head_dim, device="cpu")
     return q, k, torch.randn_like(k)
 
 
-def _cpu_attention_point(worker, batch: int, context: int, q_heads=32, kv_heads=8, head_dim=128,
-                         values_are_keys: bool = False) -> dict:
+STANDARD_ATTENTION_SHAPE = (32, 8, 128, False)  # Mixtral's: query heads, KV heads, head size, keys = values
+
+
+def _cpu_attention_point(worker, batch: int, context: int, shape=STANDARD_ATTENTION_SHAPE) -> dict:
     """One decode step of ``batch`` requests of about ``context`` cached tokens through the runtime's own
     path: :meth:`KVCache.attend` (new K/V written, masked SDPA over one length bucket of prompts within
     +-10% of each other) on the attention worker thread, waited for by another thread: the per-call cost
     the runtime pays (about 0.3 ms on the H100 host)."""
+    q_heads, kv_heads, head_dim, values_are_keys = shape
 
 
     # longest first, mean ``context``
@@ -288,13 +291,13 @@ def measure_profile(quick: bool = False, progress: bool = True, attention_shapes
     def attention(p):
         worker = AttentionWorker(attention_threads(p))
         try:
-            standard = (32, 8, 128, False)  # Mixtral's, first
+            standard = STANDARD_ATTENTION_SHAPE  # first
             models = [s for s in dict.fromkeys(attention_shape(m) for m in attention_shapes) if s != standard]
             with _link_traffic() as busy:
-                p.cpu_attention = [_cpu_attention_point(worker, b, c, *standard) for c in contexts for b in (1, 4, 32)]
+                p.cpu_attention = [_cpu_attention_point(worker, b, c) for c in contexts for b in (1, 4, 32)]
                 # a model's own shape at the rows per call its plans use (256: a micro-batch; the small batches
                 # above cost DeepSeek's latent 7x more per row on the H100 host)
-                p.cpu_attention += [_cpu_attention_point(worker, b, c, *shape) for shape in models for c in contexts
+                p.cpu_attention += [_cpu_attention_point(worker, b, c, shape) for shape in models for c in contexts
                                     for b in (4, 32, 256)]
         finally:
             worker.close()

@@ -54,7 +54,7 @@ class KVCache:
         self.attention = list(attention) if attention is not None else [LayerAttention()] * layers
         if len(self.attention) != layers:
             raise ValueError(f"KVCache: {len(self.attention)} layers' attention settings for {layers} layers")
-        row_token_bytes = self._tensors() * kv_heads * head_dim * dtype.itemsize
+        row_token_bytes = self._row_token_bytes(kv_heads, head_dim, dtype.itemsize, values_are_keys)
         self.prompt_lens = []
         self.buckets: list[list[_Bucket]] = []
         self.row_bucket: list[list[tuple[int, int]]] = []
@@ -78,16 +78,18 @@ class KVCache:
     def planned_bytes(micro_batches: Sequence[Sequence[tuple[int, int]]], layers: int, kv_heads: int, head_dim: int,
                       dtype_bytes: int, costs: BucketCosts = BucketCosts(), values_are_keys: bool = False) -> int:
         """Bytes the cache would take, without allocating it."""
-        row_token_bytes = (1 if values_are_keys else 2) * kv_heads * head_dim * dtype_bytes
+        row_token_bytes = KVCache._row_token_bytes(kv_heads, head_dim, dtype_bytes, values_are_keys)
         return sum((end - start) * cap * layers * row_token_bytes for rows in micro_batches
                    for start, end, cap in costs.buckets([c for _, c in rows], row_token_bytes))
 
-    def _tensors(self) -> int:
-        return 1 if self.values_are_keys else 2
+    @staticmethod
+    def _row_token_bytes(kv_heads: int, head_dim: int, dtype_bytes: int, values_are_keys: bool) -> int:
+        """One row's cache of one token in one layer: keys and values, or the keys alone when they are both."""
+        return (1 if values_are_keys else 2) * kv_heads * head_dim * dtype_bytes
 
     @property
     def nbytes(self) -> int:
-        return sum(b.k.numel() * b.k.element_size() * self._tensors() for mb in self.buckets for b in mb)
+        return sum(b.k.nbytes + (0 if b.v is b.k else b.v.nbytes) for mb in self.buckets for b in mb)
 
     def write_prompts(self, layer: int, mb: int, rows: Sequence[tuple[int, int, int]], kv: torch.Tensor) -> None:
         """Prompt keys/values of layer ``layer``: ``rows`` = (row in the micro-batch, first token, end token)
