@@ -26,6 +26,34 @@ def test_bench_replot_renders_table_and_png_from_saved_json(suite, saved, tmp_pa
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_call_costs_table_shows_host_gpu_time_and_launches_of_decode_calls():
+    from hf_scatter.bench.moe import call_costs_table
+
+    report = {"results": {
+        "qwen3-decode": {"hf-scatter": {"fwd_ms": 0.48, "host_ms": 0.26, "gpu_ms": 0.475, "launches": 5.0},
+                         "hf-eager": {"fwd_ms": 38.0, "host_ms": 37.5, "launches": 1200.0},
+                         "dense": {"fwd_ms": 0.05, "host_ms": 0.02, "gpu_ms": 0.05, "launches": 3.0}},
+        "qwen3-30b-a3b": {"hf-scatter": {"fwd_ms": 3.1, "fwdbwd_ms": 9.5}}}}
+    rows = [line for line in call_costs_table(report).splitlines()[2:]]
+    assert rows == ["| qwen3-decode | hf-eager | 38.000 | 37.500 |  | 1200 |",
+                    "| qwen3-decode | **hf-scatter** | 0.480 | 0.260 | 0.475 | 5 |",
+                    "| qwen3-decode | dense | 0.050 | 0.020 | 0.050 | 3 |"]
+
+
+@pytest.mark.gpu
+def test_decode_call_costs_of_the_patched_experts_are_five_launches():
+    """A decode-sized call of hf-scatter's experts is five kernel launches (routing sort with the tile table,
+    two expert GEMMs, SwiGLU, gate mix): its host time is what bounds decode on most hosts."""
+    from hf_scatter.bench import moe
+
+    cfg = moe.MoEConfig(hidden=256, intermediate=128, experts=32, top_k=4, tokens=16, backward=False)
+    experts = moe.hf_experts(cfg, "cuda", torch.bfloat16)
+    x, idx, gates, _ = moe.routed_batch(cfg.tokens, cfg.hidden, cfg.experts, cfg.top_k, "cuda", torch.bfloat16)
+    fn, _ = moe._implementations(cfg, experts, "cuda", torch.bfloat16, False)["hf-scatter"]
+    costs = moe._call_costs("hf-scatter", fn, x, idx, gates, calls=10)
+    assert costs["launches"] == 5 and costs["gpu_ms"] > 0 and costs["host_ms"] > 0
+
+
 @pytest.mark.gpu
 def test_bench_train_smoke_run_patched_matches_vanilla_first_loss():
     import importlib.util

@@ -65,6 +65,21 @@ def test_swiglu_experts_backward_frees_its_activations_and_refuses_a_second_pass
         y.sum().backward()
 
 
+def test_swiglu_experts_without_gradients_make_no_autograd_node_and_the_same_output(device):
+    """Generation (no_grad, or nothing requiring grad) runs the forward without an autograd node (its host time
+    is a decode step's to spare) and gives bit-for-bit the training path's output."""
+    mlp = GLUMLP(5, 32, 24).to(device)
+    x = torch.randn(9, 32, device=device)
+    idx, gates = _routing(9, 2, 5, device)
+    trained = glu_experts(x, mlp.gate_up_proj, mlp.down_proj, idx, gates)
+    assert trained.grad_fn is not None
+    with torch.no_grad():
+        generated = glu_experts(x, mlp.gate_up_proj, mlp.down_proj, idx, gates)
+    frozen = glu_experts(x, mlp.gate_up_proj.detach(), mlp.down_proj.detach(), idx, gates.detach())
+    for y in (generated, frozen):
+        assert y.grad_fn is None and torch.equal(y, trained.detach())
+
+
 def _moa_reference(moa, x, is_causal, attention_mask, p=None):
     """Per expert choice j, per head: dense float64 attention over the shared K/V (``p``: float64 parameters,
     leaves for gradients; default a detached copy of the module's)."""

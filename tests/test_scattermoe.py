@@ -58,6 +58,52 @@ def test_flatten_sort_count_contract(device):
     assert off.tolist() == [3, 4, 6, 6]
 
 
+@pytest.mark.parametrize("slots,experts,pattern", [(6, 4, "random"), (1, 1, "random"), (512, 128, "random"),
+                                                   (128, 8, "random"), (37, 5, "one-expert"), (4096, 16, "random"),
+                                                   (64, 256, "random"), (300, 64, "half-empty"),
+                                                   (4096, 128, "random")])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_small_batch_sort_kernel_equals_torch_sort_and_hands_over_its_tile_table(device, slots, experts, pattern,
+                                                                                  dtype):
+    """The one-launch routing sort of small batches: the same stable order, offsets and dtypes as torch's sort
+    (empty experts, every slot on one expert, E = 256 included), and the expert GEMMs reuse the tile table it
+    made instead of launching their own."""
+    from hf_scatter.kernels import scatter2scatter as s2s
+    from hf_scatter.kernels.sort_slots import fits_one_program, sort_slots, sort_slots_reference
+
+    assert fits_one_program(slots, experts)
+    flat = torch.randint(0, experts, (slots,), device=device, dtype=dtype)
+    if pattern == "one-expert":
+        flat.fill_(experts - 1)
+    elif pattern == "half-empty":
+        flat = flat // 2 * 2  # odd experts get no slots
+    got, want = sort_slots(flat, experts), sort_slots_reference(flat, experts)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and torch.equal(g, w)
+    block_m = s2s.tile_rows(slots, experts)
+    made = []
+    real = s2s.expert_tiles
+    s2s.expert_tiles = lambda *a: made.append(a) or real(*a)
+    try:
+        tile_expert, tile_row = s2s._tiles_of(got[2], block_m, slots)
+    finally:
+        s2s.expert_tiles = real
+    assert made == [], "the sort's own tile table is used"
+    ref_expert, ref_row = s2s.expert_tiles_reference(want[2], block_m, slots)
+    assert torch.equal(tile_expert.cpu(), ref_expert.cpu()) and torch.equal(tile_row.cpu(), ref_row.cpu())
+
+
+def test_large_batches_keep_torch_sort(device):
+    from hf_scatter.kernels.sort_slots import fits_one_program
+
+    assert fits_one_program(512, 128) and fits_one_program(4096, 16)
+    assert not fits_one_program(16384 * 8, 128) and not fits_one_program(4097, 8) and not fits_one_program(64, 1024)
+    idx = torch.randint(0, 128, (1024, 8), device=device)
+    se, ss, off = flatten_sort_count(idx, 128)
+    assert "_hf_scatter_tiles" not in off.__dict__
+    assert torch.equal(se, idx.reshape(-1)[ss]) and torch.equal(se, se.sort().values)
+
+
 def test_flatten_sort_count_rejects_out_of_range(device):
     with pytest.raises(ValueError, match=r"expert ids must lie in \[0, 4\)"):
         flatten_sort_count(torch.tensor([[0, 4]], device=device), 4)
@@ -426,3 +472,44 @@ def test_measured_table_config_launches_without_a_sweep_unless_autotuning_is_ask
         assert calls == [want], setting
     monkeypatch.delenv("HF_SCATTER_AUTOTUNE")
     assert backend.autotune_setting() is None and backend.autotune_enabled()  # untabled kernels still sweep
+
+
+def test_table_config_that_overflows_shared_memory_drops_stages_once(monkeypatch):
+    """A measured config that does not fit another GPU's or Triton release's shared memory launches with fewer
+    stages instead of failing, and later launches of that key go straight to the stages that compiled; any
+    other error reaches the caller."""
+    from hf_scatter.kernels import backend
+
+    class OutOfResources(Exception):  # Triton's exception, matched by name
+        pass
+
+    calls = []
+
+    class Config:
+        kwargs, num_warps, num_stages = {"BLOCK_N": 32}, 8, 5
+
+    class Kernel:
+        def __getitem__(self, grid):
+            def run(*args, **meta):
+                calls.append(meta["num_stages"])
+                if meta["num_stages"] > 3:
+                    raise OutOfResources("out of resource: shared memory")
+            return run
+
+    monkeypatch.setattr(backend, "triton_interpreted", lambda: False)
+    monkeypatch.delenv("HF_SCATTER_AUTOTUNE", raising=False)
+    kernel, grid = Kernel(), (lambda cfg: (1,))
+    backend.launch(kernel, None, [], {}, grid, (), {}, {}, tune_key=("shape",), table_config=Config())
+    assert calls == [5, 4, 3]
+    calls.clear()
+    backend.launch(kernel, None, [], {}, grid, (), {}, {}, tune_key=("shape",), table_config=Config())
+    assert calls == [3]
+
+    class Broken(Kernel):
+        def __getitem__(self, grid):
+            def run(*args, **meta):
+                raise ValueError("bad argument")
+            return run
+
+    with pytest.raises(ValueError, match="bad argument"):
+        backend.launch(Broken(), None, [], {}, grid, (), {}, {}, tune_key=("other",), table_config=Config())

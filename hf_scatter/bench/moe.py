@@ -206,6 +206,48 @@ def _first_call_s(fn, params, x, idx, gates, dy, backward: bool) -> float:
         return time.perf_counter() - start
 
 
+# Implementations whose forward records into a CUDA graph (no host syncs): their GPU time alone is measurable.
+_GRAPHABLE = ("hf-grouped_mm", "liger", "hf-scatter", "dense")
+
+
+def _call_costs(impl: str, fn, x, idx, gates, calls: int = 100) -> dict:
+    """Where a decode-sized forward's time goes: host time to issue one call (no sync in between), GPU time
+    of one call replayed from a CUDA graph (kernels back to back), and kernel launches per call. When the
+    host time exceeds the GPU time, the call is bound by the host, whatever its kernels do."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = {}
+    with torch.no_grad():
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn(x, idx, gates)
+        out["host_ms"] = (time.perf_counter() - start) / calls * 1e3
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                fn(x, idx, gates)
+            torch.cuda.synchronize()
+        out["launches"] = sum(e.count for e in prof.key_averages() if e.device_time_total > 0) / 10
+        if impl in _GRAPHABLE:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn(x, idx, gates)  # warm-up off the default stream, as CUDA graph capture wants
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph):
+                    fn(x, idx, gates)
+            except Exception as error:  # noqa: BLE001 - a host sync inside the call: no GPU-only time, said so
+                torch.cuda.synchronize()
+                out["gpu_ms_error"] = f"no CUDA graph of the call: {str(error).splitlines()[0][:160]}"
+            else:
+                out["gpu_ms"] = median_ms(graph.replay)
+            del graph
+    return out
+
+
 def run_config(name: str, cfg: MoEConfig, impls=IMPLS, dtype=torch.bfloat16, seed: int = 0,
                liger_autotune: bool = True) -> dict:
     device = torch.device("cuda")
@@ -230,6 +272,8 @@ def run_config(name: str, cfg: MoEConfig, impls=IMPLS, dtype=torch.bfloat16, see
                 with torch.no_grad():
                     r["rel_err_vs_eager"] = ((fn(x, idx, gates).float() - ref).norm() / ref.norm()).item()
             r.update(_measure(fn, params, x, idx, gates, dy, cfg.backward))
+            if not cfg.backward:
+                r.update(_call_costs(impl, fn, x, idx, gates))
         except Exception as error:  # noqa: BLE001 - an OOM peer is a result, not a crash
             if not is_oom(error):
                 raise
@@ -286,6 +330,20 @@ def to_markdown(report: dict) -> str:
                          f"{r['first_call_s']:.1f}" if "first_call_s" in r else ""])
     return markdown_table(["config", "impl", "fwd ms", "fwd TFLOP/s", "fwd peak GiB", "fwd+bwd ms",
                            "fwd+bwd peak GiB", "fwd+bwd / dense", "first call s"], rows)
+
+
+def call_costs_table(report: dict) -> str:
+    """Decode-sized calls: the event-timed call beside its host issue time, its GPU time alone and its launches."""
+    rows = []
+    for name, res in report["results"].items():
+        for impl in IMPLS:
+            r = res.get(impl, {})
+            if "host_ms" not in r:
+                continue
+            impl_name = f"**{impl}**" if impl == "hf-scatter" else impl
+            gpu = f"{r['gpu_ms']:.3f}" if "gpu_ms" in r else ""
+            rows.append([name, impl_name, f"{r['fwd_ms']:.3f}", f"{r['host_ms']:.3f}", gpu, f"{r['launches']:.0f}"])
+    return markdown_table(["config", "impl", "call ms", "host ms per call", "GPU ms per call", "launches"], rows)
 
 
 def results_table(report: dict) -> str:

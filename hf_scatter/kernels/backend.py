@@ -195,7 +195,23 @@ def launch(kernel, tuned, configs: list, block_limits: dict[str, int], grid, arg
             return
     else:
         cfg = fitting_configs(configs, block_limits)[0]
-    kernel[grid(cfg.kwargs)](*args, **meta, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    stages = _fitted_stages.get((id(kernel), tune_key, cfg.num_stages), cfg.num_stages)
+    while True:
+        try:
+            kernel[grid(cfg.kwargs)](*args, **meta, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=stages)
+            break
+        except Exception as error:  # Triton's OutOfResources: the pipeline did not fit this GPU's shared memory
+            if type(error).__name__ != "OutOfResources" or stages <= 1:
+                raise
+            stages -= 1
+    if stages != cfg.num_stages:
+        _fitted_stages[(id(kernel), tune_key, cfg.num_stages)] = stages
+
+
+# (kernel, launch key, stages asked for) -> the stages that compiled. The tables were measured on an H100 (227 KiB
+# of shared memory per block); a GPU with less (an A100 has 163 KiB), or a Triton release that buffers a
+# pipeline differently, may not fit a table config: it then drops stages, once, instead of failing.
+_fitted_stages: dict = {}
 
 
 def fitted_block(preferred: int, dim: int) -> int:

@@ -101,16 +101,13 @@ if kernels_enabled():
 
 
     @triton.jit
-    def _expert_tiles_kernel(ends_ptr, tile_expert_ptr, tile_row_ptr, E, NUM_PROGRAMS,
-                             BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr):
-        e = tl.arange(0, BLOCK_E)
+    def store_expert_tiles(starts, counts, e, E, pids, NUM_PROGRAMS, tile_expert_ptr, tile_row_ptr,
+                           BLOCK_M: tl.constexpr):
+        """Write (expert, first sorted row) of programs ``pids`` from the experts' row starts and counts [BLOCK_E]."""
         e_mask = e < E
-        ends = tl.load(ends_ptr + e, mask=e_mask, other=0).to(tl.int64)
-        starts = tl.load(ends_ptr + e - 1, mask=e_mask & (e > 0), other=0).to(tl.int64)
-        tiles = tl.where(e_mask, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
+        tiles = tl.where(e_mask, (counts + BLOCK_M - 1) // BLOCK_M, 0)
         tile_end = tl.cumsum(tiles, 0)
         tile_start = tile_end - tiles
-        pids = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
         # The expert of program p: how many experts' tiles end at or before p (searchsorted, right side).
         expert = tl.sum(((tile_end[None, :] <= pids[:, None]) & e_mask[None, :]).to(tl.int32), 1)
         pick = e[None, :] == tl.minimum(expert, E - 1)[:, None]
@@ -119,6 +116,16 @@ if kernels_enabled():
         p_mask = pids < NUM_PROGRAMS
         tl.store(tile_expert_ptr + pids, expert.to(tl.int32), mask=p_mask)
         tl.store(tile_row_ptr + pids, row.to(tl.int32), mask=p_mask)
+
+    @triton.jit
+    def _expert_tiles_kernel(ends_ptr, tile_expert_ptr, tile_row_ptr, E, NUM_PROGRAMS,
+                             BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr):
+        e = tl.arange(0, BLOCK_E)
+        e_mask = e < E
+        ends = tl.load(ends_ptr + e, mask=e_mask, other=0).to(tl.int64)
+        starts = tl.load(ends_ptr + e - 1, mask=e_mask & (e > 0), other=0).to(tl.int64)
+        pids = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+        store_expert_tiles(starts, ends - starts, e, E, pids, NUM_PROGRAMS, tile_expert_ptr, tile_row_ptr, BLOCK_M)
 
 
 @functools.lru_cache(maxsize=None)
@@ -136,7 +143,7 @@ def _table_config(K: int, N: int, block_m: int, itemsize: int):
     return triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=warps, num_stages=stages)
 
 
-def _num_tile_programs(num_rows: int, num_experts: int, block_m: int) -> int:
+def num_tile_programs(num_rows: int, num_experts: int, block_m: int) -> int:
     return max(1, min(cdiv(num_rows, block_m) + num_experts, num_rows))
 
 
@@ -148,7 +155,7 @@ def expert_tiles_reference(expert_offsets: torch.Tensor, block_m: int, num_rows:
     starts = torch.cat([ends.new_zeros(1), ends[:-1]])
     tiles = (ends - starts + block_m - 1) // block_m
     tile_end = tiles.cumsum(0)
-    pid = torch.arange(_num_tile_programs(num_rows, num_experts, block_m), device=expert_offsets.device)
+    pid = torch.arange(num_tile_programs(num_rows, num_experts, block_m), device=expert_offsets.device)
     tile_expert = torch.searchsorted(tile_end, pid, right=True)
     e = tile_expert.clamp(max=num_experts - 1)
     tile_row = starts[e] + (pid - (tile_end - tiles)[e]) * block_m
@@ -166,7 +173,7 @@ def expert_tiles(expert_offsets: torch.Tensor, block_m: int, num_rows: int) -> t
     num_experts = expert_offsets.numel()
     if torch.compiler.is_compiling() or not use_triton(expert_offsets, "expert_tiles"):
         return expert_tiles_reference(expert_offsets, block_m, num_rows)
-    programs = _num_tile_programs(num_rows, num_experts, block_m)
+    programs = num_tile_programs(num_rows, num_experts, block_m)
     tile_expert = torch.empty(programs, dtype=torch.int32, device=expert_offsets.device)
     tile_row = torch.empty_like(tile_expert)
     block_p = 128
@@ -188,7 +195,13 @@ def _tiles_of(expert_offsets: torch.Tensor, block_m: int, num_rows: int) -> tupl
     return cache[key]
 
 
-def _block_m(num_rows: int, num_experts: int) -> int:
+def remember_expert_tiles(expert_offsets: torch.Tensor, block_m: int, num_rows: int,
+                          tiles: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Hand :func:`_tiles_of` a tile table made together with ``expert_offsets`` (the routing sort's kernel)."""
+    expert_offsets.__dict__.setdefault("_hf_scatter_tiles", {})[(block_m, num_rows, expert_offsets._version)] = tiles
+
+
+def tile_rows(num_rows: int, num_experts: int) -> int:
     """Rows per tile, from the mean rows per expert: 128 for prefill and training; at decode sizes a tile that
     holds an expert's rows even when routing is uneven (twice the mean or more), because every extra tile
     of an expert streams its whole weight again and decode is bound by exactly that traffic."""
@@ -227,7 +240,7 @@ def scatter2scatter_triton(x, weight, sorted_expert_idxs, sorted_scattered_idxs,
     if M == 0 or N == 0:
         return out
     interpreted = triton_interpreted()
-    block_m = _block_m(M, E)
+    block_m = tile_rows(M, E)
     tile_expert, tile_row = _tiles_of(expert_offsets, block_m, M)
     num_tiles = tile_expert.numel()
     b = bias if bias is not None else out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.custom_ops import profiled
+from ..kernels.sort_slots import sort_slots
 
 
 @profiled("hf_scatter::flatten_sort_count")
@@ -15,7 +16,8 @@ def flatten_sort_count(expert_idxs: torch.Tensor, num_experts: int, validate: bo
     Returns ``(sorted_expert_idxs, sorted_scattered_idxs, expert_offsets)``: the expert of each sorted slot,
     the flat slot index ``t*k + j`` it came from (stable within an expert), and the end offset of each
     expert's rows. ``validate`` checks expert ids are in range (one host sync; routers that produce ids
-    with ``topk`` over ``num_experts`` logits may pass False).
+    with ``topk`` over ``num_experts`` logits may pass False). Small batches (decode) are sorted by one
+    kernel that also makes the expert GEMMs' tile table (``kernels/sort_slots.py``).
     """
     if not isinstance(expert_idxs, torch.Tensor) or expert_idxs.dtype not in (torch.int32, torch.int64):
         got = expert_idxs.dtype if isinstance(expert_idxs, torch.Tensor) else type(expert_idxs).__name__
@@ -29,12 +31,4 @@ def flatten_sort_count(expert_idxs: torch.Tensor, num_experts: int, validate: bo
         if lo < 0 or hi >= num_experts:
             raise ValueError(f"flatten_sort_count: expert ids must lie in [0, {num_experts}), got values in "
                              f"[{lo}, {hi}]; check num_experts against the router's output size")
-    # Sort the ids in the narrowest integer type that holds them: a stable radix sort makes one pass per key
-    # byte, so 8-bit ids take one pass instead of eight (and far fewer launches, for the host as well).
-    narrow = torch.uint8 if num_experts <= 256 else torch.int16 if num_experts <= 32767 else flat.dtype
-    sorted_narrow, sorted_scattered_idxs = torch.sort(flat.to(narrow), stable=True)
-    sorted_expert_idxs = sorted_narrow.to(flat.dtype)
-    # End offset of expert e = number of slots with id <= e; a static [E] shape keeps torch.compile graphs whole.
-    experts = torch.arange(num_experts, device=flat.device, dtype=sorted_expert_idxs.dtype)
-    expert_offsets = torch.searchsorted(sorted_expert_idxs, experts, right=True)
-    return sorted_expert_idxs, sorted_scattered_idxs, expert_offsets
+    return sort_slots(flat, num_experts)

@@ -32,16 +32,28 @@ def _release(t: torch.Tensor) -> None:
     t.untyped_storage().resize_(0)
 
 
+def _forward(x, w_in, w_out, gates, b_in, b_out, form, k, routing):
+    """The layer's output and the [T*k, 2I] pre-activation its backward starts from."""
+    gate_up = scatter2scatter(x, w_in, *routing, k, x_grouped=False, y_grouped=True, bias=b_in)  # checks
+    h = gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
+    swiglu_fwd_unchecked(gate_up, h, form)
+    y = gate_mix_unchecked(scatter2scatter_unchecked(h, w_out, *routing, 1, x_grouped=True, bias=b_out), gates)
+    return y, gate_up
+
+
+@profiled("hf_scatter::swiglu_experts.forward")
+def _inference(x, w_in, w_out, gates, b_in, b_out, form, k, routing):
+    """Nothing to differentiate (generation): no autograd node, whose host time a decode step cannot spare."""
+    return _forward(x, w_in, w_out, gates, b_in, b_out, form, k, routing)[0]
+
+
 class _SwiGLUExperts(torch.autograd.Function):
     @staticmethod
     @profiled("hf_scatter::swiglu_experts.forward")
     def forward(ctx, x, w_in, w_out, gates, b_in, b_out, form, k, sorted_expert_idxs, sorted_scattered_idxs,
                 expert_offsets):
         routing = (sorted_expert_idxs, sorted_scattered_idxs, expert_offsets)
-        gate_up = scatter2scatter(x, w_in, *routing, k, x_grouped=False, y_grouped=True, bias=b_in)  # checks
-        h = gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
-        swiglu_fwd_unchecked(gate_up, h, form)
-        y = gate_mix_unchecked(scatter2scatter_unchecked(h, w_out, *routing, 1, x_grouped=True, bias=b_out), gates)
+        y, gate_up = _forward(x, w_in, w_out, gates, b_in, b_out, form, k, routing)
         ctx.k, ctx.form = k, form
         ctx.consumed = False
         ctx.save_for_backward(x, w_in, w_out, gates, b_in, b_out, gate_up, *routing)  # h: recomputed
@@ -114,4 +126,7 @@ def swiglu_experts(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, gat
     k = gates.shape[1]
     x, w_in, b_in = autocast_operands(x, w_in, b_in)
     _, w_out, b_out = autocast_operands(x, w_out, b_out)
+    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad
+                                              for t in (x, w_in, w_out, gates, b_in, b_out)):
+        return _inference(x, w_in, w_out, gates, b_in, b_out, form, k, routing)
     return _SwiGLUExperts.apply(x, w_in, w_out, gates, b_in, b_out, form, k, *routing)
