@@ -57,6 +57,8 @@ if kernels_enabled():
 
 
 def fits_one_program(num_slots: int, num_experts: int) -> bool:
+    """Whether one program sorts this batch: at most ``MAX_SLOTS`` slots, and few enough experts that a one-hot
+    chunk of ``CHUNK_ELEMENTS`` still covers 16 slots."""
     return num_slots <= MAX_SLOTS and num_experts <= CHUNK_ELEMENTS // 16
 
 
