@@ -137,6 +137,7 @@ def test_bench_moe_peers_compute_the_same_layer(family, shared):
         torch.testing.assert_close(table[impl][0](x, idx, gates), ref, rtol=1e-4, atol=1e-5, msg=impl)
     if family == "gpt_oss":
         assert table["liger"].startswith("n/a")
+    assert table["sonicmoe"].startswith("n/a")  # a Hopper-only peer says why it sits out, on any other device
     dense, params = table["dense"]
     assert dense(x, idx, gates).shape == ref.shape
     # equal active FLOPs: as many weights as the (k + shared) experts a token passes through

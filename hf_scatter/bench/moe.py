@@ -3,7 +3,8 @@
 Peers: transformers' own experts module of the family (Mixtral's, or GPT-OSS's with biases and its clamped
 gate) with ``experts_implementation`` eager / grouped_mm / batched_mm; Liger-Kernel's fused MoE
 (``LigerFusedMoEFunction``, the same [E, 2I, H] layout; its autotuner on unless ``--liger-autotune off``);
-and a dense SwiGLU MLP with the same active FLOPs ((k + shared) x d_expert hidden units) as the practical
+SonicMoE (PyPI ``sonic-moe``: QuACK's CuTe DSL grouped GEMMs with the SwiGLU in the first GEMM's epilogue,
+Hopper or newer, its own autotuner on) where it imports; and a dense SwiGLU MLP with the same active FLOPs ((k + shared) x d_expert hidden units) as the practical
 ceiling. Shared experts (DeepSeek) are one dense SwiGLU added to every implementation alike. Reports median
 ms, achieved TFLOP/s, peak extra memory for forward (inference) and forward+backward, and how long each
 implementation's first call took (Triton compilation and autotuning included).
@@ -61,7 +62,7 @@ CONFIGS = {
     "mixtral-decode": MoEConfig(*_MIXTRAL, 64, backward=False),
     "qwen3-decode": _block("qwen3-30b-a3b", 64, backward=False),
 }
-IMPLS = ("hf-eager", "hf-grouped_mm", "hf-batched_mm", "liger", "hf-scatter", "dense")
+IMPLS = ("hf-eager", "hf-grouped_mm", "hf-batched_mm", "liger", "sonicmoe", "hf-scatter", "dense")
 
 
 def hf_experts(cfg: MoEConfig, device, dtype):
@@ -106,6 +107,34 @@ def _liger_experts(cfg: MoEConfig, experts, autotune: bool) -> Callable | str:
     return run
 
 
+def _sonicmoe_experts(cfg: MoEConfig, experts) -> Callable | str:
+    """SonicMoE's general-routing entry point over the same weights (views, no copies), or why it cannot run."""
+    if cfg.family != "mixtral":
+        return "n/a: no clamped gate"
+    device = experts.gate_up_proj.device
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        return "n/a: needs a Hopper or newer GPU"
+    try:
+        from sonicmoe import moe_general_routing_inputs
+        from sonicmoe.enums import ActivationType
+    except Exception as error:  # noqa: BLE001 - its CuTe DSL stack fails in many ways; the reason is the result
+        return f"not importable ({type(error).__name__}: {str(error).splitlines()[0][:160]})"
+
+    def run(x, idx, gates):
+        tokens, top_k = idx.shape
+        token_idxs = torch.arange(tokens, device=x.device, dtype=torch.int32).repeat_interleave(top_k)  # [T*k]
+        out, _ = moe_general_routing_inputs(
+            x, gates.reshape(-1), token_idxs, idx.reshape(-1).to(torch.int32),
+            experts.gate_up_proj.permute(1, 2, 0),  # [E, 2I, H] -> [2I, H, E], [gate; up] halves
+            None, experts.down_proj.permute(1, 2, 0), None,  # [E, H, I] -> [H, I, E]
+            E=cfg.experts, stream_id=torch.cuda.current_stream().cuda_stream,
+            activation_type=ActivationType.SWIGLU, is_inference_mode_enabled=not torch.is_grad_enabled(),
+            concat_layout=True)
+        return out
+
+    return run
+
+
 def _dense_swiglu(units: int, hidden: int, device, dtype) -> tuple[Callable, list]:
     up = torch.randn(2 * units, hidden, device=device, dtype=dtype) * hidden ** -0.5
     down = torch.randn(hidden, units, device=device, dtype=dtype) * units ** -0.5
@@ -136,6 +165,7 @@ def _implementations(cfg: MoEConfig, experts, device, dtype, liger_autotune: boo
     routed: dict[str, Callable | str] = {
         "hf-eager": hf("eager"), "hf-grouped_mm": hf("grouped_mm"), "hf-batched_mm": hf("batched_mm"),
         "liger": _liger_experts(cfg, experts, liger_autotune),
+        "sonicmoe": _sonicmoe_experts(cfg, experts),
         # the experts backend for families with their own gate; the SwiGLU experts directly otherwise
         "hf-scatter": ours_plain if cfg.family == "mixtral" else hf(SCATTERMOE),
     }
@@ -207,7 +237,7 @@ def _first_call_s(fn, params, x, idx, gates, dy, backward: bool) -> float:
 
 
 # Implementations whose forward records into a CUDA graph (no host syncs): their GPU time alone is measurable.
-_GRAPHABLE = ("hf-grouped_mm", "liger", "hf-scatter", "dense")
+_GRAPHABLE = ("hf-grouped_mm", "liger", "sonicmoe", "hf-scatter", "dense")
 
 
 def _call_costs(impl: str, fn, x, idx, gates, calls: int = 100) -> dict:
