@@ -12,7 +12,9 @@ arguments of one kernel, so both forms share one compiled kernel.
 
 :func:`swiglu` and :func:`swiglu_pair` are the differentiable public calls (autograd functions over the
 ``hf_scatter::swiglu_fwd`` / ``swiglu_bwd`` ops); ``swiglu_fwd_unchecked`` / ``swiglu_bwd_unchecked`` call the
-ops directly for the SwiGLU experts' own autograd function.
+ops without checks (the SwiGLU experts' forward uses the first). The tile helpers (``load_gate_up``,
+``swiglu_tile``, ``swiglu_grad_tile``, ``store_gate_up``) are the one copy of the math: the SwiGLU experts'
+backward pass (``swiglu_grad_gemm``) runs them too.
 """
 
 from __future__ import annotations
@@ -32,34 +34,67 @@ if kernels_enabled():
     import triton.language as tl
 
     @triton.jit
-    def _gate_up_tile(g_ptr, u_ptr, M, I, stride_gm, stride_gn, stride_um, stride_un,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERLEAVED: tl.constexpr):
-        """This program's [BLOCK_M, BLOCK_N] tile of gate and up in fp32, with its row offsets and mask.
-        Interleaved rows ([g0, u0, g1, u1, ...] at ``g_ptr``) are read as one contiguous [BLOCK_M, 2 BLOCK_N]
-        tile and split in registers: two stride-2 reads would touch every sector twice."""
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = (rows < M)[:, None] & (cols < I)[None, :]
-        r64 = rows[:, None].to(tl.int64)
+    def load_gate_up(g_ptr, u_ptr, r64, row_mask, col_tile, I, stride_gm, stride_gn, stride_um, stride_un,
+                     BLOCK_N: tl.constexpr, INTERLEAVED: tl.constexpr):
+        """Column tile ``col_tile`` of gate and up at rows ``r64`` ([BLOCK_M, 1] int64) in fp32, with its column
+        offsets and mask. Interleaved rows ([g0, u0, g1, u1, ...] at ``g_ptr``) are read as one contiguous
+        [BLOCK_M, 2 BLOCK_N] tile and split in registers: two stride-2 reads would touch every sector twice."""
+        cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = row_mask[:, None] & (cols < I)[None, :]
         if INTERLEAVED:
-            cols2 = tl.program_id(1) * (2 * BLOCK_N) + tl.arange(0, 2 * BLOCK_N)
-            mask2 = (rows < M)[:, None] & (cols2 < 2 * I)[None, :]
+            cols2 = col_tile * (2 * BLOCK_N) + tl.arange(0, 2 * BLOCK_N)
+            mask2 = row_mask[:, None] & (cols2 < 2 * I)[None, :]
             gu = tl.load(g_ptr + r64 * stride_gm + cols2[None, :], mask=mask2, other=0.0).to(tl.float32)
-            g, u = tl.split(tl.reshape(gu, (BLOCK_M, BLOCK_N, 2)))
+            g, u = tl.split(tl.reshape(gu, (r64.shape[0], BLOCK_N, 2)))
         else:
             g = tl.load(g_ptr + r64 * stride_gm + cols[None, :] * stride_gn, mask=mask, other=0.0).to(tl.float32)
             u = tl.load(u_ptr + r64 * stride_um + cols[None, :] * stride_un, mask=mask, other=0.0).to(tl.float32)
-        return g, u, r64, cols, mask
+        return g, u, cols, mask
+
+    @triton.jit
+    def store_gate_up(dg_ptr, du_ptr, dg, du, r64, row_mask, col_tile, I, stride_dgm, stride_dgn, stride_dum,
+                      stride_dun, BLOCK_N: tl.constexpr, INTERLEAVED: tl.constexpr):
+        """Write a gate and an up tile where :func:`load_gate_up` read them (interleaved: one contiguous tile)."""
+        if INTERLEAVED:
+            cols2 = col_tile * (2 * BLOCK_N) + tl.arange(0, 2 * BLOCK_N)
+            mask2 = row_mask[:, None] & (cols2 < 2 * I)[None, :]
+            tl.store(dg_ptr + r64 * stride_dgm + cols2[None, :], tl.interleave(dg, du).to(dg_ptr.dtype.element_ty),
+                     mask=mask2)
+        else:
+            cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask = row_mask[:, None] & (cols < I)[None, :]
+            tl.store(dg_ptr + r64 * stride_dgm + cols[None, :] * stride_dgn, dg.to(dg_ptr.dtype.element_ty),
+                     mask=mask)
+            tl.store(du_ptr + r64 * stride_dum + cols[None, :] * stride_dun, du.to(du_ptr.dtype.element_ty),
+                     mask=mask)
+
+    @triton.jit
+    def swiglu_tile(g, u, alpha, limit, up_shift):
+        """``act(g_c) * (u_c + up_shift)`` of fp32 tiles (see :class:`GateForm`)."""
+        gc = tl.minimum(g, limit)
+        uc = tl.minimum(tl.maximum(u, -limit), limit)
+        return gc * tl.sigmoid(alpha * gc) * (uc + up_shift)
+
+    @triton.jit
+    def swiglu_grad_tile(g, u, d, alpha, limit, up_shift):
+        """d(gate), d(up) of :func:`swiglu_tile` for the output gradient ``d`` (fp32 tiles)."""
+        gc = tl.minimum(g, limit)
+        uc = tl.minimum(tl.maximum(u, -limit), limit)
+        s = tl.sigmoid(alpha * gc)
+        # clamp passes the gradient where its input is within the bounds (bounds included), as torch's does
+        dg = tl.where(g <= limit, d * (uc + up_shift) * s * (1.0 + alpha * gc * (1.0 - s)), 0.0)
+        du = tl.where((u >= -limit) & (u <= limit), d * gc * s, 0.0)
+        return dg, du
 
     @triton.jit
     def _swiglu_fwd_kernel(g_ptr, u_ptr, out_ptr, M, I, stride_gm, stride_gn, stride_um, stride_un, stride_om,
                            alpha, limit, up_shift, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            INTERLEAVED: tl.constexpr):
-        g, u, r64, cols, mask = _gate_up_tile(g_ptr, u_ptr, M, I, stride_gm, stride_gn, stride_um, stride_un,
-                                              BLOCK_M, BLOCK_N, INTERLEAVED)
-        gc = tl.minimum(g, limit)
-        uc = tl.minimum(tl.maximum(u, -limit), limit)
-        out = gc * tl.sigmoid(alpha * gc) * (uc + up_shift)
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        r64 = rows[:, None].to(tl.int64)
+        g, u, cols, mask = load_gate_up(g_ptr, u_ptr, r64, rows < M, tl.program_id(1), I, stride_gm, stride_gn,
+                                        stride_um, stride_un, BLOCK_N, INTERLEAVED)
+        out = swiglu_tile(g, u, alpha, limit, up_shift)
         tl.store(out_ptr + r64 * stride_om + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -67,25 +102,14 @@ if kernels_enabled():
                            stride_un, stride_dom, stride_dgm, stride_dgn, stride_dum, stride_dun,
                            alpha, limit, up_shift, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            INTERLEAVED: tl.constexpr):
-        g, u, r64, cols, mask = _gate_up_tile(g_ptr, u_ptr, M, I, stride_gm, stride_gn, stride_um, stride_un,
-                                              BLOCK_M, BLOCK_N, INTERLEAVED)
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        r64 = rows[:, None].to(tl.int64)
+        g, u, cols, mask = load_gate_up(g_ptr, u_ptr, r64, rows < M, tl.program_id(1), I, stride_gm, stride_gn,
+                                        stride_um, stride_un, BLOCK_N, INTERLEAVED)
         d = tl.load(dout_ptr + r64 * stride_dom + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        gc = tl.minimum(g, limit)
-        uc = tl.minimum(tl.maximum(u, -limit), limit)
-        s = tl.sigmoid(alpha * gc)
-        # clamp passes the gradient where its input is within the bounds (bounds included), as torch's does
-        dg = tl.where(g <= limit, d * (uc + up_shift) * s * (1.0 + alpha * gc * (1.0 - s)), 0.0)
-        du = tl.where((u >= -limit) & (u <= limit), d * gc * s, 0.0)
-        if INTERLEAVED:
-            cols2 = tl.program_id(1) * (2 * BLOCK_N) + tl.arange(0, 2 * BLOCK_N)
-            mask2 = (r64 < M) & (cols2 < 2 * I)[None, :]
-            tl.store(dg_ptr + r64 * stride_dgm + cols2[None, :], tl.interleave(dg, du).to(dg_ptr.dtype.element_ty),
-                     mask=mask2)
-        else:
-            tl.store(dg_ptr + r64 * stride_dgm + cols[None, :] * stride_dgn, dg.to(dg_ptr.dtype.element_ty),
-                     mask=mask)
-            tl.store(du_ptr + r64 * stride_dum + cols[None, :] * stride_dun, du.to(du_ptr.dtype.element_ty),
-                     mask=mask)
+        dg, du = swiglu_grad_tile(g, u, d, alpha, limit, up_shift)
+        store_gate_up(dg_ptr, du_ptr, dg, du, r64, rows < M, tl.program_id(1), I, stride_dgm, stride_dgn,
+                      stride_dum, stride_dun, BLOCK_N, INTERLEAVED)
 
 
 class GateForm(NamedTuple):

@@ -2,14 +2,14 @@
 
 As a chain of autograd nodes (two ParallelLinear, one SwiGLU) the output projection's dW is allocated
 while the [T*k, 2I] gradient of the first projection's output is still to come, and saved activations
-live until the whole chain is done. Here one backward runs: output projection's input gradient (with the
-gate gradients), SwiGLU backward into its own input buffer, dX, the first projection's dW, and only then
+live until the whole chain is done. Here one backward runs: output projection's input gradient, then one
+pass for the gate gradients and the SwiGLU backward into its own input buffer (``swiglu_grad_gemm``), dX,
+the first projection's dW, and only then
 the output projection's dW, each buffer freed as soon as it is dead. On the fine-grained shape (d 4096,
 I 1024, E 64, k 8) that lowers the layer's backward peak from 2.25 to about 2.0 GiB.
 
 Only the [T*k, 2I] pre-activation is kept between forward and backward; the [T*k, I] SwiGLU output is
-recomputed from it when the backward starts (one elementwise pass: it reads what the SwiGLU backward reads
-anyway). A model's activations then hold one I-wide buffer less per MoE layer, which is what every layer
+recomputed from it in the pass that runs the SwiGLU backward, which reads the pre-activation anyway. A model's activations then hold one I-wide buffer less per MoE layer, which is what every layer
 keeps alive until the backward reaches it: 0.75 GiB of a 16-layer Qwen3-MoE-style step at 8k tokens.
 """
 
@@ -18,11 +18,12 @@ from __future__ import annotations
 import torch
 
 from ..kernels.custom_ops import profiled
-from ..kernels.gating import gate_grad_unchecked, gate_mix_unchecked
+from ..kernels.gating import gate_mix_unchecked
 from ..kernels.group import group_unchecked
 from ..kernels.groupxty import groupxty_unchecked
 from ..kernels.scatter2scatter import scatter2scatter, scatter2scatter_unchecked
-from ..kernels.swiglu import SILU, GateForm, swiglu_bwd_unchecked, swiglu_fwd_unchecked
+from ..kernels.swiglu import SILU, GateForm, swiglu_fwd_unchecked
+from ..kernels.swiglu_grad_gemm import swiglu_grad_gemm_unchecked
 from .parallel_linear import autocast_operands, dw_operand, grouped_copy_pays, with_bias_term
 
 
@@ -70,22 +71,21 @@ class _SwiGLUExperts(torch.autograd.Function):
         routing = (sorted_expert_idxs, idx, expert_offsets)
         k, form = ctx.k, ctx.form
         need_x, need_w_in, need_w_out, need_g, need_b_in, need_b_out = ctx.needs_input_grad[:6]
-        h = swiglu_fwd_unchecked(gate_up, gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2)), form)
-        d, inter = x.shape[1], h.shape[1]
+        d, inter = x.shape[1], gate_up.shape[1] // 2
         dy = dy.contiguous()
         coeff = gates.reshape(-1).index_select(0, idx).to(torch.float32)
 
-        # Output projection: ungated dH'[s] = dY[t] W_e^T, gate gradients h . dH' (+ dY . b_e with a bias), then
-        # dH = g dH' in place. When dW_out will read dY in place, h takes the gate instead (h is ours and dead
-        # after dW_out); the output bias's gradient needs the gate on dY's rows, so with it dY is copied.
+        # Output projection, then one pass: ungated dH'[s] = dY[t] W_e^T; h recomputed from the pre-activation,
+        # the gate gradients h . dH' (+ dY . b_e with a bias), dH = g dH' and d(gate_up) written over gate_up. When dW_out will read dY in place, h takes the gate instead (h is
+        # ours and dead after dW_out); the output bias's gradient needs the gate on dY's rows, so with it dY is
+        # copied.
         gather_dy = not grouped_copy_pays(d, inter) and not need_b_out
-        dh = scatter2scatter_unchecked(dy, w_out.transpose(1, 2), *routing, k, x_grouped=False, y_grouped=True)
-        dots = gate_grad_unchecked(dh, h, 1, coeff, x_scaled_out=h if need_w_out and gather_dy else None)
+        h = gate_up.new_empty((gate_up.shape[0], inter)) if need_w_out or need_b_out else None
+        dots = swiglu_grad_gemm_unchecked(dy, w_out.transpose(1, 2), routing, k, gate_up, coeff, form, h_out=h,
+                                          scale_h=need_w_out and gather_dy)
         d_gates = with_bias_term(torch.empty_like(dots).index_copy_(0, idx, dots).view(gates.shape), dy, b_out,
                                  routing).to(gates.dtype) if need_g else None
-        # SwiGLU backward writes d(gate_up) into gate_up's own buffer.
-        swiglu_bwd_unchecked(gate_up, dh, gate_up, form)
-        del dh, dots
+        del dots
         d_gate_up = gate_up
         d_x = None
         if need_x:
@@ -108,7 +108,8 @@ class _SwiGLUExperts(torch.autograd.Function):
                 dy_op, dy_fan = group_unchecked(dy, idx, k, coeff=coeff), 0
             d_w_out, d_b_out = groupxty_unchecked(h, dy_op, expert_offsets, torch.empty_like(w_out),
                                                   bool(need_b_out), idx, 0, dy_fan)
-        _release(h)
+        if h is not None:
+            _release(h)
         return (d_x, d_w_in if need_w_in else None, d_w_out if need_w_out else None, d_gates,
                 d_b_in if need_b_in else None, d_b_out if need_b_out else None, None, None, None, None, None)
 
