@@ -1,5 +1,5 @@
-"""The SwiGLU experts' output-projection backward, GEMM and one pass (``kernels/swiglu_grad_gemm.py``), against a float64
-derivation by autograd, slot by slot: fresh random inputs, odd sizes, an expert without tokens, every token on
+"""The SwiGLU experts' output-projection backward, GEMM and one pass (``kernels/swiglu_grad_gemm.py``), against a
+float64 derivation by autograd, slot by slot: fresh random inputs, odd sizes, an expert without tokens, every token on
 one expert, SiLU and GPT-OSS's clamped interleaved gate, outputs poisoned with NaN."""
 
 import pytest

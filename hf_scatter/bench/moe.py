@@ -4,10 +4,11 @@ Peers: transformers' own experts module of the family (Mixtral's, or GPT-OSS's w
 gate) with ``experts_implementation`` eager / grouped_mm / batched_mm; Liger-Kernel's fused MoE
 (``LigerFusedMoEFunction``, the same [E, 2I, H] layout; its autotuner on unless ``--liger-autotune off``);
 SonicMoE (PyPI ``sonic-moe``: QuACK's CuTe DSL grouped GEMMs with the SwiGLU in the first GEMM's epilogue,
-Hopper or newer, its own autotuner on) where it imports; and a dense SwiGLU MLP with the same active FLOPs ((k + shared) x d_expert hidden units) as the practical
-ceiling. Shared experts (DeepSeek) are one dense SwiGLU added to every implementation alike. Reports median
-ms, achieved TFLOP/s, peak extra memory for forward (inference) and forward+backward, and how long each
-implementation's first call took (Triton compilation and autotuning included).
+Hopper or newer, its own autotuner on) where it imports; and a dense SwiGLU MLP with the same active FLOPs
+((k + shared) x d_expert hidden units) as the practical ceiling. Shared experts (DeepSeek) are one dense
+SwiGLU added to every implementation alike. Reports median ms, achieved TFLOP/s, peak extra memory for
+forward (inference) and forward+backward, and how long each implementation's first call took (Triton
+compilation and autotuning included).
 """
 
 from __future__ import annotations

@@ -117,8 +117,8 @@ _swiglu_grad_gemm_op = mutating_op("swiglu_grad_gemm", "gate_up", "h_out", "dots
 
 def swiglu_grad_gemm_unchecked(dy, weight, routing, fan_out, gate_up, coeff, form: GateForm, h_out=None,
                                scale_h=False) -> torch.Tensor:
-    """The SwiGLU experts' output-projection backward in one GEMM (module docstring): ``dy`` [T, d] ungrouped
-    (slot ``s`` reads row ``idx[s] // fan_out``), ``weight`` [E, d, I] (the output projection's transposed
+    """The SwiGLU experts' output-projection backward, GEMM and one pass (module docstring): ``dy`` [T, d]
+    ungrouped (slot ``s`` reads row ``idx[s] // fan_out``), ``weight`` [E, d, I] (the output projection's transposed
     view), ``gate_up`` [M, 2I] the grouped pre-activation (overwritten with its gradient), ``coeff`` [M] fp32
     the routing gates in sorted order, ``h_out`` [M, I] or None. Returns the ungated gate-gradient dots [M]
     (fp32, sorted order). No checks: the SwiGLU experts' autograd function calls it with its own tensors."""
