@@ -41,9 +41,10 @@ def test_call_costs_table_shows_host_gpu_time_and_launches_of_decode_calls():
 
 
 @pytest.mark.gpu
-def test_decode_call_costs_of_the_patched_experts_are_five_launches():
-    """A decode-sized call of hf-scatter's experts is five kernel launches (routing sort with the tile table,
-    two expert GEMMs, SwiGLU, gate mix): its host time is what bounds decode on most hosts."""
+def test_decode_call_costs_of_the_patched_experts_are_four_launches():
+    """A decode-sized call of hf-scatter's experts is four kernel launches (routing sort with the tile table,
+    the first expert GEMM with the SwiGLU in its epilogue, the second, gate mix): its host time is what bounds
+    decode on most hosts."""
     from hf_scatter.bench import moe
 
     cfg = moe.MoEConfig(hidden=256, intermediate=128, experts=32, top_k=4, tokens=16, backward=False)
@@ -51,7 +52,7 @@ def test_decode_call_costs_of_the_patched_experts_are_five_launches():
     x, idx, gates, _ = moe.routed_batch(cfg.tokens, cfg.hidden, cfg.experts, cfg.top_k, "cuda", torch.bfloat16)
     fn, _ = moe._implementations(cfg, experts, "cuda", torch.bfloat16, False)["hf-scatter"]
     costs = moe._call_costs("hf-scatter", fn, x, idx, gates, calls=10)
-    assert costs["launches"] == 5 and costs["gpu_ms"] > 0 and costs["host_ms"] > 0
+    assert costs["launches"] == 4 and costs["gpu_ms"] > 0 and costs["host_ms"] > 0
 
 
 @pytest.mark.gpu

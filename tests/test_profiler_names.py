@@ -14,12 +14,13 @@ from hf_scatter.tiny import tiny_mixtral
 # their kernels, the fused add + RMSNorm and the fused router.
 MIXTRAL_NAMES = {
     "flatten_sort_count", "swiglu_experts.forward", "swiglu_experts.backward", "scatter2scatter", "group",
-    "groupxty", "gate_mix", "swiglu_grad_gemm", "swiglu_fwd", "add_norm.forward", "add_norm.backward",
+    "groupxty", "gate_mix", "scatter2scatter_swiglu", "swiglu_grad_gemm", "add_norm.forward", "add_norm.backward",
     "add_norm_fwd", "add_norm_bwd", "router_topk.forward", "router_topk.backward", "router_topk",
 }
 # The other public calls: ParallelLinear, the SwiGLU autograd functions, the masked softmax, varlen attention.
 OTHER_NAMES = {
-    "parallel_linear.forward", "parallel_linear.backward", "gate_grad", "swiglu.forward", "swiglu.backward", "swiglu_bwd",
+    "parallel_linear.forward", "parallel_linear.backward", "gate_grad", "swiglu.forward", "swiglu.backward",
+    "swiglu_fwd", "swiglu_bwd",
     "swiglu_pair.forward", "swiglu_pair.backward", "masked_softmax.forward", "masked_softmax.backward",
     "masked_softmax_fwd", "masked_softmax_bwd", "varlen_attention",
 }

@@ -513,3 +513,42 @@ def test_table_config_that_overflows_shared_memory_drops_stages_once(monkeypatch
 
     with pytest.raises(ValueError, match="bad argument"):
         backend.launch(Broken(), None, [], {}, grid, (), {}, {}, tune_key=("other",), table_config=Config())
+
+
+# ------------------------------------------------------------------------ first projection + SwiGLU
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gpt_oss", [False, True])
+@pytest.mark.parametrize("pattern,keep", [("random", True), ("empty-expert", False), ("one-expert", True)])
+def test_scatter2scatter_swiglu_equals_the_definition_and_the_unfused_kernels(device, dtype, gpt_oss, pattern, keep):
+    """The gate in the first projection's epilogue: pre-activation and h against float64 per slot, and h bit for
+    bit the SwiGLU kernel's over the stored pre-activation; odd I, concatenated [gate; up] and GPT-OSS's
+    interleaved, biased, clamped form; outputs poisoned."""
+    from hf_scatter.kernels.scatter2scatter import scatter2scatter_swiglu
+    from hf_scatter.kernels.swiglu import SILU, gpt_oss_gate, swiglu_fwd_unchecked, swiglu_reference
+
+    T, k, E, d, inter = 37, 3, 5, 48, 75
+    form = gpt_oss_gate(1.702, 7.0) if gpt_oss else SILU
+    idx = routing_case(T, k, E, device, pattern)
+    se, ss, off = flatten_sort_count(idx, E)
+    x = torch.randn(T, d, device=device, dtype=dtype) * 2
+    w = (torch.randn(E, 2 * inter, d, device=device, dtype=dtype) * (3 / d ** 0.5)).transpose(1, 2)  # HF view
+    bias = torch.randn(E, 2 * inter, device=device, dtype=dtype) if gpt_oss else None
+    rows = x.double()[ss // k]
+    pre_ref = torch.stack([rows[s] @ w.double()[e] for s, e in enumerate(se.tolist())])
+    if bias is not None:
+        pre_ref = pre_ref + bias.double()[se]
+    h_ref = swiglu_reference(*form.halves(pre_ref), *form.numbers)
+    if gpt_oss:
+        assert (pre_ref[:, 0::2] > 7).any() and (pre_ref[:, 1::2].abs() > 7).any()  # both clamp branches
+    with poisoned_empty():
+        pre, h = scatter2scatter_swiglu(x, w, se, ss, off, k, form, bias, keep_pre_activation=keep)
+    assert rel_err(h, h_ref) < TOL[dtype]
+    if keep:
+        assert rel_err(pre, pre_ref) < TOL[dtype]
+        assert torch.equal(h, swiglu_fwd_unchecked(pre, torch.empty_like(h), form))
+    else:
+        assert pre is None
+    with pytest.raises(ValueError, match="even d_out"):
+        scatter2scatter_swiglu(x, w[:, :, :-1], se, ss, off, k)
+    with pytest.raises(ValueError, match="features"):
+        scatter2scatter_swiglu(x[:, :-1], w, se, ss, off, k)

@@ -18,23 +18,31 @@ import torch
 from .backend import cdiv, fit_shared_memory, fitted_block, fitting_configs, kernels_enabled, launch, next_power_of_2, triton_interpreted, triton_runs, use_triton
 from .checks import check_float, check_index, check_like, check_out, fail
 from .custom_ops import mutating_op, run_op, tf32_allowed
+from .swiglu import SILU, GateForm, swiglu_reference
 
 if kernels_enabled():
     import triton
     import triton.language as tl
 
+    from .swiglu import swiglu_tile
     from .tiling import dot_accumulate, grouped_tile
 
     @triton.jit
     def _scatter2scatter_kernel(
-        x_ptr, w_ptr, b_ptr, y_ptr,
+        x_ptr, w_ptr, b_ptr, y_ptr, h_ptr,
         tile_expert_ptr, tile_row_ptr, expert_end_ptr, scattered_ptr,
         NUM_TILES, K, N, E,
         stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_be, stride_bn, stride_ym, stride_yn,
+        stride_hm, alpha, limit, up_shift,
         FAN_OUT: tl.constexpr, X_GROUPED: tl.constexpr, Y_GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr,
-        ALLOW_TF32: tl.constexpr, UPCAST: tl.constexpr,
+        ALLOW_TF32: tl.constexpr, UPCAST: tl.constexpr, GLU: tl.constexpr, GLU_CONCAT: tl.constexpr,
+        STORE_Y: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ):
+        # GLU: the N = 2I columns are [gate, up] pairs and the epilogue also writes h = act(gate) * up [M, I]
+        # (``y``, the pre-activation, only with STORE_Y). A tile holds BLOCK_N / 2 pairs side by side, so one
+        # split in registers separates them: interleaved weights ([g0, u0, g1, u1, ...]) are read as they lie;
+        # concatenated ones ([gate; up]) are read with each up column beside its gate column.
         # Grouped program order: GROUP_M row tiles sweep all column tiles together, so their input rows
         # stay in L2 while the column tiles of one expert's weight are reused across them.
         pid_m, pid_n = grouped_tile(tl.program_id(0), NUM_TILES, tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -50,6 +58,10 @@ if kernels_enabled():
                 x_rows = tl.load(scattered_ptr + rows, mask=row_mask, other=0) // FAN_OUT
             cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             col_mask = cols < N
+            if GLU_CONCAT:
+                pairs = cols // 2  # [BLOCK_N]: the pair each column belongs to, gate first
+                cols = pairs + (cols % 2) * (N // 2)
+                col_mask = pairs < N // 2
             ks = tl.arange(0, BLOCK_K)
             x_tile_ptr = x_ptr + x_rows[:, None].to(tl.int64) * stride_xm + ks[None, :] * stride_xk
             w_tile_ptr = w_ptr + expert.to(tl.int64) * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn
@@ -68,8 +80,23 @@ if kernels_enabled():
                 y_rows = rows
             else:
                 y_rows = tl.load(scattered_ptr + rows, mask=row_mask, other=0)
-            y_tile_ptr = y_ptr + y_rows[:, None].to(tl.int64) * stride_ym + cols[None, :] * stride_yn
-            tl.store(y_tile_ptr, acc.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+            y_r64 = y_rows[:, None].to(tl.int64)
+            if GLU:  # h from the rounded pre-activation, so it equals the SwiGLU kernel's over the stored one
+                gate, up = tl.split(tl.reshape(acc.to(y_ptr.dtype.element_ty), (BLOCK_M, BLOCK_N // 2, 2)))
+                h_cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+                h_mask = row_mask[:, None] & (h_cols < N // 2)[None, :]
+                if STORE_Y:
+                    if GLU_CONCAT:  # two contiguous stores; the tile's own column order would scatter them
+                        tl.store(y_ptr + y_r64 * stride_ym + h_cols[None, :] * stride_yn, gate, mask=h_mask)
+                        tl.store(y_ptr + y_r64 * stride_ym + (N // 2 + h_cols[None, :]) * stride_yn, up, mask=h_mask)
+                    else:
+                        tl.store(y_ptr + y_r64 * stride_ym + cols[None, :] * stride_yn,
+                                 acc.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+                h = swiglu_tile(gate.to(tl.float32), up.to(tl.float32), alpha, limit, up_shift)
+                tl.store(h_ptr + y_r64 * stride_hm + h_cols[None, :], h.to(h_ptr.dtype.element_ty), mask=h_mask)
+            elif STORE_Y:
+                tl.store(y_ptr + y_r64 * stride_ym + cols[None, :] * stride_yn, acc.to(y_ptr.dtype.element_ty),
+                         mask=row_mask[:, None] & col_mask[None, :])
 
 
     # Weight-streaming configs (long K steps, narrow N, deep pipelines) only matter where the tile has few
@@ -234,8 +261,10 @@ def scatter2scatter_reference(x, weight, sorted_expert_idxs, sorted_scattered_id
 
 
 def scatter2scatter_triton(x, weight, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, fan_out,
-                           x_grouped, y_grouped, bias, out, allow_tf32=False):
-    """Launch the Triton kernel into ``out`` ([M, N]); inputs are assumed validated."""
+                           x_grouped, y_grouped, bias, out, allow_tf32=False, glu: GateForm | None = None,
+                           h_out=None):
+    """Launch the Triton kernel into ``out`` ([M, N]); inputs are assumed validated. With a gate form ``glu``,
+    also ``h_out`` [M, N/2] = act(gate) * up of the [gate, up] columns (``out`` None: h alone)."""
     M, K, N, E = sorted_scattered_idxs.numel(), weight.shape[1], weight.shape[2], weight.shape[0]
     if M == 0 or N == 0:
         return out
@@ -243,17 +272,20 @@ def scatter2scatter_triton(x, weight, sorted_expert_idxs, sorted_scattered_idxs,
     block_m = tile_rows(M, E)
     tile_expert, tile_row = _tiles_of(expert_offsets, block_m, M)
     num_tiles = tile_expert.numel()
-    b = bias if bias is not None else out
-    args = (x, weight, b, out, tile_expert, tile_row, expert_offsets, sorted_scattered_idxs, num_tiles, K, N, E,
+    y = out if out is not None else h_out
+    b = bias if bias is not None else y
+    h = h_out if h_out is not None else y
+    args = (x, weight, b, y, h, tile_expert, tile_row, expert_offsets, sorted_scattered_idxs, num_tiles, K, N, E,
             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), weight.stride(2),
-            b.stride(0), b.stride(-1), out.stride(0), out.stride(1))
+            b.stride(0), b.stride(-1), y.stride(0), y.stride(1), h.stride(0), *(glu or SILU).numbers)
     meta = dict(FAN_OUT=fan_out, X_GROUPED=x_grouped, Y_GROUPED=y_grouped, HAS_BIAS=bias is not None,
-                ALLOW_TF32=allow_tf32, UPCAST=interpreted and x.dtype == torch.bfloat16, BLOCK_M=block_m)
+                ALLOW_TF32=allow_tf32, UPCAST=interpreted and x.dtype == torch.bfloat16, GLU=glu is not None,
+                GLU_CONCAT=glu is not None and not glu.interleaved, STORE_Y=out is not None, BLOCK_M=block_m)
     grid = lambda cfg: (num_tiles * cdiv(N, cfg["BLOCK_N"]),)  # noqa: E731
     interpreter_blocks = dict(BLOCK_N=min(128, max(16, next_power_of_2(N))),
                               BLOCK_K=min(128, max(16, next_power_of_2(K))), GROUP_M=4)
     tune_key = (K, N, block_m, x_grouped, y_grouped, fan_out, bias is not None, allow_tf32, x.dtype, weight.dtype,
-                out.dtype)
+                y.dtype, meta["GLU"], meta["GLU_CONCAT"], meta["STORE_Y"])
     launch(_scatter2scatter_kernel, _scatter2scatter_tuned, _S2S_CONFIGS, {"BLOCK_N": N, "BLOCK_K": K}, grid,
            args, meta, interpreter_blocks, tune_key, None if interpreted else _table_config(K, N, block_m, x.element_size()))
     return out
@@ -275,6 +307,24 @@ def _scatter2scatter_impl(x: torch.Tensor, weight: torch.Tensor, sorted_expert_i
 _scatter2scatter_op = mutating_op("scatter2scatter", "out")(_scatter2scatter_impl)
 
 
+def _scatter2scatter_swiglu_impl(x: torch.Tensor, weight: torch.Tensor, sorted_expert_idxs: torch.Tensor,
+                                 sorted_scattered_idxs: torch.Tensor, expert_offsets: torch.Tensor, fan_out: int,
+                                 bias: Optional[torch.Tensor], alpha: float, limit: float, up_shift: float,
+                                 interleaved: bool, out: Optional[torch.Tensor], h_out: torch.Tensor,
+                                 allow_tf32: bool) -> None:
+    form = GateForm(alpha, limit, up_shift, interleaved)
+    if triton_runs(x, "scatter2scatter"):
+        scatter2scatter_triton(x, weight, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, fan_out,
+                               False, True, bias, out, allow_tf32, glu=form, h_out=h_out)
+    else:
+        pre = scatter2scatter_reference(x, weight, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets,
+                                        fan_out, False, True, bias, out)
+        h_out.copy_(swiglu_reference(*form.halves(pre), *form.numbers))
+
+
+_scatter2scatter_swiglu_op = mutating_op("scatter2scatter_swiglu", "out", "h_out")(_scatter2scatter_swiglu_impl)
+
+
 def scatter2scatter(x: torch.Tensor, weight: torch.Tensor, sorted_expert_idxs: torch.Tensor,
                     sorted_scattered_idxs: torch.Tensor, expert_offsets: torch.Tensor, fan_out: int = 1,
                     x_grouped: bool = False, y_grouped: bool = False, bias: torch.Tensor | None = None,
@@ -284,6 +334,15 @@ def scatter2scatter(x: torch.Tensor, weight: torch.Tensor, sorted_expert_idxs: t
     ``weight`` is [E, d_in, d_out] with any strides (a transposed view of an HF [E, d_out, d_in] tensor
     is read in place). Returns ``out`` of shape [M, d_out], M = number of (token, expert) slots.
     """
+    scatter2scatter_checks(x, weight, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, fan_out, x_grouped,
+                           bias, out)
+    return scatter2scatter_unchecked(x, weight, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, fan_out,
+                                     x_grouped, y_grouped, bias, out)
+
+
+def scatter2scatter_checks(x, weight, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, fan_out, x_grouped,
+                           bias, out) -> None:
+    """:func:`scatter2scatter`'s argument checks: a ValueError naming the argument and the fix."""
     op = "scatter2scatter"
     check_float(op, "x", x, 2)
     check_float(op, "weight", weight, 3)
@@ -307,8 +366,28 @@ def scatter2scatter(x: torch.Tensor, weight: torch.Tensor, sorted_expert_idxs: t
             fail(op, f"bias must be [E, d_out] = {(E, N)}, got {tuple(bias.shape)}")
     if out is not None:
         check_out(op, out, (M, N), x)
-    return scatter2scatter_unchecked(x, weight, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, fan_out,
-                                     x_grouped, y_grouped, bias, out)
+
+
+def scatter2scatter_swiglu(x: torch.Tensor, weight: torch.Tensor, sorted_expert_idxs: torch.Tensor,
+                           sorted_scattered_idxs: torch.Tensor, expert_offsets: torch.Tensor, fan_out: int,
+                           form: GateForm = SILU, bias: torch.Tensor | None = None, keep_pre_activation: bool = True
+                           ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The experts' first projection with the gate in its epilogue: ``pre = x[idx // fan_out] @ weight[e] (+ bias)``
+    in expert order ([M, 2I], the [gate, up] columns of ``form``) and ``h = act(gate) * up`` ([M, I]), in one
+    kernel; ``pre`` is None unless ``keep_pre_activation`` (a backward recomputes h from it). Same checks as
+    :func:`scatter2scatter`; h equals the SwiGLU kernel's over the stored ``pre``, bit for bit."""
+    if weight.dim() == 3 and weight.shape[2] % 2:
+        fail("scatter2scatter_swiglu",
+             f"weight needs an even d_out = 2I of [gate, up] columns, got {weight.shape[2]}")
+    scatter2scatter_checks(x, weight, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, fan_out, False,
+                           bias, None)
+    M, N = sorted_scattered_idxs.shape[0], weight.shape[2]
+    pre = x.new_empty((M, N)) if keep_pre_activation else None
+    h = x.new_empty((M, N // 2))
+    run_op(_scatter2scatter_swiglu_op, _scatter2scatter_swiglu_impl, x, weight, sorted_expert_idxs,
+           sorted_scattered_idxs, expert_offsets, fan_out, bias, *form.numbers, form.interleaved, pre, h,
+           tf32_allowed())
+    return pre, h
 
 
 def scatter2scatter_unchecked(x, weight, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, fan_out=1,

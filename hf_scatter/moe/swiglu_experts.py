@@ -8,9 +8,11 @@ the first projection's dW, and only then
 the output projection's dW, each buffer freed as soon as it is dead. On the fine-grained shape (d 4096,
 I 1024, E 64, k 8) that lowers the layer's backward peak from 2.25 to about 2.0 GiB.
 
-Only the [T*k, 2I] pre-activation is kept between forward and backward; the [T*k, I] SwiGLU output is
-recomputed from it in the pass that runs the SwiGLU backward, which reads the pre-activation anyway. A model's activations then hold one I-wide buffer less per MoE layer, which is what every layer
-keeps alive until the backward reaches it: 0.75 GiB of a 16-layer Qwen3-MoE-style step at 8k tokens.
+The forward runs the SwiGLU in the first projection's epilogue (``scatter2scatter_swiglu``). Only the
+[T*k, 2I] pre-activation is kept between forward and backward; the [T*k, I] SwiGLU output is recomputed
+from it in the pass that runs the SwiGLU backward, which reads the pre-activation anyway. A model's
+activations then hold one I-wide buffer less per MoE layer, which is what every layer keeps alive until the
+backward reaches it: 0.75 GiB of a 16-layer Qwen3-MoE-style step at 8k tokens.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from ..kernels.custom_ops import profiled
 from ..kernels.gating import gate_mix_unchecked
 from ..kernels.group import group_unchecked
 from ..kernels.groupxty import groupxty_unchecked
-from ..kernels.scatter2scatter import scatter2scatter, scatter2scatter_unchecked
-from ..kernels.swiglu import SILU, GateForm, swiglu_fwd_unchecked
+from ..kernels.scatter2scatter import scatter2scatter_swiglu, scatter2scatter_unchecked
+from ..kernels.swiglu import SILU, GateForm
 from ..kernels.swiglu_grad_gemm import swiglu_grad_gemm_unchecked
 from .parallel_linear import autocast_operands, dw_operand, grouped_copy_pays, with_bias_term
 
@@ -33,11 +35,10 @@ def _release(t: torch.Tensor) -> None:
     t.untyped_storage().resize_(0)
 
 
-def _forward(x, w_in, w_out, gates, b_in, b_out, form, k, routing):
-    """The layer's output and the [T*k, 2I] pre-activation its backward starts from."""
-    gate_up = scatter2scatter(x, w_in, *routing, k, x_grouped=False, y_grouped=True, bias=b_in)  # checks
-    h = gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
-    swiglu_fwd_unchecked(gate_up, h, form)
+def _forward(x, w_in, w_out, gates, b_in, b_out, form, k, routing, keep_pre_activation=True):
+    """The layer's output and the [T*k, 2I] pre-activation its backward starts from (None in inference: the
+    first projection's kernel then writes only the SwiGLU output)."""
+    gate_up, h = scatter2scatter_swiglu(x, w_in, *routing, k, form, b_in, keep_pre_activation)  # checks
     y = gate_mix_unchecked(scatter2scatter_unchecked(h, w_out, *routing, 1, x_grouped=True, bias=b_out), gates)
     return y, gate_up
 
@@ -45,7 +46,7 @@ def _forward(x, w_in, w_out, gates, b_in, b_out, form, k, routing):
 @profiled("hf_scatter::swiglu_experts.forward")
 def _inference(x, w_in, w_out, gates, b_in, b_out, form, k, routing):
     """Nothing to differentiate (generation): no autograd node, whose host time a decode step cannot spare."""
-    return _forward(x, w_in, w_out, gates, b_in, b_out, form, k, routing)[0]
+    return _forward(x, w_in, w_out, gates, b_in, b_out, form, k, routing, keep_pre_activation=False)[0]
 
 
 class _SwiGLUExperts(torch.autograd.Function):
@@ -76,9 +77,9 @@ class _SwiGLUExperts(torch.autograd.Function):
         coeff = gates.reshape(-1).index_select(0, idx).to(torch.float32)
 
         # Output projection, then one pass: ungated dH'[s] = dY[t] W_e^T; h recomputed from the pre-activation,
-        # the gate gradients h . dH' (+ dY . b_e with a bias), dH = g dH' and d(gate_up) written over gate_up. When dW_out will read dY in place, h takes the gate instead (h is
-        # ours and dead after dW_out); the output bias's gradient needs the gate on dY's rows, so with it dY is
-        # copied.
+        # the gate gradients h . dH' (+ dY . b_e with a bias), dH = g dH' and d(gate_up) written over gate_up.
+        # When dW_out will read dY in place, h takes the gate instead (h is ours and dead after dW_out); the
+        # output bias's gradient needs the gate on dY's rows, so with it dY is copied.
         gather_dy = not grouped_copy_pays(d, inter) and not need_b_out
         h = gate_up.new_empty((gate_up.shape[0], inter)) if need_w_out or need_b_out else None
         dots = swiglu_grad_gemm_unchecked(dy, w_out.transpose(1, 2), routing, k, gate_up, coeff, form, h_out=h,
