@@ -12,9 +12,10 @@ arguments of one kernel, so both forms share one compiled kernel.
 
 :func:`swiglu` and :func:`swiglu_pair` are the differentiable public calls (autograd functions over the
 ``hf_scatter::swiglu_fwd`` / ``swiglu_bwd`` ops); ``swiglu_fwd_unchecked`` / ``swiglu_bwd_unchecked`` call the
-ops without checks (the SwiGLU experts' forward uses the first). The tile helpers (``load_gate_up``,
-``swiglu_tile``, ``swiglu_grad_tile``, ``store_gate_up``) are the one copy of the math: the SwiGLU experts'
-backward pass (``swiglu_grad_gemm``) runs them too.
+ops without checks, for any :class:`GateForm`. The tile helpers (``load_gate_up``, ``swiglu_tile``,
+``swiglu_grad_tile``, ``store_gate_up``) are the one copy of the math: the SwiGLU experts run it fused, in
+their first projection's epilogue (``scatter2scatter_swiglu``) and in their backward pass
+(``swiglu_grad_gemm``).
 """
 
 from __future__ import annotations
