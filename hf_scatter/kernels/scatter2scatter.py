@@ -82,7 +82,8 @@ if kernels_enabled():
                 y_rows = tl.load(scattered_ptr + rows, mask=row_mask, other=0)
             y_r64 = y_rows[:, None].to(tl.int64)
             if GLU:  # h from the rounded pre-activation, so it equals the SwiGLU kernel's over the stored one
-                gate, up = tl.split(tl.reshape(acc.to(y_ptr.dtype.element_ty), (BLOCK_M, BLOCK_N // 2, 2)))
+                pre = acc.to(y_ptr.dtype.element_ty)
+                gate, up = tl.split(tl.reshape(pre, (BLOCK_M, BLOCK_N // 2, 2)))
                 h_cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
                 h_mask = row_mask[:, None] & (h_cols < N // 2)[None, :]
                 if STORE_Y:
@@ -90,8 +91,8 @@ if kernels_enabled():
                         tl.store(y_ptr + y_r64 * stride_ym + h_cols[None, :] * stride_yn, gate, mask=h_mask)
                         tl.store(y_ptr + y_r64 * stride_ym + (N // 2 + h_cols[None, :]) * stride_yn, up, mask=h_mask)
                     else:
-                        tl.store(y_ptr + y_r64 * stride_ym + cols[None, :] * stride_yn,
-                                 acc.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+                        tl.store(y_ptr + y_r64 * stride_ym + cols[None, :] * stride_yn, pre,
+                                 mask=row_mask[:, None] & col_mask[None, :])
                 h = swiglu_tile(gate.to(tl.float32), up.to(tl.float32), alpha, limit, up_shift)
                 tl.store(h_ptr + y_r64 * stride_hm + h_cols[None, :], h.to(h_ptr.dtype.element_ty), mask=h_mask)
             elif STORE_Y:
