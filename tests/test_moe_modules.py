@@ -280,3 +280,93 @@ def test_the_backend_runs_gpt_oss_experts_on_the_fused_gate():
 
     eager = GptOssExperts(GptOssConfig(hidden_size=40, intermediate_size=24, num_local_experts=5))
     assert _fused_gate_form(eager) == gpt_oss_gate(eager.alpha, eager.limit)
+
+
+def _force_library_gemm(monkeypatch, on: bool):
+    """Make the expert weight gradients take (or avoid) the library grouped GEMM, whatever the device."""
+    import importlib
+
+    for name in ("hf_scatter.moe.parallel_linear", "hf_scatter.moe.swiglu_experts"):  # the modules, not the functions
+        monkeypatch.setattr(importlib.import_module(name), "grouped_mm_applies", lambda weight, *operands: on)
+
+
+def _experts_grads(x, w_in, w_out, idx, gates, dy):
+    x, w_in, w_out, gates = (t.detach().clone().requires_grad_(True) for t in (x, w_in, w_out, gates))
+    glu_experts(x, w_in, w_out, idx, gates).backward(dy)
+    return [t.grad.double() for t in (x, w_in, w_out, gates)]
+
+
+# hidden > 2I: both dW operands are scattered (in place for groupXTY, copied for the library GEMM); hidden < I:
+# both copied either way. Expert 0 gets no rows: its gradients must be zeros.
+@pytest.mark.parametrize("hidden,intermediate", [(64, 24), (32, 48)])
+def test_weight_gradients_through_the_library_grouped_gemm(monkeypatch, hidden, intermediate):
+    """The library grouped GEMM (torch._grouped_mm over grouped copies; CUTLASS on Hopper) gives the SwiGLU
+    experts' and the ParallelLinear chain's gradients that groupXTY gives, in transformers' [E, N, K] layout
+    (transposed views, as patched models pass them) and in kernel layout, with an expert that gets no rows."""
+    from hf_scatter.moe import flatten_sort_count, parallel_linear
+
+    torch.manual_seed(0)
+    E, k, T = 5, 2, 29
+    x = torch.randn(T, hidden, dtype=torch.bfloat16)
+    hf_in = (torch.randn(E, 2 * intermediate, hidden) * 0.2).to(torch.bfloat16)
+    hf_out = (torch.randn(E, hidden, intermediate) * 0.2).to(torch.bfloat16)
+    logits = torch.randn(T, E)
+    logits[:, 0] = -1e9
+    gates, idx = F.softmax(logits, -1).topk(k, -1)
+    gates = gates.to(torch.bfloat16)
+    dy = torch.randn(T, hidden, dtype=torch.bfloat16)
+    for w_in, w_out in ((hf_in, hf_out), (hf_in.transpose(1, 2).contiguous().transpose(1, 2),
+                                          hf_out.transpose(1, 2).contiguous().transpose(1, 2))):
+        _force_library_gemm(monkeypatch, False)
+        want = _experts_grads(x, w_in, w_out, idx, gates, dy)
+        _force_library_gemm(monkeypatch, True)
+        got = _experts_grads(x, w_in, w_out, idx, gates, dy)
+        for g, w in zip(got, want):
+            assert _rel(g, w) < 1e-2
+        assert got[1][0].abs().max() == 0 and got[2][0].abs().max() == 0
+
+    routing = flatten_sort_count(idx, E)
+    weight = hf_out.transpose(1, 2)  # [E, I, hidden]
+    h = torch.randn(T * k, intermediate, dtype=torch.bfloat16)
+    for gated in (False, True):
+        grads = []
+        for on in (False, True):
+            _force_library_gemm(monkeypatch, on)
+            hh, w, g = (t.detach().clone().requires_grad_(True) for t in (h, weight, gates))
+            y = parallel_linear(hh, w, 1, *routing, gates=g if gated else None, grouped_in=True)
+            y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(y.dtype))
+            grads.append([t.grad.double() for t in (hh, w)])
+        for g, w in zip(grads[1], grads[0]):
+            assert _rel(g, w) < 1e-2
+        assert grads[1][1][0].abs().max() == 0
+
+
+@pytest.mark.gpu
+def test_library_grouped_gemm_runs_on_hopper_and_matches_group_xty(monkeypatch):
+    """On a Hopper/Blackwell GPU the bf16 SwiGLU experts' weight gradients take the library grouped GEMM
+    (unless HF_SCATTER_GROUPED_MM=0) and agree with groupXTY's; experts without rows get zeros."""
+    from hf_scatter.kernels.groupxty import grouped_mm_applies
+
+    if torch.cuda.get_device_capability()[0] not in (9, 10):
+        pytest.skip("the library grouped GEMM is used on compute capability 9.x/10.x only")
+    torch.manual_seed(0)
+    E, k, T, hidden, inter = 16, 4, 1000, 512, 192
+    x = torch.randn(T, hidden, device="cuda", dtype=torch.bfloat16)
+    w_in = (torch.randn(E, 2 * inter, hidden, device="cuda") * 0.05).to(torch.bfloat16)
+    w_out = (torch.randn(E, hidden, inter, device="cuda") * 0.05).to(torch.bfloat16)
+    assert grouped_mm_applies(w_in.transpose(1, 2), x)
+    mixtral_sized = torch.empty(1, 14336, 4096, device="cuda", dtype=torch.bfloat16)
+    assert not grouped_mm_applies(mixtral_sized, x)  # measured slower there: groupXTY keeps those
+    logits = torch.randn(T, E, device="cuda")
+    logits[:, :2] = -1e9  # experts 0 and 1 get no rows
+    gates, idx = F.softmax(logits, -1).topk(k, -1)
+    gates = gates.to(torch.bfloat16)
+    dy = torch.randn(T, hidden, device="cuda", dtype=torch.bfloat16)
+    got = _experts_grads(x, w_in, w_out, idx, gates, dy)
+    monkeypatch.setenv("HF_SCATTER_GROUPED_MM", "0")
+    assert not grouped_mm_applies(w_in.transpose(1, 2), x)
+    want = _experts_grads(x, w_in, w_out, idx, gates, dy)
+    for g, w in zip(got, want):
+        assert _rel(g, w) < 1e-2
+    for dw in got[1:3]:
+        assert dw[:2].abs().max() == 0 and dw[2:].abs().amax((1, 2)).min() > 0

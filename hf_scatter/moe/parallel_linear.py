@@ -5,8 +5,9 @@ outputs is mixed into one row by ``gate_mix``, and they are not kept: the gate g
 a row dot against the input gradient that backward computes anyway. The gate width j is independent of
 the input fan-out k (Algorithm 1): Mixture-of-Attention's output projection reads one row per slot (k=1)
 and mixes each token's k_moa slots (j = k_moa). For dW a scattered operand is either copied into expert order
-or read in place by ``groupXTY`` (:func:`dw_operand` says which), and dX is produced before dW is
-allocated, so the largest backward buffers are never live together.
+or read in place by ``groupXTY`` (:func:`dw_operand` says which; the library grouped GEMM of
+:func:`expert_weight_grad` reads grouped rows only), and dX is produced before dW is allocated, so the
+largest backward buffers are never live together.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from ..kernels.custom_ops import profiled
 from ..kernels.gating import gate_grad_unchecked, gate_mix_unchecked
 from ..kernels.group import group_unchecked
-from ..kernels.groupxty import groupxty_unchecked
+from ..kernels.groupxty import grouped_mm_applies, grouped_mm_weight_grad, groupxty_unchecked
 from ..kernels.scatter2scatter import scatter2scatter, scatter2scatter_unchecked
 
 
@@ -33,12 +34,26 @@ def grouped_copy_pays(width: int, other_width: int) -> bool:
     return width <= other_width
 
 
-def dw_operand(t: torch.Tensor, fan_out: int, other_width: int, sorted_scattered_idxs: torch.Tensor):
-    """``(tensor, fan_out)`` as groupXTY reads it: a grouped operand (fan_out 0) as is, a scattered one copied
-    into expert order or left in place for groupXTY to gather."""
-    if fan_out and grouped_copy_pays(t.shape[1], other_width):
+def dw_operand(t: torch.Tensor, fan_out: int, other_width: int, sorted_scattered_idxs: torch.Tensor,
+               library: bool = False):
+    """``(tensor, fan_out)`` as the weight gradient reads it: a grouped operand (fan_out 0) as is, a scattered
+    one copied into expert order or left in place for groupXTY to gather. The library grouped GEMM
+    (``library``) reads grouped rows only: there the copy is always made."""
+    if fan_out and (library or grouped_copy_pays(t.shape[1], other_width)):
         return group_unchecked(t, sorted_scattered_idxs, fan_out), 0
     return t, fan_out
+
+
+def expert_weight_grad(x_op: torch.Tensor, x_fan: int, dy_op: torch.Tensor, dy_fan: int, weight: torch.Tensor,
+                       need_b: bool, expert_offsets: torch.Tensor, sorted_scattered_idxs: torch.Tensor):
+    """``(dW, db)`` of one expert projection, dW laid out like ``weight``: the library grouped GEMM where it
+    applies (both operands grouped, no bias; see :func:`~hf_scatter.kernels.groupxty.grouped_mm_applies`),
+    groupXTY otherwise."""
+    if not (x_fan or dy_fan or need_b) and grouped_mm_applies(weight, x_op, dy_op):
+        return grouped_mm_weight_grad(x_op, dy_op, expert_offsets, weight), None
+    # empty_like keeps a dense weight's strides: the gradient of a transposed view needs no copy.
+    return groupxty_unchecked(x_op, dy_op, expert_offsets, torch.empty_like(weight), bool(need_b),
+                              sorted_scattered_idxs, x_fan, dy_fan)
 
 
 class _ParallelLinear(torch.autograd.Function):
@@ -69,6 +84,7 @@ class _ParallelLinear(torch.autograd.Function):
         x_fan_out = 0 if grouped_in else k  # slot s reads x[s // k]
         j = gates.shape[1] if gates is not None else 1  # gated: slot s sees dY[s // j]
         d_x = d_gates = dw_x = coeff = None
+        library = need_w and not need_b and grouped_mm_applies(weight, x, dy)  # the dW operands are then grouped
         if gates is None:
             if need_x:
                 # dY is grouped already, or in slot order (then sorted row i reads dY[idx[i]]).
@@ -80,7 +96,7 @@ class _ParallelLinear(torch.autograd.Function):
             coeff = gates.reshape(-1).index_select(0, idx).to(torch.float32)
             # With X grouped and dY read in place, dW takes the gate on X's rows, written by gate_grad's pass
             # (db needs the gate on dY's rows: with a bias, dY is copied).
-            if need_w and not need_b and grouped_in and not grouped_copy_pays(d_out, d_in):
+            if need_w and not need_b and grouped_in and not grouped_copy_pays(d_out, d_in) and not library:
                 dw_x = x.new_empty(x.shape)
             if need_x or need_g or dw_x is not None:
                 # Ungated input gradient per slot, dX'[s] = dY[s // j] W_e^T: grouped (sorted) rows or slot order.
@@ -105,14 +121,12 @@ class _ParallelLinear(torch.autograd.Function):
             if dw_x is not None:  # gate on X's rows, dY read in place
                 x_op, x_fan, dy_op, dy_fan = dw_x, 0, dy, j
             else:
-                x_op, x_fan = dw_operand(x, x_fan_out, d_out, idx)
+                x_op, x_fan = dw_operand(x, x_fan_out, d_out, idx, library)
                 if gates is None:
-                    dy_op, dy_fan = dw_operand(dy, 0 if grouped_out else 1, d_in, idx)
+                    dy_op, dy_fan = dw_operand(dy, 0 if grouped_out else 1, d_in, idx, library)
                 else:  # the gate-scaled grouped copy of dY
                     dy_op, dy_fan = group_unchecked(dy, idx, j, coeff=coeff), 0
-            # empty_like keeps a dense weight's strides: the gradient of a transposed view needs no copy.
-            d_weight, d_bias = groupxty_unchecked(x_op, dy_op, expert_offsets, torch.empty_like(weight), bool(need_b),
-                                                  idx, x_fan, dy_fan)
+            d_weight, d_bias = expert_weight_grad(x_op, x_fan, dy_op, dy_fan, weight, need_b, expert_offsets, idx)
         return (d_x if need_x else None), (d_weight if need_w else None), d_bias, d_gates, \
             None, None, None, None, None, None
 

@@ -22,11 +22,11 @@ import torch
 from ..kernels.custom_ops import profiled
 from ..kernels.gating import gate_mix_unchecked
 from ..kernels.group import group_unchecked
-from ..kernels.groupxty import groupxty_unchecked
+from ..kernels.groupxty import grouped_mm_applies
 from ..kernels.scatter2scatter import scatter2scatter_swiglu, scatter2scatter_unchecked
 from ..kernels.swiglu import SILU, GateForm
 from ..kernels.swiglu_grad_gemm import swiglu_grad_gemm_unchecked
-from .parallel_linear import autocast_operands, dw_operand, grouped_copy_pays, with_bias_term
+from .parallel_linear import autocast_operands, dw_operand, expert_weight_grad, grouped_copy_pays, with_bias_term
 
 
 def _release(t: torch.Tensor) -> None:
@@ -80,7 +80,10 @@ class _SwiGLUExperts(torch.autograd.Function):
         # the gate gradients h . dH' (+ dY . b_e with a bias), dH = g dH' and d(gate_up) written over gate_up.
         # When dW_out will read dY in place, h takes the gate instead (h is ours and dead after dW_out); the
         # output bias's gradient needs the gate on dY's rows, so with it dY is copied.
-        gather_dy = not grouped_copy_pays(d, inter) and not need_b_out
+        # The library grouped GEMM for a dW reads grouped operands only (both copies are then made).
+        library_in = need_w_in and not need_b_in and grouped_mm_applies(w_in, x, gate_up)
+        library_out = need_w_out and not need_b_out and grouped_mm_applies(w_out, gate_up, dy)
+        gather_dy = not grouped_copy_pays(d, inter) and not need_b_out and not library_out
         h = gate_up.new_empty((gate_up.shape[0], inter)) if need_w_out or need_b_out else None
         dots = swiglu_grad_gemm_unchecked(dy, w_out.transpose(1, 2), routing, k, gate_up, coeff, form, h_out=h,
                                           scale_h=need_w_out and gather_dy)
@@ -95,9 +98,8 @@ class _SwiGLUExperts(torch.autograd.Function):
             del d_slots
         d_w_in = d_b_in = None
         if need_w_in or need_b_in:
-            x_op, x_fan = dw_operand(x, k, d_gate_up.shape[1], idx)
-            d_w_in, d_b_in = groupxty_unchecked(x_op, d_gate_up, expert_offsets, torch.empty_like(w_in),
-                                                bool(need_b_in), idx, x_fan, 0)
+            x_op, x_fan = dw_operand(x, k, d_gate_up.shape[1], idx, library_in)
+            d_w_in, d_b_in = expert_weight_grad(x_op, x_fan, d_gate_up, 0, w_in, need_b_in, expert_offsets, idx)
             del x_op
         _release(gate_up)
         del d_gate_up, gate_up
@@ -107,8 +109,7 @@ class _SwiGLUExperts(torch.autograd.Function):
                 dy_op, dy_fan = dy, k  # h already carries the gates
             else:
                 dy_op, dy_fan = group_unchecked(dy, idx, k, coeff=coeff), 0
-            d_w_out, d_b_out = groupxty_unchecked(h, dy_op, expert_offsets, torch.empty_like(w_out),
-                                                  bool(need_b_out), idx, 0, dy_fan)
+            d_w_out, d_b_out = expert_weight_grad(h, 0, dy_op, dy_fan, w_out, need_b_out, expert_offsets, idx)
         if h is not None:
             _release(h)
         return (d_x, d_w_in if need_w_in else None, d_w_out if need_w_out else None, d_gates,
