@@ -45,11 +45,12 @@ def dw_operand(t: torch.Tensor, fan_out: int, other_width: int, sorted_scattered
 
 
 def expert_weight_grad(x_op: torch.Tensor, x_fan: int, dy_op: torch.Tensor, dy_fan: int, weight: torch.Tensor,
-                       need_b: bool, expert_offsets: torch.Tensor, sorted_scattered_idxs: torch.Tensor):
-    """``(dW, db)`` of one expert projection, dW laid out like ``weight``: the library grouped GEMM where it
-    applies (both operands grouped, no bias; see :func:`~hf_scatter.kernels.groupxty.grouped_mm_applies`),
-    groupXTY otherwise."""
-    if not (x_fan or dy_fan or need_b) and grouped_mm_applies(weight, x_op, dy_op):
+                       need_b: bool, expert_offsets: torch.Tensor, sorted_scattered_idxs: torch.Tensor,
+                       library: bool):
+    """``(dW, db)`` of one expert projection, dW laid out like ``weight``: the library grouped GEMM when the
+    caller chose it (:func:`~hf_scatter.kernels.groupxty.grouped_mm_applies`, no bias; its operands were made
+    grouped by :func:`dw_operand`), groupXTY otherwise."""
+    if library:
         return grouped_mm_weight_grad(x_op, dy_op, expert_offsets, weight), None
     # empty_like keeps a dense weight's strides: the gradient of a transposed view needs no copy.
     return groupxty_unchecked(x_op, dy_op, expert_offsets, torch.empty_like(weight), bool(need_b),
@@ -126,7 +127,8 @@ class _ParallelLinear(torch.autograd.Function):
                     dy_op, dy_fan = dw_operand(dy, 0 if grouped_out else 1, d_in, idx, library)
                 else:  # the gate-scaled grouped copy of dY
                     dy_op, dy_fan = group_unchecked(dy, idx, j, coeff=coeff), 0
-            d_weight, d_bias = expert_weight_grad(x_op, x_fan, dy_op, dy_fan, weight, need_b, expert_offsets, idx)
+            d_weight, d_bias = expert_weight_grad(x_op, x_fan, dy_op, dy_fan, weight, need_b, expert_offsets, idx,
+                                                  library)
         return (d_x if need_x else None), (d_weight if need_w else None), d_bias, d_gates, \
             None, None, None, None, None, None
 

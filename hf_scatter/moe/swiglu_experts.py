@@ -99,7 +99,8 @@ class _SwiGLUExperts(torch.autograd.Function):
         d_w_in = d_b_in = None
         if need_w_in or need_b_in:
             x_op, x_fan = dw_operand(x, k, d_gate_up.shape[1], idx, library_in)
-            d_w_in, d_b_in = expert_weight_grad(x_op, x_fan, d_gate_up, 0, w_in, need_b_in, expert_offsets, idx)
+            d_w_in, d_b_in = expert_weight_grad(x_op, x_fan, d_gate_up, 0, w_in, need_b_in, expert_offsets, idx,
+                                                library_in)
             del x_op
         _release(gate_up)
         del d_gate_up, gate_up
@@ -109,7 +110,8 @@ class _SwiGLUExperts(torch.autograd.Function):
                 dy_op, dy_fan = dy, k  # h already carries the gates
             else:
                 dy_op, dy_fan = group_unchecked(dy, idx, k, coeff=coeff), 0
-            d_w_out, d_b_out = expert_weight_grad(h, 0, dy_op, dy_fan, w_out, need_b_out, expert_offsets, idx)
+            d_w_out, d_b_out = expert_weight_grad(h, 0, dy_op, dy_fan, w_out, need_b_out, expert_offsets, idx,
+                                                  library_out)
         if h is not None:
             _release(h)
         return (d_x, d_w_in if need_w_in else None, d_w_out if need_w_out else None, d_gates,
