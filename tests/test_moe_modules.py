@@ -363,6 +363,8 @@ def test_library_grouped_gemm_runs_on_hopper_and_matches_group_xty(monkeypatch):
     gates = gates.to(torch.bfloat16)
     dy = torch.randn(T, hidden, device="cuda", dtype=torch.bfloat16)
     got = _experts_grads(x, w_in, w_out, idx, gates, dy)
+    monkeypatch.setenv("HF_SCATTER_GROUPED_MM", "off")
+    assert not grouped_mm_applies(w_in.transpose(1, 2), x)
     monkeypatch.setenv("HF_SCATTER_GROUPED_MM", "0")
     assert not grouped_mm_applies(w_in.transpose(1, 2), x)
     want = _experts_grads(x, w_in, w_out, idx, gates, dy)
@@ -370,3 +372,17 @@ def test_library_grouped_gemm_runs_on_hopper_and_matches_group_xty(monkeypatch):
         assert _rel(g, w) < 1e-2
     for dw in got[1:3]:
         assert dw[:2].abs().max() == 0 and dw[2:].abs().amax((1, 2)).min() > 0
+
+
+@pytest.mark.parametrize("value,want", [(None, None), ("", None), ("0", False), ("off", False), ("FALSE", False),
+                                        (" no ", False), ("1", True), ("on", True)])
+def test_on_off_environment_variables_read_the_usual_words(monkeypatch, value, want):
+    """HF_SCATTER_GROUPED_MM and HF_SCATTER_AUTOTUNE read one way: 'off' switches the library GEMM off as '0'
+    does, rather than being taken for 'on'."""
+    from hf_scatter.kernels.backend import env_switch
+
+    if value is None:
+        monkeypatch.delenv("HF_SCATTER_GROUPED_MM", raising=False)
+    else:
+        monkeypatch.setenv("HF_SCATTER_GROUPED_MM", value)
+    assert env_switch("HF_SCATTER_GROUPED_MM") is want

@@ -70,7 +70,13 @@ def autotune_setting() -> bool | None:
     stack = getattr(_autotune_override, "stack", None)
     if stack:
         return stack[-1]
-    value = os.environ.get("HF_SCATTER_AUTOTUNE", "").strip().lower()
+    return env_switch("HF_SCATTER_AUTOTUNE")
+
+
+def env_switch(name: str) -> bool | None:
+    """An on/off environment variable of ours: None when unset or empty, False for 0/false/no/off (any case),
+    True for anything else."""
+    value = os.environ.get(name, "").strip().lower()
     if not value:
         return None
     return value not in {"0", "false", "no", "off"}

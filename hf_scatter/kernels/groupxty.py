@@ -17,12 +17,12 @@ place at every fine-grained shape measured (docs/moe.md has the figures).
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional
 
 import torch
 
-from .backend import cdiv, fit_shared_memory, fitted_block, fitting_configs, kernels_enabled, launch, next_power_of_2, triton_interpreted, triton_runs, use_triton
+from .backend import (cdiv, env_switch, fit_shared_memory, fitted_block, fitting_configs, kernels_enabled, launch,
+                      next_power_of_2, triton_interpreted, triton_runs, use_triton)
 from .checks import check_float, check_index, check_like, check_out, fail
 from .custom_ops import mutating_op, run_op, tf32_allowed
 
@@ -233,7 +233,7 @@ def groupxty_unchecked(x, dy, expert_offsets, dw=None, db=None, sorted_scattered
 
 
 # ------------------------------------------------------------------------------------- library GEMM
-_ENV_GROUPED_MM = "HF_SCATTER_GROUPED_MM"  # "0": expert weight gradients always run groupXTY's Triton kernel
+_ENV_GROUPED_MM = "HF_SCATTER_GROUPED_MM"  # 0/false/no/off: expert weight gradients always run groupXTY's kernel
 
 
 @functools.lru_cache(maxsize=None)
@@ -254,11 +254,11 @@ def grouped_mm_applies(weight: torch.Tensor, *operands: torch.Tensor) -> bool:
     (:func:`grouped_mm_weight_grad`): ``weight`` and the tensors its operands come from are bf16 on a
     Hopper or Blackwell GPU, K and N keep rows 16-byte aligned, the expert matrix is at most
     ``LIBRARY_MAX_EXPERT_ELEMENTS``, the kernels are not forced to the torch reference, and
-    ``HF_SCATTER_GROUPED_MM=0`` does not switch it off. Callers then make both operands grouped."""
+    ``HF_SCATTER_GROUPED_MM`` does not switch it off (0, false, no or off). Callers then make both operands grouped."""
     _, K, N = weight.shape
     return (weight.is_cuda and weight.dtype == torch.bfloat16 and all(t.dtype == torch.bfloat16 for t in operands)
             and K % 8 == 0 and N % 8 == 0 and K * N <= LIBRARY_MAX_EXPERT_ELEMENTS
-            and os.environ.get(_ENV_GROUPED_MM, "1") != "0" and use_triton(weight, "groupXTY")
+            and env_switch(_ENV_GROUPED_MM) is not False and use_triton(weight, "groupXTY")
             and _grouped_mm_device(weight.device.index if weight.device.index is not None
                                    else torch.cuda.current_device()))
 
