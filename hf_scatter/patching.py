@@ -12,8 +12,8 @@ from torch import nn
 
 from .models import SCATTERMOE, PatchOptions, families, is_interface_experts, patch_interface_experts
 from .models.fused_loss import fused_loss_impl
-from .models.moe_graphs import IMPL as MOE_GRAPHS_IMPL
-from .models.moe_graphs import graphs_of
+from .models.training_graphs import IMPL as GRAPHS_IMPL
+from .models.training_graphs import graphs_of
 from .models.sharding import FSDP2, sharded_by
 from .models.registry import Family
 
@@ -98,8 +98,9 @@ def patch_report(model: nn.Module) -> dict[str, str]:
     report = {}
     for name, module in model.named_modules():
         impl = getattr(type(module), "hf_scatter_impl", None) or fused_loss_impl(module)
-        if graphs_of(module) is not None:
-            impl = MOE_GRAPHS_IMPL if impl is None else f"{impl}, {MOE_GRAPHS_IMPL}"
+        graphs = graphs_of(module)
+        if graphs is not None:
+            impl = GRAPHS_IMPL[graphs.kind] if impl is None else f"{impl}, {GRAPHS_IMPL[graphs.kind]}"
         if impl is None and is_interface_experts(module) and module.config._experts_implementation == SCATTERMOE:
             impl = f"{SCATTERMOE} (ExpertsInterface)"
         if impl is not None:

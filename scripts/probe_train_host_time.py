@@ -1,5 +1,6 @@
 """Is a training step of a bench-train model (each family at its own shape) host-bound? Host time to issue one step against its GPU
-time, per implementation, and the host-side hot spots of the patched step (GPU; torch profiler)."""
+time, per implementation, and the host-side hot spots of the patched step (GPU; torch profiler). PYPROFILE=1 adds
+cProfile's Python view; FSDP=1 wraps every model in FSDP2 with world size 1, as ``bench train --fsdp`` does."""
 import json
 import os
 import sys
@@ -8,15 +9,18 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from hf_scatter.bench.train import _step_fn, build_model, family_shape
+from hf_scatter.bench.train import _process_group, _step_fn, build_model, family_shape
 
 impls = sys.argv[1:] or ["mixtral-grouped_mm", "mixtral-hf-scatter-experts", "mixtral-hf-scatter", "mixtral-hf-scatter-graphs",
                          "dbrx-hf-scatter"]
 out = {}
+fsdp = bool(os.environ.get("FSDP"))
+group = _process_group(fsdp)
+group.__enter__()
 for impl in impls:
     cfg = family_shape(impl, None)
     ids = torch.randint(cfg.vocab, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(0)).cuda()
-    model = build_model(impl, cfg, ids.device, torch.bfloat16)
+    model = build_model(impl, cfg, ids.device, torch.bfloat16, fsdp=fsdp)
     step, opt = _step_fn(model, ids)
     for _ in range(3):
         step()
@@ -56,12 +60,16 @@ for impl in impls:
         stats = pstats.Stats(pr).sort_stats("tottime")
         r["python_tottime_ms"] = [(f"{fn[0].split('site-packages/')[-1]}:{fn[1]}({fn[2]})", round(st[2] * 1e3, 2), st[1])
                                   for fn, st in sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:40]]
+        r["python_cumtime_ms"] = [(f"{fn[0].split('site-packages/')[-1]}:{fn[1]}({fn[2]})", round(st[3] * 1e3, 2), st[1])
+                                  for fn, st in sorted(stats.stats.items(), key=lambda kv: -kv[1][3])[:60]]
+        r["python_calls"] = sum(st[1] for st in stats.stats.values())
     out[impl] = r
-    print(impl, json.dumps({k: (round(v, 1) if isinstance(v, float) else v) for k, v in r.items() if k != "top_self_cpu_ms"}), flush=True)
-    for key in ("top_self_cpu_ms", "python_tottime_ms"):
-        for row in r.get(key, [])[:40]:
+    print(impl, json.dumps({k: (round(v, 1) if isinstance(v, float) else v) for k, v in r.items() if not isinstance(v, list)}), flush=True)
+    for key in ("top_self_cpu_ms", "python_tottime_ms", "python_cumtime_ms"):
+        for row in r.get(key, [])[:60]:
             print("    ", row)
     del model, opt, step
     torch.cuda.empty_cache()
+group.__exit__(None, None, None)
 if os.environ.get("OUT"):
     json.dump(out, open(os.environ["OUT"] + "/train-host.json", "w"), indent=1)

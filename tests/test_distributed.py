@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import hf_scatter
-from hf_scatter.models.moe_graphs import graphs_of
+from hf_scatter.models.training_graphs import graphs_of
 from hf_scatter.models.sharding import FSDP2, sharded_by
 from hf_scatter.tiny import TINY_BUILDERS
 

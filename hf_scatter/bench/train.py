@@ -59,14 +59,18 @@ FAMILY_SHAPES = {
     "deepseek_v3": TrainConfig(intermediate=384, experts=64, top_k=8, shared_experts=2),  # MLA: kv_heads = heads
 }
 IMPLS = ("mixtral-grouped_mm", "mixtral-eager", "mixtral-liger", "mixtral-hf-scatter-experts", "mixtral-hf-scatter",
-         "mixtral-hf-scatter-graphs", "dbrx-eager", "dbrx-hf-scatter", "dbrx-hf-scatter-graphs",
-         "qwen3_moe-grouped_mm", "qwen3_moe-liger", "qwen3_moe-hf-scatter", "qwen3_moe-hf-scatter-graphs",
-         "gpt_oss-grouped_mm", "gpt_oss-liger", "gpt_oss-hf-scatter",
-         "deepseek_v3-grouped_mm", "deepseek_v3-liger", "deepseek_v3-hf-scatter", "deepseek_v3-hf-scatter-graphs")
+         "mixtral-hf-scatter-graphs", "mixtral-hf-scatter-layer-graphs", "dbrx-eager", "dbrx-hf-scatter",
+         "dbrx-hf-scatter-graphs", "qwen3_moe-grouped_mm", "qwen3_moe-liger", "qwen3_moe-hf-scatter",
+         "qwen3_moe-hf-scatter-graphs", "qwen3_moe-hf-scatter-layer-graphs",
+         "gpt_oss-grouped_mm", "gpt_oss-liger", "gpt_oss-hf-scatter", "gpt_oss-hf-scatter-layer-graphs",
+         "deepseek_v3-grouped_mm", "deepseek_v3-liger", "deepseek_v3-hf-scatter", "deepseek_v3-hf-scatter-graphs",
+         "deepseek_v3-hf-scatter-layer-graphs")
 # "-experts": only the experts on hf-scatter's kernels (norms and router stay transformers' own);
 # "-graphs": the default patch plus moe_graphs=True (MoE blocks replayed as CUDA graphs);
+# "-layer-graphs": the default patch plus layer_graphs=True (whole decoder layers replayed as CUDA graphs);
 # "-liger": Liger-Kernel's patch for the family with its defaults
-_VARIANT_OPTIONS = {"experts": {"norms": False, "router": False}, "graphs": {"moe_graphs": True}}
+_VARIANT_OPTIONS = {"experts": {"norms": False, "router": False}, "graphs": {"moe_graphs": True},
+                    "layer-graphs": {"layer_graphs": True}}
 
 
 def _hf_config(family: str, cfg: TrainConfig):
@@ -145,7 +149,7 @@ def build_model(impl: str, cfg: TrainConfig, device: torch.device, dtype: torch.
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
     if patched:
-        patch_model(model, **_VARIANT_OPTIONS.get(choice.rsplit("-", 1)[-1], {}))
+        patch_model(model, **_VARIANT_OPTIONS.get(choice.removeprefix("hf-scatter").removeprefix("-"), {}))
     if fsdp:
         _fully_shard(model)
     return model.train()

@@ -21,7 +21,7 @@ from .experts import SCATTERMOE
 from .fused_loss import set_fused_loss
 from .fused_norms import FUSED_ADD_NORM, add_layer_norm
 from .pipeline_adapter import Dims, PipelineAdapter
-from .moe_graphs import set_moe_graphs
+from .training_graphs import set_moe_graphs
 from .registry import Family, PatchOptions, register_family
 from .spec import ModelSpec
 
@@ -106,6 +106,9 @@ def _jitters(ffn: DbrxFFN) -> bool:
 
 
 def patch_dbrx(model: nn.Module, options: PatchOptions, class_default: bool = False) -> None:
+    if options.layer_graphs:
+        raise ValueError("layer_graphs is not available for dbrx (its blocks take the attention mask and cache "
+                         "positionally); patch with moe_graphs=True to replay its MoE blocks as graphs")
     apply_swaps(model, [(DbrxExperts, ScatterMoEDbrxExperts, options.moe),
                         (DbrxExpertGLU, ScatterMoEDbrxExpertGLU, options.moe),
                         (DbrxNormAttentionNorm, FusedDbrxNormAttentionNorm, options.norms),

@@ -27,7 +27,7 @@ from .experts import SCATTERMOE, patch_interface_experts
 from .fused_loss import set_fused_loss
 from .fused_norms import FUSED_ADD_NORM, add_rms_norm, rms_norm
 from .fused_rope import FUSED_ROPE, rope_attention_forward
-from .moe_graphs import set_moe_graphs
+from .training_graphs import layer_uses_rng, set_layer_graphs, set_moe_graphs
 from .registry import Family, PatchOptions, register_family
 
 ROUTER_TOPK = "router_topk"
@@ -149,11 +149,17 @@ def patch_decoder_family(family: DecoderFamily, model: nn.Module, options: Patch
     patch_interface_experts(model, options, class_default)
     apply_swaps(model, _swaps(family, options))
     set_fused_loss(model, options.loss)
+    layers = [m for m in model.modules() if isinstance(m, family.decoder_layer)]
     if family.graphs:
-        layers = [m for m in model.modules() if isinstance(m, family.decoder_layer)
-                  and isinstance(getattr(m, family.mlp, None), family.moe_block)]
-        set_moe_graphs([getattr(layer, family.mlp) for layer in layers], layers, options.moe_graphs,
+        moe_layers = [m for m in layers if isinstance(getattr(m, family.mlp, None), family.moe_block)]
+        set_moe_graphs([getattr(layer, family.mlp) for layer in moe_layers], moe_layers, options.moe_graphs,
                        uses_rng=family.uses_rng, model=model)
+    if layers:
+        base = next((m for m in model.modules() if isinstance(getattr(m, "layers", None), nn.ModuleList)
+                     and any(layer is layers[0] for layer in m.layers)), None)
+        set_layer_graphs(layers, options.layer_graphs, model=model, base_model=base,
+                         uses_rng=functools.partial(layer_uses_rng, mlp=family.mlp, moe_block=family.moe_block,
+                                                    block_uses_rng=family.uses_rng))
 
 
 def default_to_scattermoe(self, requested_experts):

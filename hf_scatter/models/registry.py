@@ -19,7 +19,8 @@ from torch import nn
 @dataclass(frozen=True)
 class PatchOptions:
     """What :func:`hf_scatter.patch_model` replaces; every piece is on unless turned off, except
-    ``moe_graphs`` (opt-in: its captured graphs hold a training step's MoE activations in their own pool)."""
+    ``moe_graphs`` and ``layer_graphs`` (opt-in: their captured graphs hold a training step's activations in
+    their own pool)."""
 
     moe: bool = True  # experts on the ScatterMoE kernels
     norms: bool = True  # residual add + LayerNorm / RMSNorm in one fused kernel
@@ -28,6 +29,7 @@ class PatchOptions:
     cuda_graphs: bool = True  # BERT packed inference replays one CUDA graph per length bucket (CUDA only)
     fast_gelu: bool = True  # BERT packed half-precision inference: bias + GELU in the GEMM epilogue (tanh form)
     moe_graphs: bool = False  # MoE blocks of training steps replayed as CUDA graphs (CUDA only; fixed shapes)
+    layer_graphs: bool = False  # whole decoder layers of training steps replayed as CUDA graphs (same terms)
     loss: bool = True  # causal LMs in training: LM head + cross-entropy fused, no [tokens, vocab] logits
     rope: bool = True  # rotary embeddings of q and k in one kernel each way (Liger-Kernel's)
 
@@ -42,6 +44,9 @@ class PatchOptions:
                 raise TypeError(f"{caller}: option {name} must be True or False, got {value!r}")
         if options.get("moe_graphs") and not options.get("moe", True):
             raise ValueError(f"{caller}: moe_graphs=True replays the ScatterMoE experts' graphs; it needs moe=True")
+        if options.get("moe_graphs") and options.get("layer_graphs"):
+            raise ValueError(f"{caller}: layer_graphs=True already replays each MoE block inside its layer's graph; "
+                             "pass one of moe_graphs=True or layer_graphs=True")
         return cls(**options)
 
 

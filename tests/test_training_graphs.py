@@ -1,6 +1,6 @@
-"""patch_model(model, moe_graphs=True): MoE blocks of training steps replayed as CUDA graphs give the eager
-results (losses, weights, accumulated gradients), fall back to eager wherever a graph would not be valid, and
-refuse a backward that would replay out of order."""
+"""patch_model(model, moe_graphs=True / layer_graphs=True): MoE blocks or whole decoder layers of training
+steps replayed as CUDA graphs give the eager results (losses, weights, accumulated gradients), fall back to
+eager wherever a graph would not be valid, and refuse a backward that would replay out of order."""
 
 import copy
 
@@ -8,8 +8,12 @@ import pytest
 import torch
 
 import hf_scatter
-from hf_scatter.models.moe_graphs import IMPL, graphs_of
-from hf_scatter.tiny import tiny_dbrx, tiny_mixtral
+from hf_scatter.models.training_graphs import IMPL as GRAPHS_IMPL
+from hf_scatter.models.training_graphs import graphs_of
+from hf_scatter.tiny import TINY_BUILDERS, tiny_dbrx, tiny_mixtral
+
+IMPL = GRAPHS_IMPL["moe_graphs"]
+LAYER_IMPL = GRAPHS_IMPL["layer_graphs"]
 
 BUILDERS = {"mixtral": tiny_mixtral, "dbrx": tiny_dbrx}
 SIZES = dict(hidden=72, experts=6, top_k=3, intermediate=40, layers=3)
@@ -212,7 +216,7 @@ def test_moe_graphs_hand_gradients_over_without_a_copy_and_refuse_to_overwrite_a
 def test_moe_graphs_see_through_transformers_output_recorders_only_while_inactive():
     """transformers hooks every router once to record its logits on request: graphs must still be used while
     nobody asks for them (or no block would ever replay), and not while ``output_router_logits`` is on."""
-    from hf_scatter.models.moe_graphs import _output_recorder_only
+    from hf_scatter.models.training_graphs import _output_recorder_only
 
     model = hf_scatter.patch_model(tiny_mixtral(**SIZES).train(), moe_graphs=True)
     seen = []
@@ -226,3 +230,159 @@ def test_moe_graphs_see_through_transformers_output_recorders_only_while_inactiv
     assert seen == [True, False]
     block.gate.register_forward_hook(lambda m, args, out: None)  # anyone else's hook: never captured
     assert not _output_recorder_only(block.gate)
+
+
+# ------------------------------------------------------------------------------------------- layer graphs
+LAYER_FAMILIES = ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss"]
+LAYER_SIZES = dict(hidden=64, experts=6, top_k=3, intermediate=40, layers=3)
+
+
+def _layers(model):
+    return [m for m in model.modules() if graphs_of(m) is not None and graphs_of(m).kind == "layer_graphs"]
+
+
+def _layer_pair(family, device):
+    eager = hf_scatter.patch_model(TINY_BUILDERS[family](**LAYER_SIZES).to(device).train())
+    eager.set_attn_implementation("eager")  # deterministic attention backward: differences are ours
+    return eager, hf_scatter.patch_model(copy.deepcopy(eager), layer_graphs=True)
+
+
+@pytest.mark.parametrize("family", LAYER_FAMILIES)
+def test_layer_graphs_cover_every_decoder_layer_build_no_training_cache_and_unpatch(family):
+    model = hf_scatter.patch_model(TINY_BUILDERS[family](**LAYER_SIZES).train(), layer_graphs=True)
+    layers = _layers(model)
+    assert layers and layers == list(model.model.layers)  # DeepSeek's dense first layer too
+    report = hf_scatter.patch_report(model)
+    assert all(report[f"model.layers.{i}"].endswith(LAYER_IMPL) for i in range(len(layers)))
+    ids = _ids("cpu")
+    assert model(input_ids=ids, labels=ids).past_key_values is None  # a replay makes no cache updates
+    assert model(input_ids=ids, labels=ids, use_cache=True).past_key_values is not None  # asked for: eager
+    with torch.no_grad():
+        assert model(input_ids=ids, use_cache=True).past_key_values is not None
+    hf_scatter.unpatch_model(model)
+    assert not _layers(model) and "forward" not in model.model.__dict__
+    assert model(input_ids=ids, labels=ids).past_key_values is not None  # transformers' own default again
+
+
+def test_layer_graphs_refuse_what_they_cannot_replay():
+    with pytest.raises(ValueError, match="pass one of moe_graphs=True or layer_graphs=True"):
+        hf_scatter.patch_model(tiny_mixtral(), moe_graphs=True, layer_graphs=True)
+    with pytest.raises(ValueError, match="layer_graphs is not available for dbrx"):
+        hf_scatter.patch_model(tiny_dbrx(), layer_graphs=True)
+
+
+def test_a_layer_call_is_keyed_by_its_shapes_and_constants_and_refused_with_a_cache():
+    from transformers import DynamicCache
+
+    from hf_scatter.models.training_graphs import _side_inputs, _with_tensors
+
+    cos, sin, mask = torch.randn(1, 5, 8), torch.randn(1, 5, 8), torch.zeros(2, 1, 5, 5)
+    key, tensors = _side_inputs((), dict(position_embeddings=(cos, sin), attention_mask=mask, use_cache=False,
+                                         cache=None))
+    assert [t is u for t, u in zip(tensors, (cos, sin, mask))] == [True] * 3
+    args, kwargs = _with_tensors(key, [c := cos.clone(), s := sin.clone(), m := mask.clone()])
+    assert args == () and kwargs["position_embeddings"][0] is c and kwargs["position_embeddings"][1] is s
+    assert kwargs["attention_mask"] is m and kwargs["use_cache"] is False and kwargs["cache"] is None
+    same, _ = _side_inputs((), dict(position_embeddings=(sin, cos), attention_mask=mask.clone(), use_cache=False,
+                                    cache=None))
+    assert same == key
+    other, _ = _side_inputs((), dict(position_embeddings=(cos, sin), attention_mask=mask[:1], use_cache=False,
+                                     cache=None))
+    flag, _ = _side_inputs((), dict(position_embeddings=(cos, sin), attention_mask=mask, use_cache=True,
+                                    cache=None))
+    assert other != key and flag != key
+    assert _side_inputs((), dict(cache=DynamicCache())) is None
+    assert _side_inputs((), dict(position_embeddings=(cos.requires_grad_(), sin))) is None
+
+
+def _padded_batches(device, count=3, batch=2, length=24):
+    """Batches of one shape whose attention masks differ: a replay must read each step's own mask."""
+    out = []
+    for seed in range(count):
+        ids = _ids(device, batch, length, seed)
+        mask = torch.ones_like(ids)
+        mask[0, : 3 + 4 * seed] = 0  # left padding of another length every batch
+        labels = ids.masked_fill(mask == 0, -100)
+        out.append((ids, mask, labels))
+    return out
+
+
+def _train_padded(model, batches, steps, accumulate):
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses, grads = [], []
+    for step in range(steps):
+        for micro in range(accumulate):
+            ids, mask, labels = batches[(step * accumulate + micro) % len(batches)]
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            loss.backward()
+            losses.append(loss.item())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        opt.step()
+        opt.zero_grad(set_to_none=step % 2 == 0)
+    return losses, grads
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", LAYER_FAMILIES)
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_layer_graphs_training_matches_eager_with_each_steps_own_mask(family, accumulate):
+    eager, graphed = _layer_pair(family, "cuda")
+    batches = _padded_batches("cuda")
+    want, want_grads = _train_padded(eager, batches, 4, accumulate)
+    got, got_grads = _train_padded(graphed, batches, 4, accumulate)
+    graphs = graphs_of(_layers(graphed)[0])
+    n = len(_layers(graphed))
+    assert graphs.captured is not None and graphs.captured.replays >= n * (4 * accumulate - 1), graphs.failed
+    for step, (w, g) in enumerate(zip(want_grads, got_grads)):
+        assert w.keys() == g.keys()
+        for name in w:
+            torch.testing.assert_close(g[name], w[name], rtol=1e-5, atol=1e-6, msg=f"step {step}: {name}")
+    assert got == pytest.approx(want, rel=1e-5)
+    for (name, p), q in zip(eager.named_parameters(), graphed.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.gpu
+def test_layer_graphs_fall_back_where_a_replay_would_be_wrong():
+    eager, graphed = _layer_pair("qwen3_moe", "cuda")
+    graphs = graphs_of(_layers(graphed)[0])
+    n = len(_layers(graphed))
+    ids, other = _ids("cuda", seed=1), _ids("cuda", length=17, seed=2)
+
+    def step(model, **kwargs):
+        out = model(input_ids=kwargs.pop("input_ids", ids), labels=kwargs.pop("labels", ids), **kwargs)
+        out.loss.backward()
+        return out.loss.detach()
+
+    for model in (eager, graphed):
+        step(model)  # captures
+        model.zero_grad(set_to_none=True)
+    replays = graphs.captured.replays
+
+    def same(run):
+        want, got = run(eager), run(graphed)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        for (name, p), q in zip(eager.named_parameters(), graphed.parameters()):
+            if p.grad is not None:
+                torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
+        eager.zero_grad(set_to_none=True)
+        graphed.zero_grad(set_to_none=True)
+
+    def with_cache(model):  # a cache asked for: the layers update it eagerly
+        return step(model, use_cache=True)
+
+    def another_shape(model):
+        return step(model, input_ids=other, labels=other)
+
+    def checkpointed(model):
+        model.gradient_checkpointing_enable()
+        try:
+            return step(model)
+        finally:
+            model.gradient_checkpointing_disable()
+
+    for run in (with_cache, another_shape, checkpointed):
+        same(run)
+    assert graphs.captured.replays == replays
+    same(step)
+    assert graphs.captured.replays == replays + n
