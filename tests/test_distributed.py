@@ -1,8 +1,9 @@
 """Patched models inside PyTorch's FSDP2 (``fully_shard`` per decoder layer, then the root), on CPU with gloo
 and 2 processes: the losses and every parameter after 3 optimizer steps equal one process training on the
 same global batch, and the full state dict the engine gathers is a vanilla checkpoint (same names; a
-vanilla model loads it and gives the trained model's logits). Patching after sharding, and CUDA-graph
-replay of sharded parameters, are refused with an error and a warning that say what to do."""
+vanilla model loads it and gives the trained model's logits). transformers' expert parallelism (experts
+split across the ranks) trains a model patched at construction to the one-process result. Patching after sharding, and CUDA-graph replay of sharded parameters, are refused with an error and a
+warning that say what to do."""
 
 import pytest
 import torch
@@ -172,3 +173,66 @@ def test_graphs_of_a_model_sharded_after_patching_turn_off_with_one_warning(tmp_
     found = torch.load(out)
     assert len(found["warnings"]) == 1 and "FSDP2" in found["warnings"][0]
     assert not found["captured"] and all(loss == loss for loss in found["losses"])
+
+
+def _expert_parallel_config():
+    """(transformers' ``DistributedConfig`` splitting the experts across the ranks, whether the ranks share one
+    batch). Recent releases take ``ep_size`` (here with FSDP2 over the same ranks, each rank its own rows, the
+    tokens exchanged all-to-all); earlier 5.x releases ``enable_expert_parallel`` on the tensor-parallel group,
+    whose ranks share one batch and mask the routes to other ranks' experts."""
+    import dataclasses
+
+    from transformers.distributed import DistributedConfig
+
+    if "ep_size" in {f.name for f in dataclasses.fields(DistributedConfig)}:
+        return DistributedConfig(ep_size=WORLD, fsdp_size=WORLD), False
+    return DistributedConfig(enable_expert_parallel=True, tp_size=WORLD, fsdp_size=1), True
+
+
+def _expert_parallel_worker(rank: int, path: str, init_file: str, out: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        config, shared_batch = _expert_parallel_config()
+        hf_scatter.patch_transformers()
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, distributed_config=config, dtype=torch.float32)
+        finally:
+            hf_scatter.unpatch_transformers()
+        model.config.use_cache = False
+        experts = model.model.layers[0].mlp.experts
+        per_rank = ROWS // WORLD
+        rows = slice(None) if shared_batch else slice(rank * per_rank, (rank + 1) * per_rank)
+        losses = torch.stack(_train(model.train(), rows))
+        dist.all_reduce(losses)
+        torch.save({"losses": losses / WORLD, "report": hf_scatter.patch_report(model),
+                    "num_local": experts.num_experts,
+                    "local": {name: p.to_local().detach().clone() for name, p in experts.named_parameters()}},
+                   f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_expert_parallel_training_equals_one_process(tmp_path):
+    torch.manual_seed(0)
+    TINY_BUILDERS["qwen3_moe"](**SIZES).save_pretrained(tmp_path / "model")
+    out = str(tmp_path / "ep.pt")
+    mp.start_processes(_expert_parallel_worker, args=(str(tmp_path / "model"), str(tmp_path / "init"), out),
+                       nprocs=WORLD, start_method="spawn", join=True)
+    got = [torch.load(f"{out}.{rank}") for rank in range(WORLD)]
+
+    from transformers import AutoModelForCausalLM
+
+    single = hf_scatter.patch_model(AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32))
+    single.config.use_cache = False
+    want_losses = torch.stack(_train(single.train(), slice(None)))
+    experts = single.model.layers[0].mlp.experts
+    local = SIZES["experts"] // WORLD
+    for rank, result in enumerate(got):
+        assert result["num_local"] == local
+        assert result["report"]["model.layers.0.mlp.experts"].startswith("scattermoe")
+        torch.testing.assert_close(result["losses"], want_losses, **TOL)
+        for name, value in result["local"].items():  # this rank's experts after 3 steps: the same weights
+            torch.testing.assert_close(value, getattr(experts, name)[rank * local:(rank + 1) * local].detach(),
+                                       **TOL, msg=f"rank {rank}: {name}")

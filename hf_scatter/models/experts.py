@@ -91,14 +91,31 @@ def _fused_gate_form(experts: torch.nn.Module):
     return None
 
 
+def _maybe_expert_parallel(experts: nn.Module) -> bool:
+    """Whether ``experts`` may be a shard of an expert-parallel layer. Recent transformers flag one
+    (``_is_expert_parallel``); earlier 5.x releases only shrink ``num_experts`` to the local count and let the
+    router mark other ranks' routes, so any run with a process group may be one (the masking then costs two
+    elementwise ops on the [T, k] routing tensors)."""
+    return getattr(experts, "_is_expert_parallel", False) or (
+        torch.distributed.is_available() and torch.distributed.is_initialized())
+
+
+def _local_routes(num_local: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert parallelism: this rank holds ``num_local`` experts. transformers' all-to-all dispatch hands it
+    local ids only; its all-reduce dispatch (every rank sees the whole batch) marks a route to another rank's
+    expert with id ``num_local`` and weight 0. Such a route runs on the last local expert with weight 0, so it
+    adds nothing to the output nor to any gradient (transformers' batched_mm backend does the same)."""
+    off_rank = top_k_index >= num_local  # [T, k]
+    return top_k_index.clamp(max=num_local - 1), top_k_weights.masked_fill(off_rank, 0.0)
+
+
 def scattermoe_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                                top_k_weights: torch.Tensor) -> torch.Tensor:
     from ..moe.mlp import FusedSwiGLU, expert_mlp, glu_activation  # the kernels load on first use
 
-    if getattr(self, "_is_expert_parallel", False):
-        raise NotImplementedError(
-            f"experts_implementation='{SCATTERMOE}' does not run expert-parallel (sharded) experts yet; "
-            "use experts_implementation='grouped_mm' for expert parallelism")
+    if _maybe_expert_parallel(self):
+        top_k_index, top_k_weights = _local_routes(self.num_experts, top_k_index, top_k_weights)
 
     def kernel_layout(w: torch.Tensor) -> torch.Tensor:  # [E, d_in, d_out], a view either way
         return w if self.is_transposed else w.transpose(1, 2)
