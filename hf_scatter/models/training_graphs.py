@@ -114,7 +114,7 @@ def _with_tensors(key: tuple, tensors: list[torch.Tensor]) -> tuple[tuple, dict]
 
     spec, described = key
     it = iter(tensors)
-    leaves = [next(it) if isinstance(d, tuple) and d and d[0] is torch.Tensor else d for d in described]
+    leaves = [next(it) if isinstance(d, tuple) else d for d in described]  # constants are never tuples
     return tree_unflatten(leaves, spec)
 
 
