@@ -192,6 +192,9 @@ def _expert_parallel_config():
 def _expert_parallel_worker(rank: int, path: str, init_file: str, out: str) -> None:
     from transformers import AutoModelForCausalLM
 
+    import os
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD))  # what transformers reads
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
         config, shared_batch = _expert_parallel_config()
@@ -214,7 +217,9 @@ def _expert_parallel_worker(rank: int, path: str, init_file: str, out: str) -> N
         dist.destroy_process_group()
 
 
-def test_expert_parallel_training_equals_one_process(tmp_path):
+def test_expert_parallel_training_equals_one_process(tmp_path, monkeypatch):
+    # On CPU with gloo: transformers would place each rank on its own GPU where one is visible.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     torch.manual_seed(0)
     TINY_BUILDERS["qwen3_moe"](**SIZES).save_pretrained(tmp_path / "model")
     out = str(tmp_path / "ep.pt")
