@@ -136,6 +136,16 @@ def _deepseek(version):
     return config
 
 
+def _qwen3_next(hidden, layers, experts, top_k, intermediate, heads, kv_heads, vocab):
+    """Qwen3-Next's hybrid stack: linear-attention (gated delta net) layers with a full-attention layer every
+    second one, each with a routed MoE and a shared expert."""
+    return "Qwen3NextConfig", dict(intermediate_size=2 * intermediate, moe_intermediate_size=intermediate,
+                                   shared_expert_intermediate_size=intermediate + 8, num_experts=experts,
+                                   num_experts_per_tok=top_k, norm_topk_prob=True, head_dim=hidden // heads,
+                                   full_attention_interval=2, linear_num_key_heads=2, linear_num_value_heads=4,
+                                   linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4)
+
+
 def _gpt_oss(hidden, layers, experts, top_k, intermediate, heads, kv_heads, vocab):
     return "GptOssConfig", dict(intermediate_size=intermediate, num_local_experts=experts, num_experts_per_tok=top_k,
                                 head_dim=hidden // heads, sliding_window=8,
@@ -150,7 +160,8 @@ def _granitemoe(hidden, layers, experts, top_k, intermediate, heads, kv_heads, v
 
 # model_type -> (hidden, layers, experts, top_k, intermediate, heads, kv_heads, vocab) -> (config class, kwargs)
 _DECODER_CONFIGS = {"qwen3_moe": _qwen3_moe, "qwen2_moe": _qwen2_moe, "olmoe": _olmoe, "deepseek_v3": _deepseek(3),
-                    "deepseek_v2": _deepseek(2), "gpt_oss": _gpt_oss, "granitemoe": _granitemoe}
+                    "deepseek_v2": _deepseek(2), "gpt_oss": _gpt_oss, "granitemoe": _granitemoe,
+                    "qwen3_next": _qwen3_next}
 DECODER_FAMILIES = tuple(_DECODER_CONFIGS)
 
 

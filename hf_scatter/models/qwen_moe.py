@@ -1,6 +1,8 @@
-"""Qwen3-MoE, Qwen2-MoE and OLMoE: softmax -> top-k -> optional renormalisation (``norm_topk_prob``), Llama-style
-RMSNorm (Qwen3's and OLMoE's q/k norms included), experts on the ``"scattermoe"`` backend. Qwen2-MoE's shared
-expert and its sigmoid gate run as transformers has them, inside the (optionally graphed) MoE block."""
+"""Qwen3-MoE, Qwen2-MoE, OLMoE and Qwen3-Next: softmax -> top-k -> optional renormalisation (``norm_topk_prob``),
+Llama-style RMSNorm (Qwen3's and OLMoE's q/k norms included), experts on the ``"scattermoe"`` backend. Qwen2-MoE's
+and Qwen3-Next's shared expert and its sigmoid gate run as transformers has them, inside the (optionally graphed)
+MoE block. Qwen3-Next keeps its own norms (``(1 + weight)`` scaling, rounded after the weight), attention and
+linear attention; its router and experts are fused."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import functools
 from transformers.models.olmoe import modeling_olmoe as olmoe
 from transformers.models.qwen2_moe import modeling_qwen2_moe as qwen2
 from transformers.models.qwen3_moe import modeling_qwen3_moe as qwen3
+from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
 
 from ..kernels.norms import fused_add_rms_norm
 from .decoder_moe import DecoderFamily, register_decoder_family, softmax_topk_router_forward
@@ -61,3 +64,8 @@ OLMOE = register_decoder_family(DecoderFamily(
     moe_block=olmoe.OlmoeSparseMoeBlock, router=olmoe.OlmoeTopKRouter,
     router_forward=softmax_topk_router_forward, norm=olmoe.OlmoeRMSNorm, attention=olmoe.OlmoeAttention),
     pipeline_adapter=OlmoePipelineAdapter, spec=functools.partial(llama_style_spec, family="olmoe"))
+
+QWEN3_NEXT = register_decoder_family(DecoderFamily(
+    model_type="qwen3_next", pretrained=qwen3_next.Qwen3NextPreTrainedModel,
+    decoder_layer=qwen3_next.Qwen3NextDecoderLayer, moe_block=qwen3_next.Qwen3NextSparseMoeBlock,
+    router=qwen3_next.Qwen3NextTopKRouter, router_forward=softmax_topk_router_forward, norm=None))
