@@ -242,7 +242,7 @@ def test_bad_input_gets_clear_errors():
 
     llama = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1))
-    with pytest.raises(ValueError, match=r"model_type 'llama'.*Supported: bert, dbrx, deepseek_v2, .*, qwen3_moe, and"):
+    with pytest.raises(ValueError, match=r"model_type 'llama'.*Supported: bert, dbrx, deepseek_v2, .*, qwen3_moe, qwen3_next, and"):
         hf_scatter.patch_model(llama)
     with pytest.raises(TypeError, match="PreTrainedModel"):
         hf_scatter.patch_model(torch.nn.Linear(2, 2))
