@@ -78,13 +78,15 @@ def test_moe_graphs_needs_the_scattermoe_experts():
 
 def _train(model, batches, steps, accumulate):
     """Losses, and the accumulated gradients each optimizer step saw (SGD: AdamW's first steps are sign
-    descent, where float noise in a near-zero gradient flips a whole learning-rate-sized update)."""
+    descent, where float noise in a near-zero gradient flips a whole learning-rate-sized update). A batch is
+    input ids, or (ids, attention mask, labels)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     losses, grads = [], []
     for step in range(steps):
         for micro in range(accumulate):
-            ids = batches[(step * accumulate + micro) % len(batches)]
-            loss = model(input_ids=ids, labels=ids).loss
+            batch = batches[(step * accumulate + micro) % len(batches)]
+            ids, mask, labels = batch if isinstance(batch, tuple) else (batch, None, batch)
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
             loss.backward()
             losses.append(loss.item())
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
@@ -93,23 +95,28 @@ def _train(model, batches, steps, accumulate):
     return losses, grads
 
 
+def _assert_trained_alike(eager, graphed, trained_eager, trained_graphed, grad_atol):
+    """Every step's accumulated gradients, the losses and the final weights of two ``_train`` runs agree."""
+    (want, want_grads), (got, got_grads) = trained_eager, trained_graphed
+    for step, (w, g) in enumerate(zip(want_grads, got_grads)):
+        assert w.keys() == g.keys()
+        for name in w:
+            torch.testing.assert_close(g[name], w[name], rtol=1e-5, atol=grad_atol, msg=f"step {step}: {name}")
+    assert got == pytest.approx(want, rel=1e-5)
+    for (name, p), q in zip(eager.named_parameters(), graphed.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["mixtral", "dbrx"])
 @pytest.mark.parametrize("accumulate", [1, 3])
 def test_moe_graphs_training_matches_eager(family, accumulate):
     eager, graphed = _pair(family, "cuda")
     batches = [_ids("cuda", seed=s) for s in range(3)]
-    want, want_grads = _train(eager, batches, 4, accumulate)
-    got, got_grads = _train(graphed, batches, 4, accumulate)
+    trained_eager, trained_graphed = _train(eager, batches, 4, accumulate), _train(graphed, batches, 4, accumulate)
     captured = graphs_of(_blocks(graphed)[0]).captured
     assert captured is not None and captured.replays >= 3 * (4 * accumulate - 1)  # every step after the first
-    for step, (w, g) in enumerate(zip(want_grads, got_grads)):
-        assert w.keys() == g.keys()
-        for name in w:
-            torch.testing.assert_close(g[name], w[name], rtol=1e-5, atol=1e-7, msg=f"step {step}: {name}")
-    assert got == pytest.approx(want, rel=1e-5)
-    for (name, p), q in zip(eager.named_parameters(), graphed.parameters()):
-        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
+    _assert_trained_alike(eager, graphed, trained_eager, trained_graphed, grad_atol=1e-7)
 
 
 @pytest.mark.gpu
@@ -307,39 +314,17 @@ def _padded_batches(device, count=3, batch=2, length=24):
     return out
 
 
-def _train_padded(model, batches, steps, accumulate):
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    losses, grads = [], []
-    for step in range(steps):
-        for micro in range(accumulate):
-            ids, mask, labels = batches[(step * accumulate + micro) % len(batches)]
-            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-            loss.backward()
-            losses.append(loss.item())
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-        opt.step()
-        opt.zero_grad(set_to_none=step % 2 == 0)
-    return losses, grads
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", LAYER_FAMILIES)
 @pytest.mark.parametrize("accumulate", [1, 3])
 def test_layer_graphs_training_matches_eager_with_each_steps_own_mask(family, accumulate):
     eager, graphed = _layer_pair(family, "cuda")
     batches = _padded_batches("cuda")
-    want, want_grads = _train_padded(eager, batches, 4, accumulate)
-    got, got_grads = _train_padded(graphed, batches, 4, accumulate)
+    trained_eager, trained_graphed = _train(eager, batches, 4, accumulate), _train(graphed, batches, 4, accumulate)
     graphs = graphs_of(_layers(graphed)[0])
     n = len(_layers(graphed))
     assert graphs.captured is not None and graphs.captured.replays >= n * (4 * accumulate - 1), graphs.failed
-    for step, (w, g) in enumerate(zip(want_grads, got_grads)):
-        assert w.keys() == g.keys()
-        for name in w:
-            torch.testing.assert_close(g[name], w[name], rtol=1e-5, atol=1e-6, msg=f"step {step}: {name}")
-    assert got == pytest.approx(want, rel=1e-5)
-    for (name, p), q in zip(eager.named_parameters(), graphed.parameters()):
-        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
+    _assert_trained_alike(eager, graphed, trained_eager, trained_graphed, grad_atol=1e-6)
 
 
 @pytest.mark.gpu
