@@ -107,6 +107,17 @@ def _assert_trained_alike(eager, graphed, trained_eager, trained_graphed, grad_a
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def _assert_same_call(eager, graphed, run):
+    """``run(model)`` gives the same result and parameter gradients on both models; gradients then cleared."""
+    want, got = run(eager), run(graphed)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(eager.named_parameters(), graphed.parameters()):
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
+    eager.zero_grad(set_to_none=True)
+    graphed.zero_grad(set_to_none=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["mixtral", "dbrx"])
 @pytest.mark.parametrize("accumulate", [1, 3])
@@ -130,13 +141,7 @@ def test_moe_graphs_fall_back_where_a_replay_would_be_wrong():
     replays = graphs.captured.replays
 
     def same(run):
-        want, got = run(eager), run(graphed)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-        for (name, p), q in zip(eager.named_parameters(), graphed.parameters()):
-            if p.grad is not None:
-                torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
-        eager.zero_grad(set_to_none=True)
-        graphed.zero_grad(set_to_none=True)
+        _assert_same_call(eager, graphed, run)
 
     def two_forwards_one_backward(model):  # the second forward must not overwrite the first one's pool
         a, b = model(input_ids=ids, labels=ids).loss, model(input_ids=other, labels=other).loss
@@ -345,13 +350,7 @@ def test_layer_graphs_fall_back_where_a_replay_would_be_wrong():
     replays = graphs.captured.replays
 
     def same(run):
-        want, got = run(eager), run(graphed)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-        for (name, p), q in zip(eager.named_parameters(), graphed.parameters()):
-            if p.grad is not None:
-                torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
-        eager.zero_grad(set_to_none=True)
-        graphed.zero_grad(set_to_none=True)
+        _assert_same_call(eager, graphed, run)
 
     def with_cache(model):  # a cache asked for: the layers update it eagerly
         return step(model, use_cache=True)
