@@ -1,9 +1,11 @@
-"""Patched models inside PyTorch's FSDP2 (``fully_shard`` per decoder layer, then the root), on CPU with gloo
-and 2 processes: the losses and every parameter after 3 optimizer steps equal one process training on the
-same global batch, and the full state dict the engine gathers is a vanilla checkpoint (same names; a
-vanilla model loads it and gives the trained model's logits). transformers' expert parallelism (experts
-split across the ranks) trains a model patched at construction to the one-process result. Patching after sharding, and CUDA-graph replay of sharded parameters, are refused with an error and a
-warning that say what to do."""
+"""Patched models inside the engines users train with, on CPU with gloo and 2 processes. Under PyTorch's FSDP2
+(``fully_shard`` per decoder layer, then the root) and DeepSpeed ZeRO-3 (through accelerate, loaded already
+partitioned, as Trainer does it) the losses and every parameter after 3 optimizer steps equal one process
+training on the same global batch, and the full state dict the engine gathers is a vanilla checkpoint (same
+names; a vanilla model loads it and gives the trained model's logits). transformers' expert parallelism
+(experts split across the ranks) trains a model patched at construction to the one-process result. Patching
+after sharding, CUDA-graph replay of sharded parameters and experts that the ranks cannot split evenly are
+refused with an error or a warning that says what to do."""
 
 import pytest
 import torch
@@ -12,11 +14,12 @@ import torch.multiprocessing as mp
 
 import hf_scatter
 from hf_scatter.models.training_graphs import graphs_of
-from hf_scatter.models.sharding import FSDP2, sharded_by
-from hf_scatter.tiny import TINY_BUILDERS
+from hf_scatter.models.sharding import FSDP2, ZERO3, sharded_by
+from hf_scatter.tiny import DECODER_FAMILIES, TINY_BUILDERS
 
 SIZES = dict(hidden=72, experts=6, top_k=3, intermediate=40)  # odd sizes; 6 experts: 3 per rank
 WORLD, STEPS, ROWS, LENGTH = 2, 3, 4, 12
+ZERO3_FAMILIES = ("dbrx",) + DECODER_FAMILIES  # Mixtral: the 2-process ZeRO-3 test
 TOL = dict(rtol=1e-5, atol=1e-6)  # fp32: the ranks' gradients are averaged in another order than one process sums them
 
 
@@ -71,8 +74,12 @@ def test_fsdp2_training_equals_one_process_and_saves_a_vanilla_checkpoint(family
     out = str(tmp_path / "fsdp.pt")
     mp.start_processes(_fsdp_worker, args=(family, str(tmp_path / "init"), out), nprocs=WORLD,
                        start_method="spawn", join=True)
-    got = torch.load(out)
+    _assert_trained_like_one_process(family, torch.load(out))
 
+
+def _assert_trained_like_one_process(family: str, got: dict) -> None:
+    """``got``'s mean losses and gathered full state dict equal one process training on the whole batch, and
+    a vanilla transformers model loads that state dict and gives the trained model's logits."""
     single = _model(family)
     want_losses = torch.stack(_train(single, slice(None)))
     torch.testing.assert_close(got["losses"], want_losses, **TOL)
@@ -89,9 +96,138 @@ def test_fsdp2_training_equals_one_process_and_saves_a_vanilla_checkpoint(family
         torch.testing.assert_close(vanilla.eval()(ids).logits, single.eval()(ids).logits, **TOL)
 
 
-def _misuse_worker(rank: int, init_file: str, out: str) -> None:
-    import warnings
+def _zero3_worker(rank: int, path: str, init_file: str, out: str) -> None:
+    """ZeRO-3 the way Trainer runs it: with accelerate's DeepSpeed plugin in place, ``from_pretrained`` loads
+    the checkpoint already partitioned (``zero.Init``), the partitioned model is patched, accelerate prepares it
+    with the optimizer, and ``get_state_dict`` consolidates the parameters (Trainer's save path)."""
+    import os
 
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), DS_ACCELERATOR="cpu")
+    import deepspeed.ops
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+    from transformers import AutoModelForCausalLM
+
+    # DeepSpeed's shared-memory all-reduce for CPU would be compiled at start-up (half a minute): gloo does it.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        per_rank = ROWS // WORLD
+        config = {"train_micro_batch_size_per_gpu": per_rank, "gradient_accumulation_steps": 1,
+                  "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                        "stage3_gather_16bit_weights_on_model_save": True},
+                  # accelerate fills in a clip of 1.0 where the config names none; the one-process run has none
+                  "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True}
+        accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        partitioned = sharded_by(model)  # before the patch: ZeRO-3 partitioned the parameters at load
+        model.config.use_cache = False
+        model = hf_scatter.patch_model(model.train())
+        report = hf_scatter.patch_report(model)
+        engine, opt = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        ids = _batch()[rank * per_rank:(rank + 1) * per_rank]
+        losses = []
+        for _ in range(STEPS):
+            loss = engine(input_ids=ids, labels=ids).loss
+            accelerator.backward(loss)  # accelerate's DeepSpeed wrapper also steps the engine here
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        losses = torch.stack(losses)
+        dist.all_reduce(losses)
+        state = accelerator.get_state_dict(engine)
+        if rank == 0:
+            torch.save({"losses": losses / WORLD, "state": state, "engine": partitioned, "report": report}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_deepspeed_zero3_training_equals_one_process_and_saves_a_vanilla_checkpoint(family, tmp_path, monkeypatch):
+    pytest.importorskip("deepspeed")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # DeepSpeed's CPU accelerator, also on a GPU machine
+    torch.manual_seed(0)
+    TINY_BUILDERS[family](**SIZES).save_pretrained(tmp_path / "model")  # the weights _model starts from
+    out = str(tmp_path / "zero3.pt")
+    mp.start_processes(_zero3_worker, args=(str(tmp_path / "model"), str(tmp_path / "init"), out), nprocs=WORLD,
+                       start_method="spawn", join=True)
+    got = torch.load(out)
+    assert got["engine"] == ZERO3
+    assert any(how.startswith("scattermoe") for how in got["report"].values())
+    _assert_trained_like_one_process(family, got)
+
+
+def _zero3_families_worker(rank: int, path: str, init_file: str, out: str) -> None:
+    """Each decoder family in turn: loaded partitioned under ZeRO-3 (one process), patched, 2 SGD steps."""
+    import os
+
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", DS_ACCELERATOR="cpu")
+    import deepspeed.ops
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DeepSpeedPlugin
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
+    config = {"train_micro_batch_size_per_gpu": ROWS, "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    losses = {}
+    try:
+        for family in ZERO3_FAMILIES:
+            accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
+            model = AutoModelForCausalLM.from_pretrained(f"{path}/{family}", dtype=torch.float32)
+            assert sharded_by(model) == ZERO3, family
+            model.config.use_cache = False
+            model = hf_scatter.patch_model(model.train())
+            engine, opt = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+            losses[family] = []
+            for _ in range(2):
+                loss = engine(input_ids=_batch(), labels=_batch()).loss
+                accelerator.backward(loss)
+                opt.step()
+                opt.zero_grad()
+                losses[family].append(loss.item())
+            unset_hf_deepspeed_config()  # the next family starts from a fresh plugin
+            AcceleratorState._reset_state(True)
+        torch.save(losses, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_family_loaded_partitioned_by_zero3_trains_like_one_unpartitioned_process(tmp_path, monkeypatch):
+    """Patching reads modules, not parameter data: every family patched after ZeRO-3 partitioned it at load
+    trains 2 steps to the losses of the same patched model without DeepSpeed (float32, 1e-5). What is at stake
+    is which parameters the patched forwards reach, not the kernels (the interpreter is tested elsewhere):
+    both sides take the torch reference path."""
+    pytest.importorskip("deepspeed")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setenv("HF_SCATTER_KERNELS", "torch")
+    want = {}
+    for family in ZERO3_FAMILIES:
+        torch.manual_seed(0)
+        model = TINY_BUILDERS[family]()
+        model.save_pretrained(tmp_path / family)
+        model.config.use_cache = False
+        model = hf_scatter.patch_model(model.train())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        want[family] = []
+        for _ in range(2):
+            loss = model(input_ids=_batch(), labels=_batch()).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            want[family].append(loss.item())
+    out = str(tmp_path / "losses.pt")
+    mp.start_processes(_zero3_families_worker, args=(str(tmp_path), str(tmp_path / "init"), out), nprocs=1,
+                       start_method="spawn", join=True)
+    got = torch.load(out)
+    for family in ZERO3_FAMILIES:
+        assert got[family] == pytest.approx(want[family], rel=1e-5, abs=1e-6), family
+
+
+def _misuse_worker(rank: int, init_file: str, out: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=1)
@@ -241,3 +377,14 @@ def test_expert_parallel_training_equals_one_process(tmp_path, monkeypatch):
         for name, value in result["local"].items():  # this rank's experts after 3 steps: the same weights
             torch.testing.assert_close(value, getattr(experts, name)[rank * local:(rank + 1) * local].detach(),
                                        **TOL, msg=f"rank {rank}: {name}")
+
+
+def test_expert_parallel_over_ranks_that_do_not_divide_the_experts_is_refused(tmp_path, monkeypatch):
+    """5 experts over 2 ranks: construction stops with transformers' error naming both numbers, on every rank,
+    before any step (the patch adds nothing that would hide it)."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    TINY_BUILDERS["qwen3_moe"](**dict(SIZES, experts=5)).save_pretrained(tmp_path / "model")
+    with pytest.raises(mp.ProcessRaisedException, match="5 experts across 2"):
+        mp.start_processes(_expert_parallel_worker, args=(str(tmp_path / "model"), str(tmp_path / "init"),
+                                                          str(tmp_path / "ep.pt")),
+                           nprocs=WORLD, start_method="spawn", join=True)
