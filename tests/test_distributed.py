@@ -19,7 +19,8 @@ from hf_scatter.tiny import DECODER_FAMILIES, TINY_BUILDERS
 
 SIZES = dict(hidden=72, experts=6, top_k=3, intermediate=40)  # odd sizes; 6 experts: 3 per rank
 WORLD, STEPS, ROWS, LENGTH = 2, 3, 4, 12
-ZERO3_FAMILIES = ("dbrx",) + DECODER_FAMILIES  # Mixtral: the 2-process ZeRO-3 test
+ENGINE_FAMILIES = ("mixtral", "qwen3_moe")  # each engine trains both in one pair of processes
+ZERO3_FAMILIES = ("dbrx",) + DECODER_FAMILIES  # loaded partitioned in one process (Mixtral: the 2-process test)
 TOL = dict(rtol=1e-5, atol=1e-6)  # fp32: the ranks' gradients are averaged in another order than one process sums them
 
 
@@ -49,32 +50,36 @@ def _train(model, rows: slice) -> list[float]:
     return losses
 
 
-def _fsdp_worker(rank: int, family: str, init_file: str, out: str) -> None:
+def _fsdp_worker(rank: int, init_file: str, out: str) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
-        model = _model(family)
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-        per_rank = ROWS // WORLD
-        losses = torch.stack(_train(model, slice(rank * per_rank, (rank + 1) * per_rank)))
-        dist.all_reduce(losses)  # equal token counts per rank: the mean of the ranks' means is the global mean
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        found = {}
+        for family in ENGINE_FAMILIES:  # one pair of processes for both: starting them is most of the cost
+            model = _model(family)
+            for layer in model.model.layers:
+                fully_shard(layer)
+            fully_shard(model)
+            per_rank = ROWS // WORLD
+            losses = torch.stack(_train(model, slice(rank * per_rank, (rank + 1) * per_rank)))
+            dist.all_reduce(losses)  # equal token counts per rank: the mean of the ranks' means is the global mean
+            state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            found[family] = {"losses": losses / WORLD, "state": state}
         if rank == 0:
-            torch.save({"losses": losses / WORLD, "state": state}, out)
+            torch.save(found, out)
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
-def test_fsdp2_training_equals_one_process_and_saves_a_vanilla_checkpoint(family, tmp_path):
+def test_fsdp2_training_equals_one_process_and_saves_a_vanilla_checkpoint(tmp_path):
     out = str(tmp_path / "fsdp.pt")
-    mp.start_processes(_fsdp_worker, args=(family, str(tmp_path / "init"), out), nprocs=WORLD,
-                       start_method="spawn", join=True)
-    _assert_trained_like_one_process(family, torch.load(out))
+    mp.start_processes(_fsdp_worker, args=(str(tmp_path / "init"), out), nprocs=WORLD, start_method="spawn",
+                       join=True)
+    got = torch.load(out)
+    for family in ENGINE_FAMILIES:
+        _assert_trained_like_one_process(family, got[family])
 
 
 def _assert_trained_like_one_process(family: str, got: dict) -> None:
@@ -96,7 +101,7 @@ def _assert_trained_like_one_process(family: str, got: dict) -> None:
         torch.testing.assert_close(vanilla.eval()(ids).logits, single.eval()(ids).logits, **TOL)
 
 
-def _zero3_worker(rank: int, path: str, init_file: str, out: str) -> None:
+def _zero3_worker(rank: int, root: str, init_file: str, out: str) -> None:
     """ZeRO-3 the way Trainer runs it: with accelerate's DeepSpeed plugin in place, ``from_pretrained`` loads
     the checkpoint already partitioned (``zero.Init``), the partitioned model is patched, accelerate prepares it
     with the optimizer, and ``get_state_dict`` consolidates the parameters (Trainer's save path)."""
@@ -105,8 +110,10 @@ def _zero3_worker(rank: int, path: str, init_file: str, out: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), DS_ACCELERATOR="cpu")
     import deepspeed.ops
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
     from accelerate.utils import DeepSpeedPlugin
     from transformers import AutoModelForCausalLM
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     # DeepSpeed's shared-memory all-reduce for CPU would be compiled at start-up (half a minute): gloo does it.
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
@@ -118,43 +125,49 @@ def _zero3_worker(rank: int, path: str, init_file: str, out: str) -> None:
                                         "stage3_gather_16bit_weights_on_model_save": True},
                   # accelerate fills in a clip of 1.0 where the config names none; the one-process run has none
                   "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True}
-        accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        partitioned = sharded_by(model)  # before the patch: ZeRO-3 partitioned the parameters at load
-        model.config.use_cache = False
-        model = hf_scatter.patch_model(model.train())
-        report = hf_scatter.patch_report(model)
-        engine, opt = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
-        ids = _batch()[rank * per_rank:(rank + 1) * per_rank]
-        losses = []
-        for _ in range(STEPS):
-            loss = engine(input_ids=ids, labels=ids).loss
-            accelerator.backward(loss)  # accelerate's DeepSpeed wrapper also steps the engine here
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.detach())
-        losses = torch.stack(losses)
-        dist.all_reduce(losses)
-        state = accelerator.get_state_dict(engine)
+        found = {}
+        for family in ENGINE_FAMILIES:
+            accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
+            model = AutoModelForCausalLM.from_pretrained(f"{root}/{family}", dtype=torch.float32)
+            partitioned = sharded_by(model)  # before the patch: ZeRO-3 partitioned the parameters at load
+            model.config.use_cache = False
+            model = hf_scatter.patch_model(model.train())
+            report = hf_scatter.patch_report(model)
+            engine, opt = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+            ids = _batch()[rank * per_rank:(rank + 1) * per_rank]
+            losses = []
+            for _ in range(STEPS):
+                loss = engine(input_ids=ids, labels=ids).loss
+                accelerator.backward(loss)  # accelerate's DeepSpeed wrapper also steps the engine here
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.detach())
+            losses = torch.stack(losses)
+            dist.all_reduce(losses)
+            found[family] = {"losses": losses / WORLD, "state": accelerator.get_state_dict(engine),
+                             "engine": partitioned, "report": report}
+            unset_hf_deepspeed_config()  # the next family starts from a fresh plugin
+            AcceleratorState._reset_state(True)
         if rank == 0:
-            torch.save({"losses": losses / WORLD, "state": state, "engine": partitioned, "report": report}, out)
+            torch.save(found, out)
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
-def test_deepspeed_zero3_training_equals_one_process_and_saves_a_vanilla_checkpoint(family, tmp_path, monkeypatch):
+def test_deepspeed_zero3_training_equals_one_process_and_saves_a_vanilla_checkpoint(tmp_path, monkeypatch):
     pytest.importorskip("deepspeed")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # DeepSpeed's CPU accelerator, also on a GPU machine
-    torch.manual_seed(0)
-    TINY_BUILDERS[family](**SIZES).save_pretrained(tmp_path / "model")  # the weights _model starts from
+    for family in ENGINE_FAMILIES:
+        torch.manual_seed(0)
+        TINY_BUILDERS[family](**SIZES).save_pretrained(tmp_path / family)  # the weights _model starts from
     out = str(tmp_path / "zero3.pt")
-    mp.start_processes(_zero3_worker, args=(str(tmp_path / "model"), str(tmp_path / "init"), out), nprocs=WORLD,
+    mp.start_processes(_zero3_worker, args=(str(tmp_path), str(tmp_path / "init"), out), nprocs=WORLD,
                        start_method="spawn", join=True)
     got = torch.load(out)
-    assert got["engine"] == ZERO3
-    assert any(how.startswith("scattermoe") for how in got["report"].values())
-    _assert_trained_like_one_process(family, got)
+    for family in ENGINE_FAMILIES:
+        assert got[family]["engine"] == ZERO3, family
+        assert any(how.startswith("scattermoe") for how in got[family]["report"].values()), family
+        _assert_trained_like_one_process(family, got[family])
 
 
 def _zero3_families_worker(rank: int, path: str, init_file: str, out: str) -> None:

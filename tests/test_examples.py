@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 from transformers.distributed import DistributedConfig
@@ -21,6 +22,7 @@ def test_trainer_recipes_of_every_engine_train_alike_and_save_vanilla_checkpoint
     processes: FSDP2, ZeRO-3 and (where transformers has ``ep_size``) expert parallelism each train the patched
     model 2 Trainer steps and save a checkpoint a vanilla model loads without a missing or unexpected key.
     The engines see the same global batches, so their trained weights agree."""
+    pytest.importorskip("deepspeed")  # a dev extra (pip install -e ".[dev]")
     torch.manual_seed(0)
     TINY_BUILDERS["qwen3_moe"](**SIZES).save_pretrained(tmp_path / "model")
     start = AutoModelForCausalLM.from_pretrained(tmp_path / "model").state_dict()

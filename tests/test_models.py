@@ -417,3 +417,27 @@ def test_rope_rebinding_reaches_through_decorators():
     assert rebound(10, past=2) == 18 and _attention_like(10, past=2) == 22  # the original is untouched
     assert rebound.__wrapped__(10) == 9 and rebound.__name__ == "_attention_like"
     assert forward_with_global(_attention_like, "not_a_global_it_reads", None) is None
+
+
+@pytest.mark.gpu
+def test_a_missing_liger_kernel_is_said_once_per_op_and_the_step_stays_right(monkeypatch):
+    """liger-kernel is a dependency on Linux x86-64 but an image can lack it: the RoPE and the loss then take
+    transformers' ops and a chunked torch loss. Right results, but slower, so each says so once."""
+    from hf_scatter.kernels import backend
+    from hf_scatter.kernels import linear_cross_entropy as lce
+    from hf_scatter.models import fused_rope
+
+    monkeypatch.setattr(backend, "_warned", set())
+    monkeypatch.setattr(fused_rope, "_liger_rope", lambda: None)
+    monkeypatch.setattr(lce, "liger_available", lambda: False)
+    vanilla, patched = vanilla_and_patched("qwen3_moe", "cuda")
+    ids = _ids("cuda")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            loss = patched.train()(input_ids=ids, labels=ids).loss
+            loss.backward()
+    said = [str(w.message) for w in caught if "liger-kernel does not import" in str(w.message)]
+    assert sorted(m.split()[1] for m in said) == ["fused_rope", "linear_cross_entropy"], said
+    want = vanilla.train()(input_ids=ids, labels=ids).loss
+    torch.testing.assert_close(loss, want, rtol=1e-4, atol=1e-4)

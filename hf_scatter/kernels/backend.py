@@ -156,6 +156,17 @@ def use_triton(tensor: torch.Tensor, op: str) -> bool:
     return False
 
 
+def warn_missing_library(op: str, package: str, fallback: str) -> None:
+    """Once per op: a CUDA call took ``fallback`` because ``package``, a dependency of this platform, does not
+    import (an image that skipped it, a broken install). The step stays right, only slower, so it must be said."""
+    if op in _warned or torch.compiler.is_compiling():
+        return
+    _warned.add(op)
+    warnings.warn(f"hf_scatter: {op} runs {fallback} on CUDA because {package} does not import (it is a "
+                  f"dependency on Linux x86-64); `pip install {package}` for the fused kernel.", RuntimeWarning,
+                  stacklevel=3)
+
+
 def triton_runs(tensor: torch.Tensor, op: str) -> bool:
     """:func:`use_triton` for a kernel without a float64 variant: float64 always takes the torch reference."""
     return tensor.dtype != torch.float64 and use_triton(tensor, op)

@@ -19,6 +19,7 @@ import functools
 import torch
 from torch.autograd.function import once_differentiable
 
+from .backend import warn_missing_library
 from .checks import fail
 
 CHUNK_ROWS = 1024  # reference path: [1024, vocab] float32 logits at a time
@@ -84,6 +85,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         fail(op, f"labels must be [{hidden.shape[0]}] (one per row of hidden), got {tuple(labels.shape)}")
     if use_liger is None:
         use_liger = hidden.is_cuda and liger_available()
+        if hidden.is_cuda and not use_liger:
+            warn_missing_library(op, "liger-kernel", "a chunked torch loss (more memory, slower)")
     reduction = "mean" if num_items_in_batch is None else "sum"
     if use_liger:
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy

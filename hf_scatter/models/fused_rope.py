@@ -21,6 +21,8 @@ from typing import Callable
 
 import torch
 
+from ..kernels.backend import warn_missing_library
+
 FUSED_ROPE = "fused_rope"
 
 
@@ -42,6 +44,8 @@ def fused_rope(vanilla: Callable, full_head: bool = False) -> Callable:
     def apply(q, k, cos, sin, unsqueeze_dim=1):
         liger = _liger_rope()
         if liger is None or not q.is_cuda or unsqueeze_dim != 1 or q.dim() != 4 or cos.dim() != 3:
+            if liger is None and q.is_cuda:
+                warn_missing_library(FUSED_ROPE, "liger-kernel", "transformers' unfused RoPE ops")
             return vanilla(q, k, cos, sin, unsqueeze_dim)
         return liger.apply(q, k, cos, sin, None, 1, q.shape[-1] if full_head else None)
 
