@@ -146,6 +146,16 @@ def _qwen3_next(hidden, layers, experts, top_k, intermediate, heads, kv_heads, v
                                    linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4)
 
 
+def _qwen3_5_moe(hidden, layers, experts, top_k, intermediate, heads, kv_heads, vocab):
+    """Qwen3.5-MoE's text model: Qwen3-Next's hybrid stack (here linear attention, then full attention)."""
+    return "Qwen3_5MoeTextConfig", dict(moe_intermediate_size=intermediate, shared_expert_intermediate_size=intermediate + 8,
+                                        num_experts=experts, num_experts_per_tok=top_k, head_dim=hidden // heads,
+                                        layer_types=["linear_attention", "full_attention"] * (layers // 2)
+                                        + ["linear_attention"] * (layers % 2), linear_num_key_heads=2,
+                                        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                                        linear_conv_kernel_dim=4)
+
+
 def _gpt_oss(hidden, layers, experts, top_k, intermediate, heads, kv_heads, vocab):
     return "GptOssConfig", dict(intermediate_size=intermediate, num_local_experts=experts, num_experts_per_tok=top_k,
                                 head_dim=hidden // heads, sliding_window=8,
@@ -161,7 +171,7 @@ def _granitemoe(hidden, layers, experts, top_k, intermediate, heads, kv_heads, v
 # model_type -> (hidden, layers, experts, top_k, intermediate, heads, kv_heads, vocab) -> (config class, kwargs)
 _DECODER_CONFIGS = {"qwen3_moe": _qwen3_moe, "qwen2_moe": _qwen2_moe, "olmoe": _olmoe, "deepseek_v3": _deepseek(3),
                     "deepseek_v2": _deepseek(2), "gpt_oss": _gpt_oss, "granitemoe": _granitemoe,
-                    "qwen3_next": _qwen3_next}
+                    "qwen3_next": _qwen3_next, "qwen3_5_moe_text": _qwen3_5_moe}
 DECODER_FAMILIES = tuple(_DECODER_CONFIGS)
 
 

@@ -87,8 +87,17 @@ def decoder_layer_forward(mlp: str, scaled: bool) -> Callable:
 def softmax_topk_router_forward(self, hidden_states: torch.Tensor):
     """Qwen-style router: float32 softmax, top-k, optional renormalisation (``norm_topk_prob``), weights
     in the logits' dtype."""
-    router_logits = F.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)  # [T, E]
-    weights, indices = router_topk(router_logits, self.top_k, normalize="sum" if self.norm_topk_prob else None,
+    return _softmax_topk(self, hidden_states, self.norm_topk_prob)
+
+
+def renormalized_softmax_topk_router_forward(self, hidden_states: torch.Tensor):
+    """Qwen3.5-MoE's router: Qwen-style, always renormalised (its router has no ``norm_topk_prob``)."""
+    return _softmax_topk(self, hidden_states, True)
+
+
+def _softmax_topk(router: nn.Module, hidden_states: torch.Tensor, renormalize: bool):
+    router_logits = F.linear(hidden_states.reshape(-1, router.hidden_dim), router.weight)  # [T, E]
+    weights, indices = router_topk(router_logits, router.top_k, normalize="sum" if renormalize else None,
                                    softmax_dtype=torch.float32)
     return router_logits, weights.to(router_logits.dtype), indices
 

@@ -1,8 +1,9 @@
-"""Qwen3-MoE, Qwen2-MoE, OLMoE and Qwen3-Next: softmax -> top-k -> optional renormalisation (``norm_topk_prob``),
-Llama-style RMSNorm (Qwen3's and OLMoE's q/k norms included), experts on the ``"scattermoe"`` backend. Qwen2-MoE's
-and Qwen3-Next's shared expert and its sigmoid gate run as transformers has them, inside the (optionally graphed)
-MoE block. Qwen3-Next keeps its own norms (``(1 + weight)`` scaling, rounded after the weight), attention and
-linear attention; its router and experts are fused."""
+"""Qwen3-MoE, Qwen2-MoE, OLMoE, Qwen3-Next and Qwen3.5-MoE: softmax -> top-k -> optional renormalisation
+(``norm_topk_prob``; Qwen3.5-MoE always renormalises), Llama-style RMSNorm (Qwen3's and OLMoE's q/k norms included),
+experts on the ``"scattermoe"`` backend. The shared expert and its sigmoid gate (Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE)
+run as transformers has them, inside the (optionally graphed) MoE block. Qwen3-Next and Qwen3.5-MoE keep their own
+norms (``(1 + weight)`` scaling, rounded after the weight), attention and linear attention; their routers and
+experts are fused."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ import functools
 from transformers.models.olmoe import modeling_olmoe as olmoe
 from transformers.models.qwen2_moe import modeling_qwen2_moe as qwen2
 from transformers.models.qwen3_moe import modeling_qwen3_moe as qwen3
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qwen3_5
 from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
 
 from ..kernels.norms import fused_add_rms_norm
-from .decoder_moe import DecoderFamily, register_decoder_family, softmax_topk_router_forward
+from .decoder_moe import (DecoderFamily, register_decoder_family, renormalized_softmax_topk_router_forward,
+                          softmax_topk_router_forward)
 from .pipeline_adapter import LlamaStylePipelineAdapter
 from .spec import llama_style_spec
 
@@ -69,3 +72,11 @@ QWEN3_NEXT = register_decoder_family(DecoderFamily(
     model_type="qwen3_next", pretrained=qwen3_next.Qwen3NextPreTrainedModel,
     decoder_layer=qwen3_next.Qwen3NextDecoderLayer, moe_block=qwen3_next.Qwen3NextSparseMoeBlock,
     router=qwen3_next.Qwen3NextTopKRouter, router_forward=softmax_topk_router_forward, norm=None))
+
+# The text causal LM ("qwen3_5_moe_text"), and the same class under the multimodal checkpoints' model_type, which
+# AutoModelForCausalLM loads as the text model; the multimodal model's language layers are the same classes.
+QWEN3_5_MOE = [register_decoder_family(DecoderFamily(
+    model_type=model_type, pretrained=qwen3_5.Qwen3_5MoePreTrainedModel, decoder_layer=qwen3_5.Qwen3_5MoeDecoderLayer,
+    moe_block=qwen3_5.Qwen3_5MoeSparseMoeBlock, router=qwen3_5.Qwen3_5MoeTopKRouter,
+    router_forward=renormalized_softmax_topk_router_forward, norm=None)) for model_type in ("qwen3_5_moe_text",
+                                                                                           "qwen3_5_moe")]
