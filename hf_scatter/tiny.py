@@ -136,24 +136,26 @@ def _deepseek(version):
     return config
 
 
+_LINEAR_ATTENTION = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                         linear_value_head_dim=16, linear_conv_kernel_dim=4)  # the gated delta net's, tiny
+
+
 def _qwen3_next(hidden, layers, experts, top_k, intermediate, heads, kv_heads, vocab):
     """Qwen3-Next's hybrid stack: linear-attention (gated delta net) layers with a full-attention layer every
     second one, each with a routed MoE and a shared expert."""
     return "Qwen3NextConfig", dict(intermediate_size=2 * intermediate, moe_intermediate_size=intermediate,
                                    shared_expert_intermediate_size=intermediate + 8, num_experts=experts,
                                    num_experts_per_tok=top_k, norm_topk_prob=True, head_dim=hidden // heads,
-                                   full_attention_interval=2, linear_num_key_heads=2, linear_num_value_heads=4,
-                                   linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4)
+                                   full_attention_interval=2, **_LINEAR_ATTENTION)
 
 
 def _qwen3_5_moe(hidden, layers, experts, top_k, intermediate, heads, kv_heads, vocab):
     """Qwen3.5-MoE's text model: Qwen3-Next's hybrid stack (here linear attention, then full attention)."""
-    return "Qwen3_5MoeTextConfig", dict(moe_intermediate_size=intermediate, shared_expert_intermediate_size=intermediate + 8,
-                                        num_experts=experts, num_experts_per_tok=top_k, head_dim=hidden // heads,
-                                        layer_types=["linear_attention", "full_attention"] * (layers // 2)
-                                        + ["linear_attention"] * (layers % 2), linear_num_key_heads=2,
-                                        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-                                        linear_conv_kernel_dim=4)
+    kinds = ["linear_attention", "full_attention"] * (layers // 2) + ["linear_attention"] * (layers % 2)
+    return "Qwen3_5MoeTextConfig", dict(moe_intermediate_size=intermediate,
+                                        shared_expert_intermediate_size=intermediate + 8, num_experts=experts,
+                                        num_experts_per_tok=top_k, head_dim=hidden // heads, layer_types=kinds,
+                                        **_LINEAR_ATTENTION)
 
 
 def _gpt_oss(hidden, layers, experts, top_k, intermediate, heads, kv_heads, vocab):

@@ -101,53 +101,67 @@ def _assert_trained_like_one_process(family: str, got: dict) -> None:
         torch.testing.assert_close(vanilla.eval()(ids).logits, single.eval()(ids).logits, **TOL)
 
 
-def _zero3_worker(rank: int, root: str, init_file: str, out: str) -> None:
-    """ZeRO-3 the way Trainer runs it: with accelerate's DeepSpeed plugin in place, ``from_pretrained`` loads
-    the checkpoint already partitioned (``zero.Init``), the partitioned model is patched, accelerate prepares it
-    with the optimizer, and ``get_state_dict`` consolidates the parameters (Trainer's save path)."""
+def _as_zero3_rank(rank: int, world: int, init_file: str) -> None:
+    """This spawned process as a DeepSpeed rank on CPU: its environment, DeepSpeed's CPU accelerator, gloo."""
     import os
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), DS_ACCELERATOR="cpu")
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), DS_ACCELERATOR="cpu")
     import deepspeed.ops
+
+    # DeepSpeed's shared-memory all-reduce for CPU would be compiled at start-up (half a minute): gloo does it.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+
+
+def _zero3_config(rows: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": rows, "gradient_accumulation_steps": 1,
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                  "stage3_gather_16bit_weights_on_model_save": True},
+            # accelerate fills in a clip of 1.0 where the config names none; the one-process run has none
+            "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True}
+
+
+def _train_under_zero3(path: str, ids: torch.Tensor) -> dict:
+    """ZeRO-3 the way Trainer runs it: with accelerate's DeepSpeed plugin in place, ``from_pretrained`` loads the
+    checkpoint already partitioned (``zero.Init``), the partitioned model is patched, accelerate prepares it with
+    :func:`_train`'s optimizer, and ``get_state_dict`` consolidates the parameters (Trainer's save path). Returns
+    this rank's losses, the state dict (rank 0), the engine found at load and the patch report."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
     from accelerate.utils import DeepSpeedPlugin
     from transformers import AutoModelForCausalLM
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-    # DeepSpeed's shared-memory all-reduce for CPU would be compiled at start-up (half a minute): gloo does it.
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=_zero3_config(ids.shape[0])))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        partitioned = sharded_by(model)  # before the patch: ZeRO-3 partitioned the parameters at load
+        model.config.use_cache = False
+        model = hf_scatter.patch_model(model.train())
+        engine, opt = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        losses = []
+        for _ in range(STEPS):
+            loss = engine(input_ids=ids, labels=ids).loss
+            accelerator.backward(loss)  # accelerate's DeepSpeed wrapper also steps the engine here
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        return {"losses": torch.stack(losses), "state": accelerator.get_state_dict(engine), "engine": partitioned,
+                "report": hf_scatter.patch_report(model)}
+    finally:
+        unset_hf_deepspeed_config()  # the next model starts from a fresh plugin
+        AcceleratorState._reset_state(True)
+
+
+def _zero3_worker(rank: int, root: str, init_file: str, out: str) -> None:
+    _as_zero3_rank(rank, WORLD, init_file)
     try:
         per_rank = ROWS // WORLD
-        config = {"train_micro_batch_size_per_gpu": per_rank, "gradient_accumulation_steps": 1,
-                  "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                        "stage3_gather_16bit_weights_on_model_save": True},
-                  # accelerate fills in a clip of 1.0 where the config names none; the one-process run has none
-                  "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True}
         found = {}
         for family in ENGINE_FAMILIES:
-            accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
-            model = AutoModelForCausalLM.from_pretrained(f"{root}/{family}", dtype=torch.float32)
-            partitioned = sharded_by(model)  # before the patch: ZeRO-3 partitioned the parameters at load
-            model.config.use_cache = False
-            model = hf_scatter.patch_model(model.train())
-            report = hf_scatter.patch_report(model)
-            engine, opt = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
-            ids = _batch()[rank * per_rank:(rank + 1) * per_rank]
-            losses = []
-            for _ in range(STEPS):
-                loss = engine(input_ids=ids, labels=ids).loss
-                accelerator.backward(loss)  # accelerate's DeepSpeed wrapper also steps the engine here
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.detach())
-            losses = torch.stack(losses)
-            dist.all_reduce(losses)
-            found[family] = {"losses": losses / WORLD, "state": accelerator.get_state_dict(engine),
-                             "engine": partitioned, "report": report}
-            unset_hf_deepspeed_config()  # the next family starts from a fresh plugin
-            AcceleratorState._reset_state(True)
+            found[family] = _train_under_zero3(f"{root}/{family}", _batch()[rank * per_rank:(rank + 1) * per_rank])
+            dist.all_reduce(found[family]["losses"])  # equal token counts per rank: the mean of the ranks' means
+            found[family]["losses"] /= WORLD
         if rank == 0:
             torch.save(found, out)
     finally:
@@ -170,48 +184,19 @@ def test_deepspeed_zero3_training_equals_one_process_and_saves_a_vanilla_checkpo
         _assert_trained_like_one_process(family, got[family])
 
 
-def _zero3_families_worker(rank: int, path: str, init_file: str, out: str) -> None:
-    """Each decoder family in turn: loaded partitioned under ZeRO-3 (one process), patched, 2 SGD steps."""
-    import os
-
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", DS_ACCELERATOR="cpu")
-    import deepspeed.ops
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
-    from accelerate.utils import DeepSpeedPlugin
-    from transformers import AutoModelForCausalLM
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
-    config = {"train_micro_batch_size_per_gpu": ROWS, "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
-    losses = {}
+def _zero3_families_worker(rank: int, root: str, init_file: str, out: str) -> None:
+    """Each family in turn, loaded partitioned under ZeRO-3 in one process, trained on the whole batch."""
+    _as_zero3_rank(0, 1, init_file)
     try:
-        for family in ZERO3_FAMILIES:
-            accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
-            model = AutoModelForCausalLM.from_pretrained(f"{path}/{family}", dtype=torch.float32)
-            assert sharded_by(model) == ZERO3, family
-            model.config.use_cache = False
-            model = hf_scatter.patch_model(model.train())
-            engine, opt = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
-            losses[family] = []
-            for _ in range(2):
-                loss = engine(input_ids=_batch(), labels=_batch()).loss
-                accelerator.backward(loss)
-                opt.step()
-                opt.zero_grad()
-                losses[family].append(loss.item())
-            unset_hf_deepspeed_config()  # the next family starts from a fresh plugin
-            AcceleratorState._reset_state(True)
-        torch.save(losses, out)
+        found = {family: _train_under_zero3(f"{root}/{family}", _batch()) for family in ZERO3_FAMILIES}
+        torch.save({family: {"losses": r["losses"], "engine": r["engine"]} for family, r in found.items()}, out)
     finally:
         dist.destroy_process_group()
 
 
 def test_every_family_loaded_partitioned_by_zero3_trains_like_one_unpartitioned_process(tmp_path, monkeypatch):
     """Patching reads modules, not parameter data: every family patched after ZeRO-3 partitioned it at load
-    trains 2 steps to the losses of the same patched model without DeepSpeed (float32, 1e-5). What is at stake
+    trains 3 steps to the losses of the same patched model without DeepSpeed (float32, 1e-5). What is at stake
     is which parameters the patched forwards reach, not the kernels (the interpreter is tested elsewhere):
     both sides take the torch reference path."""
     pytest.importorskip("deepspeed")
@@ -223,21 +208,14 @@ def test_every_family_loaded_partitioned_by_zero3_trains_like_one_unpartitioned_
         model = TINY_BUILDERS[family]()
         model.save_pretrained(tmp_path / family)
         model.config.use_cache = False
-        model = hf_scatter.patch_model(model.train())
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        want[family] = []
-        for _ in range(2):
-            loss = model(input_ids=_batch(), labels=_batch()).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            want[family].append(loss.item())
+        want[family] = torch.stack(_train(hf_scatter.patch_model(model.train()), slice(None)))
     out = str(tmp_path / "losses.pt")
     mp.start_processes(_zero3_families_worker, args=(str(tmp_path), str(tmp_path / "init"), out), nprocs=1,
                        start_method="spawn", join=True)
     got = torch.load(out)
     for family in ZERO3_FAMILIES:
-        assert got[family] == pytest.approx(want[family], rel=1e-5, abs=1e-6), family
+        assert got[family]["engine"] == ZERO3, family
+        torch.testing.assert_close(got[family]["losses"], want[family], **TOL, msg=family)
 
 
 def _misuse_worker(rank: int, init_file: str, out: str) -> None:
