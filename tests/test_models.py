@@ -311,7 +311,9 @@ def test_gradient_checkpointing_gives_the_same_gradients(family, device):
 # with its grouped_mm experts fails it on CPU (aot_eager: "view size is not compatible"); on the H100 (inductor) the
 # patched model's gated-delta-net gradients (A_log) differ from eager beyond 1e-4 (vanilla not compared there).
 # Qwen3.5-MoE has the same linear attention.
-_COMPILE_FAMILIES = [pytest.param(f, marks=pytest.mark.xfail(reason="gated-delta-net linear attention under compile"))
+# Not run (8 s a family on CPU for a known failure); the reason shows in the report.
+_COMPILE_FAMILIES = [pytest.param(f, marks=pytest.mark.xfail(reason="gated-delta-net linear attention under compile",
+                                                             run=False))
                      if f in LINEAR_ATTENTION else f for f in FAMILIES]
 
 
