@@ -128,7 +128,8 @@ class _Captured:
     """One input signature's graphs for every block, sharing one memory pool, and the replay order state."""
 
     def __init__(self, blocks: list[nn.Module], forward: Callable, sample: torch.Tensor, extra_key: tuple | None = None,
-                 extra: list[torch.Tensor] = ()):
+                 extra: list[torch.Tensor] = (), kind: str = MOE_GRAPHS):
+        self.kind = kind  # MOE_GRAPHS or LAYER_GRAPHS: the option the errors tell the user to turn off
         self.signature = (_signature(sample), extra_key)
         self.extra_key = extra_key  # the blocks' other arguments (a decoder layer's cos/sin, mask): one per block
         self.static_extra = [[t.detach().clone() for t in extra] for _ in blocks]
@@ -215,9 +216,9 @@ class _Captured:
         live = self._live()
         if i not in live or i != max(live):
             raise RuntimeError(
-                "hf_scatter: the CUDA graphs of the MoE blocks replay backward once per forward and in reverse "
+                f"hf_scatter: the CUDA graphs of {self.kind} replay backward once per forward and in reverse "
                 f"layer order, but block {i}'s backward came {'again' if i not in live else 'out of order'}. "
-                "Patch without moe_graphs (patch_model(model, moe_graphs=False)) for retain_graph or "
+                f"Patch without {self.kind} (patch_model(model, {self.kind}=False)) for retain_graph or "
                 "interleaved backward passes.")
         del self.outstanding[i]
 
@@ -243,10 +244,11 @@ class _Captured:
                 gc.collect()  # a reference cycle that is garbage already
             if _storage_refs(grad) > refs:
                 raise RuntimeError(
-                    "hf_scatter: a gradient of an earlier step of the moe_graphs blocks is still referenced "
-                    f"(a tensor of shape {list(grad.shape)} kept after zero_grad?). With moe_graphs the blocks' "
+                    f"hf_scatter: a gradient of an earlier step of the {self.kind} blocks is still referenced "
+                    f"(a tensor of shape {list(grad.shape)} kept after zero_grad?). With {self.kind} the blocks' "
                     "gradients live in the CUDA graphs' memory, which this step's replays overwrite. Keep a copy "
-                    "instead (p.grad.clone()), or patch without moe_graphs (patch_model(model, moe_graphs=False)).")
+                    f"instead (p.grad.clone()), or patch without {self.kind} "
+                    f"(patch_model(model, {self.kind}=False)).")
 
 
 def _storage_refs(t: torch.Tensor) -> int:
@@ -282,9 +284,9 @@ class _Replay(torch.autograd.Function):
         captured.begin_backward(i)
         if _param_state(ctx.block) != captured.param_state[i]:
             raise RuntimeError(
-                "hf_scatter: the MoE block's parameters moved between its replayed forward and its backward "
+                "hf_scatter: the block's parameters moved between its replayed forward and its backward "
                 "(an engine that gathers parameters per pass?); the captured backward would read stale memory. "
-                "Patch without moe_graphs (patch_model(model, moe_graphs=False)).")
+                f"Patch without {captured.kind} (patch_model(model, {captured.kind}=False)).")
         static_dout = captured.static_dout[i]
         if static_dout.data_ptr() != dout.data_ptr():
             static_dout.copy_(dout)
@@ -359,7 +361,7 @@ class BlockGraphs:
             warnings.warn(_sharding_warning(engine, self.kind), RuntimeWarning, stacklevel=4)
             return None
         try:
-            return _Captured(self.blocks, self._eager, x, extra_key, extra)
+            return _Captured(self.blocks, self._eager, x, extra_key, extra, self.kind)
         except Exception as error:  # an op that cannot be captured: stay eager, say so once
             self.failed = True
             warnings.warn(f"hf_scatter: {self.kind} could not capture the blocks ({type(error).__name__}: "
