@@ -234,6 +234,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from .offload import ModelSpec, PlanError, Workload, load_profile, plot_roofline, search_policy
     from .offload.plan.hrm import HierarchicalRoofline
+    from .offload.runtime.offloaded import CGOPIPE_PLACEMENT
 
     _check_outputs(out=args.out, plot=args.plot)
     try:
@@ -248,7 +249,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         if gpu_memory is None:
             raise PlanError(f"profile {profile.name!r} has no GPU memory: pass --gpu-memory, e.g. 16GiB")
         hrm = HierarchicalRoofline(profile)
-        policy = search_policy(model, hrm, workload, gpu_memory, args.cpu_memory)
+        placements = [CGOPIPE_PLACEMENT] if args.placement == "cgopipe" else None
+        policy = search_policy(model, hrm, workload, gpu_memory, args.cpu_memory, placements=placements)
     except (ValueError, FileNotFoundError) as e:
         raise UsageError(str(e)) from None
     print(model.describe() + "\n")
@@ -381,6 +383,9 @@ def _add_plan(sub) -> None:
                                      "of this host and device")
     p.add_argument("--gpu", help="plan for this GPU on the profile's host (spec-sheet peaks): t4, l4, a100-40gb, "
                                  "h100-pcie")
+    p.add_argument("--placement", choices=("any", "cgopipe"), default="any",
+                   help="any: attention and experts each on the CPU or the GPU, as the HRM finds best (default); "
+                        "cgopipe: what hf_scatter.offload runs (attention on the CPU, experts on the GPU)")
     p.add_argument("--out", help="write model, profile, turning points and policy as JSON here")
     p.add_argument("--plot", help="draw the hierarchical roofline with the chosen operating points into this PNG")
     p.set_defaults(func=_cmd_plan)

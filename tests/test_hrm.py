@@ -446,3 +446,43 @@ def test_cpu_attention_follows_the_query_heads_beyond_the_measured_group():
     policy = Policy(64, 32)
     cpu = [decode_terms(hrm, m, policy, 120.0).evaluate(0, 0).terms["cpu"] for m in (mixtral, qwen3)]
     assert cpu[1] == pytest.approx(cpu[0], rel=1e-9)
+
+
+# ----- routed expert streaming -----
+def test_routed_streaming_prices_only_the_experts_a_batch_chooses_by_hand():
+    """8 experts, top-2: one row chooses 2 of them (a quarter of the expert bytes), four rows 8 (1 - 0.75^4) on
+    average. The link carries the dense rest plus that share, and the GPU waits for the chosen experts."""
+    model, prof = small_moe(), synthetic()
+    L, X = model.layer_weight_bytes, model.ffn_weight_bytes
+    for n, share in ((1, 0.25), (4, 1 - 0.75**4)):
+        every = decode_layer_time(Policy(n, n), model, prof, 100)
+        routed = decode_layer_time(Policy(n, n, routed_experts=True), model, prof, 100)
+        assert routed.link_weight_bytes == pytest.approx(L - X + share * X)  # nothing resident: dense rest streams
+        assert routed.terms["h2d"] == pytest.approx((L - X + share * X) / 10e9, rel=1e-3)  # + activations
+        assert every.link_weight_bytes == pytest.approx(L)
+        assert routed.terms["gpu_compute"] - every.terms["gpu_compute"] == pytest.approx(share * L / 10e9)
+        # 90% resident (more than the dense share): the chosen experts' share of the streamed 10%
+        mostly = decode_layer_time(Policy(n, n, weights_gpu_fraction=0.9, routed_experts=True), model, prof, 100)
+        assert mostly.link_weight_bytes == pytest.approx(share * 0.1 * L)
+    with pytest.raises(ValueError, match="experts_on_gpu"):
+        Policy(8, 8, experts_on_gpu=False, routed_experts=True)
+
+
+def test_the_search_streams_only_routed_experts_where_that_pays_and_says_so(capsys):
+    """Qwen3-30B-A3B (128 experts, top-8) in 16 GiB: a handful of requests choose few experts, so the plan
+    fetches only those; a thousand requests choose them all, so it pages every expert ahead."""
+    qwen = ModelSpec.from_config("qwen3-30b-a3b")
+    few = search_policy(qwen, ANCHORS, Workload(77, 128, num_requests=4), "16GiB", placements=[(False, True)])
+    many = search_policy(qwen, ANCHORS, Workload(77, 128, num_requests=1024), "16GiB", placements=[(False, True)])
+    assert few.routed_experts and not many.routed_experts
+    assert few.prediction.routed_experts == pytest.approx(qwen.active_experts(few.batch_size))
+    forced = predict(dataclasses.replace(few, routed_experts=False, prediction=None), qwen, ANCHORS,
+                     Workload(77, 128, num_requests=4), 16 * GiB)
+    assert few.tokens_per_s > 2 * forced.tokens_per_s  # the few requests stream a fraction of the bytes
+    experts = f"about {qwen.active_experts(few.batch_size):.1f} of 128 experts per layer and step"
+    assert experts in few.to_markdown() and "every expert, ahead of the stage" in many.to_markdown()
+    assert "Only the experts the batch's rows choose stream" in few.explain()
+    assert few.to_dict()["routed_experts"] is True
+    assert main(["plan", "--model", "qwen3-30b-a3b", "--gpu-memory", "16GiB", "--profile", "h100-host-anchors",
+                 "--num-requests", "4", "--prompt-len", "77", "--gen-len", "128", "--placement", "cgopipe"]) == 0
+    assert "routed only: about" in capsys.readouterr().out

@@ -13,7 +13,7 @@ from hf_scatter.offload import OffloadedModel, PlanError, Policy, plan_batches
 from hf_scatter.offload.plan.attention_buckets import length_buckets
 from hf_scatter.offload.runtime.cpu_attention import KVCache
 from hf_scatter.models.pipeline_adapter import LayerAttention, adapter_for
-from hf_scatter.offload.runtime.paging import Layout, PageTable, WeightStore, split_layer
+from hf_scatter.offload.runtime.paging import Layout, PageTable, WeightStore, WeightStreamer, split_layer
 from hf_scatter.tiny import TINY_BUILDERS, tiny_dbrx, tiny_mixtral
 
 
@@ -132,6 +132,67 @@ def test_greedy_tokens_equal_vanilla_generate_on_cpu(family, fraction):
         assert out[i, ids.shape[1]:].tolist()[:len(strip(alone[i], eos=eos))] == strip(alone[i], eos=eos)
     # the layers' weights moved into the store: the model keeps meta tensors only
     assert all(p.device.type == "meta" for p in model.parameters())
+
+
+@pytest.mark.parametrize("family", OFFLOADED)
+def test_routed_streaming_fetches_only_the_chosen_experts_and_keeps_every_token(family, monkeypatch):
+    """Decode stages load without their streamed expert columns; each micro-batch's chosen experts arrive after
+    its router. The columns of the experts no row chose are NaN (poisoned as each stage is entered), so
+    reading one would change the tokens. 8 experts, top-2: one row fetches exactly 2 per layer and step."""
+    model = BUILDERS[family](experts=8)
+    reqs = requests()
+    ids, mask = padded(reqs)
+    batched = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    first_alone = vanilla_new_tokens(model, reqs[:1], 6)[0]
+    enter = WeightStreamer.enter
+
+    def enter_poisoned(self, stage):
+        weights = enter(self, stage)
+        load = self.slot_load[self.current] if self.current is not None else None
+        if load is not None and load.present == set():  # a routed stage, nothing fetched yet
+            a, b = self.store.expert_spans[stage]
+            self.store.slots[self.current][a:b].fill_(255)  # every float NaN
+        return weights
+
+    monkeypatch.setattr(WeightStreamer, "enter", enter_poisoned)
+    off = hf_scatter.offload(model, gpu_memory="1GiB", device="cpu", policy=Policy(3, 2, routed_experts=True),
+                             progress=False)
+    result = off.generate(ids, attention_mask=mask, max_new_tokens=6, return_dict=True, progress=False)
+    assert torch.equal(result.sequences, batched)
+    k = off.dims.top_k
+    assert result.stats["routed_batches"] == 3  # 7 requests in batches of 3, 3 and 1
+    assert k <= result.stats["routed_experts_per_layer_step"] <= 3 * k
+    one = off.generate(ids[:1, -len(reqs[0]):], max_new_tokens=6, return_dict=True, progress=False)
+    assert one.tokens[0] == first_alone
+    assert one.stats["routed_experts_per_layer_step"] == k
+    off.expert_streaming = "all"  # every expert paged ahead: nothing fetched after routing, nothing poisoned
+    every = off.generate(ids, attention_mask=mask, max_new_tokens=6, return_dict=True, progress=False)
+    assert torch.equal(every.sequences, batched)
+    assert every.stats["routed_batches"] == 0 and every.stats["routed_experts_fetched"] == 0
+    with pytest.raises(ValueError, match="expert_streaming must be one of 'auto', 'routed', 'all'"):
+        off.expert_streaming = "some"
+
+
+def test_routed_pages_skip_the_expert_columns_and_nothing_else():
+    table = PageTable()
+    table.add("post.o", (100,), torch.float32)
+    table.add("streamed.gate_up", (8, 64), torch.float32)
+    table.add("streamed.down", (8, 32), torch.float32)
+    table.add("pre.qkv", (300,), torch.float32)
+    a, b = table.span("streamed.")
+    assert (a, b) == (table.entries["streamed.gate_up"].offset,
+                      table.entries["streamed.down"].offset + table.entries["streamed.down"].nbytes)
+    pages = table.pages(3, skip=(a, b))
+    covered = sorted(pages)
+    assert all(q[1] <= a or q[0] >= b for q in covered)  # nothing of the experts
+    assert covered[0][0] == 0 and covered[-1][1] == table.nbytes
+    assert sum(q[1] - q[0] for q in covered) == table.nbytes - (b - a)  # everything else, once
+    assert table.span("resident.") is None
+    interleaved = PageTable()
+    for name in ("streamed.a", "post.o", "streamed.b"):
+        interleaved.add(name, (4,), torch.float32)
+    with pytest.raises(ValueError, match="not contiguous"):
+        interleaved.span("streamed.")
 
 
 def test_padding_side_and_prompts_with_a_tokenizer(tokenizer):

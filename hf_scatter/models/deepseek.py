@@ -183,10 +183,10 @@ class DeepseekPipelineAdapter(LlamaStylePipelineAdapter):
         values = torch.bmm(latent.transpose(0, 1), w["w_uv"].transpose(1, 2))  # [H, T, v]
         return F.linear(values.transpose(0, 1).reshape(T, H * self._v), w["o"], w.get("o_bias"))
 
-    def _mlp(self, w, expert_parts, normed):
+    def _mlp(self, w, expert_parts, normed, fetch=None):
         if "dense_gate_up" in w:  # one of the first dense layers
             return _dense_mlp(w, "dense", normed, self._glu)
-        return super()._mlp(w, expert_parts, normed) + _dense_mlp(w, "shared", normed, self._glu)
+        return super()._mlp(w, expert_parts, normed, fetch) + _dense_mlp(w, "shared", normed, self._glu)
 
     def _route(self, w, normed):
         logits = F.linear(normed.float(), w["router"].float())  # [T, E], as the router computes them

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -148,20 +149,24 @@ class PipelineAdapter:
         k.copy_(k_rot)
         return qkv
 
-    def post(self, w: dict, expert_parts: list[dict], x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """Post-attention: the layer's output hidden state (the next residual)."""
+    def post(self, w: dict, expert_parts: list[dict], x: torch.Tensor, attn: torch.Tensor,
+             fetch: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """Post-attention: the layer's output hidden state (the next residual). ``fetch``: called with the
+        chosen experts [T, k] before any expert part is read (routed streaming brings them in then)."""
         o = self._attention_output(w, attn)
         normed, summed = self._post_norm(w, o, x)
-        return summed + self._mlp(w, expert_parts, normed)
+        return summed + self._mlp(w, expert_parts, normed, fetch)
 
     def _attention_output(self, w: dict, attn: torch.Tensor) -> torch.Tensor:
         """The output projection of the attention ``attn`` [T, q] (optional bias ``o_bias``)."""
         return F.linear(attn, w["o"], w.get("o_bias"))
 
-    def _mlp(self, w: dict, expert_parts: list[dict], normed: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, w: dict, expert_parts: list[dict], normed: torch.Tensor, fetch=None) -> torch.Tensor:
         """The routed experts of ``normed`` [T, H], summed over their column parts; ``down_bias`` [E, H] (an
         expert's output bias) is added once however many parts the expert is split into."""
         gates, experts = self._route(w, normed)
+        if fetch is not None:
+            fetch(experts)
         routing = flatten_sort_count(experts, self.dims.experts, validate=False)  # one sort for every part
         out = None
         for part in expert_parts:

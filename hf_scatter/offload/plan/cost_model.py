@@ -8,7 +8,9 @@ takes as long as its busiest resource::
 
 Each term is the sum over the micro-batches of that resource's work (see ``docs/offload.md`` for the
 formulas). ``T_chain`` is the data dependency of one micro-batch (GPU -> CPU -> GPU): with few micro-batches
-the GPU and CPU cannot overlap. Given the discrete choices (N, mu, attention and FFN placement), every term
+the GPU and CPU cannot overlap. With routed streaming the link carries only the chosen experts' share of
+the expert columns, but the GPU waits for them after each micro-batch's router (a term of its own in
+``T_gpu_compute``). Given the discrete choices (N, mu, attention and FFN placement), every term
 and every memory use is *affine* in the two fractions (weights on GPU ``x``, KV cache on GPU ``y``), so
 :class:`Lin` carries them symbolically: evaluating at a point gives the prediction, and the policy search
 minimises the same expressions exactly.
@@ -120,6 +122,8 @@ class Prediction:
     balance_batch_size: float | None
     uncalibrated: list
     notes: list
+    routed_experts: float | None = None  # routed streaming: experts of a layer fetched per decode step (expected)
+    experts: int = 0  # routed experts per layer
 
     @property
     def gpu_memory_total(self) -> float:
@@ -148,7 +152,7 @@ class Terms:
 
     pieces: dict  # resource -> list[Lin]
     ops: dict  # name -> (device, flops, bytes, link bytes, seconds), each a Lin
-    link_weight_bytes: Lin
+    link_weight_bytes: list  # the max of these Lins
     context_len: float
 
     def all_pieces(self) -> list[Lin]:
@@ -159,7 +163,8 @@ class Terms:
         bottleneck = max(terms, key=terms.get)
         ops = {name: OpTime(name, dev, flops.at(x, y), nbytes.at(x, y), link.at(x, y), secs.at(x, y))
                for name, (dev, flops, nbytes, link, secs) in self.ops.items()}
-        return LayerTime(terms[bottleneck], terms, bottleneck, ops, self.context_len, self.link_weight_bytes.at(x, y))
+        return LayerTime(terms[bottleneck], terms, bottleneck, ops, self.context_len,
+                         max(p.at(x, y) for p in self.link_weight_bytes))
 
 
 def _micro_batches(policy: Policy) -> list[tuple[int, int]]:
@@ -168,14 +173,36 @@ def _micro_batches(policy: Policy) -> list[tuple[int, int]]:
     return [(policy.micro_batch_size, full)] + ([(rest, 1)] if rest else [])
 
 
-def _link_pieces(hrm: HierarchicalRoofline, h2d: Lin, d2h: Lin, h2d_copies: float, d2h_copies: float,
+def _link_pieces(hrm: HierarchicalRoofline, h2d: Lin | list, d2h: Lin, h2d_copies: float, d2h_copies: float,
                  cpu_dram: Lin) -> dict:
+    """The link and host-memory terms; ``h2d``: the bytes up, or several Lins whose max they are."""
+    ups = h2d if isinstance(h2d, list) else [h2d]
     return {
-        "h2d": [h2d / hrm.roofs.link_bandwidth + h2d_copies * hrm.latency_s],
+        "h2d": [up / hrm.roofs.link_bandwidth + h2d_copies * hrm.latency_s for up in ups],
         "d2h": [d2h / hrm.d2h_bandwidth + d2h_copies * hrm.latency_s],
-        "link_duplex": [(h2d + d2h) / hrm.duplex_bandwidth],
-        "host_memory": [(h2d + d2h + cpu_dram) / hrm.host_dram_bandwidth],
+        "link_duplex": [(up + d2h) / hrm.duplex_bandwidth for up in ups],
+        "host_memory": [(up + d2h + cpu_dram) / hrm.host_dram_bandwidth for up in ups],
     }
+
+
+ROUTED_COPIES_PER_EXPERT = 2  # routed streaming copies an expert's input and output projection columns
+
+
+def routed_share(model: ModelSpec, rows: float) -> float:
+    """The share of a layer's experts ``rows`` decode rows choose between them (uniform top-k routing): what
+    routed streaming fetches of the streamed expert columns at one stage."""
+    return model.active_experts(rows) / model.experts
+
+
+def _routed_weights(model: ModelSpec, policy: Policy) -> tuple[list, Lin]:
+    """Routed streaming: (the streamed weight bytes as Lins whose max they are, the expert bytes fetched after
+    routing). Residency keeps dense tensors first, so below the dense share ``D`` of a layer (``L`` bytes)
+    the dense rest and the chosen experts stream (``D - xL + f X``), above it only the chosen experts' share
+    of what streams (``f (1 - x) L``)."""
+    f = routed_share(model, policy.batch_size)
+    layer, experts = model.layer_weight_bytes, model.ffn_weight_bytes
+    experts_only = on_cpu_share(layer) * f
+    return [Lin(layer - experts + f * experts, -layer), experts_only], experts_only
 
 
 def attention_calls(size: int, workload: Workload | None, row_token_bytes: float, call_s: float, byte_s: float
@@ -246,7 +273,12 @@ def decode_terms(hrm: HierarchicalRoofline, model: ModelSpec, policy: Policy, co
 
     n_ub = policy.num_micro_batches
     streamed = model.layer_weight_bytes - (0 if policy.experts_on_gpu else model.ffn_weight_bytes)
-    weights = on_cpu_share(streamed)
+    weights = [on_cpu_share(streamed)]
+    fetch = Lin()  # routed streaming: the compute stream waits while the chosen experts arrive
+    if policy.routed_experts:
+        weights, fetched = _routed_weights(model, policy)
+        copies = ROUTED_COPIES_PER_EXPERT * model.active_experts(n_seq)
+        fetch = fetched / hrm.roofs.link_bandwidth + (n_ub + copies) * hrm.latency_s + n_ub * hrm.launch_s
     activations_h2d, activations_d2h, kv_stream = 0.0, 0.0, Lin()
     if policy.attention_on_gpu:
         kv_stream = Lin(n_seq * context_len * kvb, 0, -n_seq * context_len * kvb)  # CPU-resident KV to GPU
@@ -261,7 +293,7 @@ def decode_terms(hrm: HierarchicalRoofline, model: ModelSpec, policy: Policy, co
         activations_h2d += n_seq * model.hidden * b
         activations_d2h += n_seq * model.hidden * b
         copies_d2h += n_ub
-    h2d = weights + kv_stream + activations_h2d
+    h2d = [w + kv_stream + activations_h2d for w in weights]
     d2h = d2h + activations_d2h
     copies_h2d = n_ub * (2 + (not policy.experts_on_gpu))  # weight page, attention output or KV, FFN output
     # Link bytes of each op, for the roofline plot: its weights' CPU share, and the streamed KV.
@@ -271,8 +303,11 @@ def decode_terms(hrm: HierarchicalRoofline, model: ModelSpec, policy: Policy, co
             link = kv_stream
         elif dev == "gpu" and name != "ffn (GPU share)":
             link = on_cpu_share(_op_weight_bytes(model, name))
+            if name == "ffn" and policy.routed_experts:
+                link = link * routed_share(model, n_seq)
         ops[name] = (dev, flops, nbytes, link, secs)
 
+    gpu, launches = gpu + fetch, launches + fetch
     pieces = {"gpu_compute": [gpu], "gpu_launch": [launches], "cpu": [cpu]}
     pieces.update(_link_pieces(hrm, h2d, d2h, copies_h2d, copies_d2h, cpu_dram))
     cpu_involved = not policy.attention_on_gpu or not policy.experts_on_gpu
@@ -307,13 +342,13 @@ def prefill_terms(hrm: HierarchicalRoofline, model: ModelSpec, policy: Policy, w
         launches += math.ceil(chunks) * op.kernels * hrm.launch_s
         link = on_cpu_share(_op_weight_bytes(model, name))
         ops[name] = ("gpu", Lin(chunks * op.flops), Lin(chunks * op.bytes), link, seconds)
-    weights = on_cpu_share(model.layer_weight_bytes)
+    weights = on_cpu_share(model.layer_weight_bytes)  # every expert: a prefill chunk routes to all of them
     kv = tokens * model.kv_bytes_per_token
     d2h = Lin(kv, 0, -kv) if policy.attention_on_gpu else Lin(kv)
     pieces = {"gpu_compute": [gpu], "gpu_launch": [Lin(launches)], "cpu": []}
     pieces.update(_link_pieces(hrm, weights, d2h, math.ceil(chunks), math.ceil(chunks), Lin()))
     pieces["dependency_chain"] = []
-    return Terms(pieces, ops, weights, workload.prompt_len)
+    return Terms(pieces, ops, [weights], workload.prompt_len)
 
 
 def head_seconds(hrm: HierarchicalRoofline, model: ModelSpec, policy: Policy) -> float:
@@ -433,7 +468,9 @@ def predict(policy: Policy, model: ModelSpec, profile, workload: Workload, gpu_m
         batch_s=batch_s, tokens_per_s=policy.batch_size * workload.gen_len / batch_s,
         gpu_memory={k: v.at(x, y) for k, v in gpu_mem.items()}, cpu_memory={k: v.at(x, y) for k, v in cpu_mem.items()},
         gpu_limit=gpu_limit, gpu_usable=gpu_limit * (1 - options.gpu_margin), cpu_limit=cpu_limit,
-        balance_batch_size=balance, uncalibrated=list(hrm.uncalibrated), notes=_notes(prof, gpu_limit, cpu_limit))
+        balance_batch_size=balance, uncalibrated=list(hrm.uncalibrated), notes=_notes(prof, gpu_limit, cpu_limit),
+        routed_experts=model.active_experts(policy.batch_size) if policy.routed_experts else None,
+        experts=model.experts)
 
 
 def _notes(profile: HardwareProfile, gpu_limit: float, cpu_limit: float) -> list[str]:

@@ -68,7 +68,9 @@ class Policy:
     same fraction of every layer's weights, and a fraction of the KV cache, kept on the GPU. The rest lives in
     CPU memory: each layer's CPU share of the weights streams to the GPU every step (or, with the FFN on the
     CPU, its expert share is computed there), and the CPU KV cache is read by CPU attention or streamed to
-    GPU attention. ``prediction`` is filled by :func:`~hf_scatter.offload.search_policy` and
+    GPU attention. ``routed_experts``: each decode step fetches the streamed columns of only the experts the
+    batch's rows choose, after routing, instead of every expert's ahead of time (pays when few rows touch
+    few experts). ``prediction`` is filled by :func:`~hf_scatter.offload.search_policy` and
     :func:`~hf_scatter.offload.predict`."""
 
     batch_size: int
@@ -77,6 +79,7 @@ class Policy:
     experts_on_gpu: bool = True
     weights_gpu_fraction: float = 0.0
     kv_gpu_fraction: float = 0.0
+    routed_experts: bool = False
     prediction: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
@@ -90,6 +93,8 @@ class Policy:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if self.kv_gpu_fraction > 0 and not self.attention_on_gpu:
             raise ValueError("kv_gpu_fraction > 0 needs attention_on_gpu=True (CPU attention reads a CPU KV cache)")
+        if self.routed_experts and not self.experts_on_gpu:
+            raise ValueError("routed_experts=True streams the experts the GPU computes; it needs experts_on_gpu=True")
 
     @property
     def num_micro_batches(self) -> int:
@@ -119,8 +124,9 @@ class Policy:
         attention = "GPU" if self.attention_on_gpu else "CPU"
         kv = (f"{self.kv_gpu_fraction:.0%} of the KV cache on the GPU, the rest streamed from CPU memory"
               if self.attention_on_gpu else "KV cache in CPU memory")
+        routed = ", only the chosen experts' columns streamed after routing" if self.routed_experts else ""
         return (f"attention on the {attention} ({kv}), expert FFN on the {'GPU' if self.experts_on_gpu else 'CPU'}, "
-                f"{self.weights_gpu_fraction:.1%} of the layer weights resident on the GPU")
+                f"{self.weights_gpu_fraction:.1%} of the layer weights resident on the GPU{routed}")
 
     def explain(self) -> str:
         """One paragraph: what runs where, which resource bounds the time, what limits going faster."""
@@ -133,6 +139,9 @@ class Policy:
         streamed = d.link_weight_bytes
         if streamed > 0:
             text += f"Each layer streams {format_bytes(streamed)} of weights to the GPU per decode step. "
+        if p.routed_experts is not None:
+            text += (f"Only the experts the batch's rows choose stream: about {p.routed_experts:.1f} of {p.experts} per "
+                     "layer and decode step (uniform routing), fetched once the router has chosen. ")
         text += (f"Per layer and decode step (mean context {d.context_len:.0f}) the GPU needs "
                  f"{ms(max(d.terms['gpu_compute'], d.terms['gpu_launch']))}, the CPU {ms(d.terms['cpu'])}, the "
                  f"CPU->GPU link {ms(d.terms['h2d'])} and GPU->CPU {ms(d.terms['d2h'])}; the "
@@ -171,6 +180,7 @@ class Policy:
             ["attention", ("GPU" if self.attention_on_gpu else "CPU")],
             ["expert FFN", "GPU" if self.experts_on_gpu else "CPU"],
             ["weights on GPU", f"{self.weights_gpu_fraction:.1%}"],
+            ["expert streaming", _expert_streaming_text(p)],
             ["KV cache on GPU", f"{self.kv_gpu_fraction:.1%}"],
             [f"decode time per layer (context {d.context_len:.0f})", ms(d.seconds)],
             ["  GPU compute / GPU launch", f"{ms(d.terms['gpu_compute'])} / {ms(d.terms['gpu_launch'])}"],
@@ -187,6 +197,12 @@ class Policy:
             [f"CPU memory ({format_bytes(p.cpu_memory_total)})", breakdown(p.cpu_memory)],
         ]
         return markdown_table(["policy", "value"], rows)
+
+
+def _expert_streaming_text(p) -> str:
+    if p.routed_experts is None:
+        return "every expert, ahead of the stage"
+    return f"routed only: about {p.routed_experts:.1f} of {p.experts} experts per layer and step, after routing"
 
 
 def _ms(seconds: float) -> str:

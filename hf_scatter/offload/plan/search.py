@@ -1,7 +1,7 @@
 """Policy search: the placement that minimises predicted time per generated token within both memories.
 
 Exhaustive over the discrete choices (batch size N and micro-batch size mu as powers of two, attention on
-CPU or GPU, expert FFN on CPU or GPU); for each, the two fractions (weights and KV cache on the GPU) are
+CPU or GPU, expert FFN on CPU or GPU, every expert or only the routed ones streamed); for each, the two fractions (weights and KV cache on the GPU) are
 found exactly by :func:`~hf_scatter.offload.pwl.minimize` (the cost and the memory use are piecewise-linear
 and linear in them). MoE-Lightning's Eqs. 12-14 as an integer grid plus a tiny LP; Mixtral-8x7B plans in
 about a second.
@@ -9,6 +9,7 @@ about a second.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from ...common.units import format_bytes, parse_bytes
@@ -66,25 +67,36 @@ def search_policy(model, profile, workload: Workload, gpu_memory: int | float | 
                 for experts_on_gpu in (True, False):
                     if placements is not None and (attention_on_gpu, experts_on_gpu) not in placements:
                         continue
-                    template = Policy(n, mu, attention_on_gpu, experts_on_gpu)
-                    gpu_mem, cpu_mem = memory_use(spec, template, workload, options)
-                    gpu_total, cpu_total = sum(gpu_mem.values(), Lin()), sum(cpu_mem.values(), Lin())
-                    constraints = [gpu_total / gpu_usable + (-1.0), cpu_total / cpu_limit + (-1.0)]
-                    solution = minimize(objective(hrm, spec, template, workload, options), constraints,
-                                        fix_y=not attention_on_gpu, tiebreak=gpu_total)
-                    if solution is None:
-                        continue
-                    x, y, seconds = solution
-                    key = (seconds / (n * workload.gen_len), gpu_total.at(x, y), n)
-                    if best is None or _better(key, best[0]):
-                        best = (key, Policy(n, mu, attention_on_gpu, experts_on_gpu, x, y))
+                    for routed in _routed_choices(spec, n, experts_on_gpu):
+                        template = Policy(n, mu, attention_on_gpu, experts_on_gpu, routed_experts=routed)
+                        gpu_mem, cpu_mem = memory_use(spec, template, workload, options)
+                        gpu_total, cpu_total = sum(gpu_mem.values(), Lin()), sum(cpu_mem.values(), Lin())
+                        constraints = [gpu_total / gpu_usable + (-1.0), cpu_total / cpu_limit + (-1.0)]
+                        solution = minimize(objective(hrm, spec, template, workload, options), constraints,
+                                            fix_y=not attention_on_gpu, tiebreak=gpu_total)
+                        if solution is None:
+                            continue
+                        x, y, seconds = solution
+                        key = (seconds / (n * workload.gen_len), gpu_total.at(x, y), n)
+                        if best is None or _better(key, best[0]):
+                            best = (key, Policy(n, mu, attention_on_gpu, experts_on_gpu, x, y, routed))
     if best is None:
         raise PlanError(f"no policy fits {spec.name} in {format_bytes(gpu_limit)} of GPU and {format_bytes(cpu_limit)} "
                         f"of CPU memory for {workload.describe()}: give more memory or shorten prompt/generation")
     policy = best[1]
     prediction = predict(policy, spec, hrm, workload, gpu_limit, cpu_limit, options)
-    return Policy(policy.batch_size, policy.micro_batch_size, policy.attention_on_gpu, policy.experts_on_gpu,
-                  policy.weights_gpu_fraction, policy.kv_gpu_fraction, prediction=prediction)
+    return dataclasses.replace(policy, prediction=prediction)
+
+
+ROUTED_MAX_SHARE = 0.95  # routed streaming is priced only where the batch's rows leave this share of experts or less
+
+
+def _routed_choices(spec: ModelSpec, n: int, experts_on_gpu: bool) -> tuple[bool, ...]:
+    """Every expert streamed, and routed streaming where it can pay: experts on the GPU, and a batch of ``n``
+    rows expected to leave some experts unchosen."""
+    if experts_on_gpu and spec.is_moe and spec.active_experts(n) <= ROUTED_MAX_SHARE * spec.experts:
+        return (False, True)
+    return (False,)
 
 
 def _better(key, incumbent) -> bool:

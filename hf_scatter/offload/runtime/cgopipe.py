@@ -97,6 +97,8 @@ class BatchResult:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     steps: int = 0
+    routed: bool = False  # decode fetched only the chosen experts' streamed columns
+    fetched_experts: int = 0  # expert blocks those fetches copied, over every stage and step
 
 
 class StagingBuffers:
@@ -137,16 +139,19 @@ class CGOPipe:
     # ------------------------------------------------------------------ one batch
     def run(self, batch: Batch, prompts: list[torch.Tensor], max_new_tokens: int, sampling: Sampling,
             generator, stopping: Stopping, tracer, on_step: Callable[[], None] | None = None,
-            clock_origin: float | None = None) -> BatchResult:
-        """New tokens of every request of ``batch`` (``prompts`` is indexed by request)."""
+            clock_origin: float | None = None, routed: bool = False) -> BatchResult:
+        """New tokens of every request of ``batch`` (``prompts`` is indexed by request). ``routed``: decode
+        streams only the experts the rows choose (the prefill streams every expert: its chunks choose them all)."""
         self.tracer = tracer
         self.streamer.tracer = tracer
         self.streamer.set_pages(len(batch.micro_batches))
+        self.streamer.set_routed(False)
         origin = clock_origin if clock_origin is not None else time.perf_counter()
         with torch.no_grad(), self.streams.on("compute"):  # every device tensor of the run belongs to it
-            return self._run(batch, prompts, max_new_tokens, sampling, generator, stopping, on_step, origin)
+            return self._run(batch, prompts, max_new_tokens, sampling, generator, stopping, on_step, origin, routed)
 
-    def _run(self, batch, prompts, max_new_tokens, sampling, generator, stopping, on_step, origin) -> BatchResult:
+    def _run(self, batch, prompts, max_new_tokens, sampling, generator, stopping, on_step, origin,
+             routed) -> BatchResult:
         d = self.dims
         n = batch.size
         qkv_host = self.staging.get("qkv", (n, d.qkv_dim), self.dtype)
@@ -196,6 +201,8 @@ class CGOPipe:
         result.prefill_s = time.perf_counter() - start
         if on_step:
             on_step()
+        self.streamer.set_routed(routed)
+        fetched = self.streamer.fetched_experts
         start = time.perf_counter()
         produced = collected = 1
         for t in range(max_new_tokens - 1):
@@ -213,6 +220,7 @@ class CGOPipe:
             collect(collected)
             collected += 1
         result.decode_s = time.perf_counter() - start
+        result.routed, result.fetched_experts = routed, self.streamer.fetched_experts - fetched
         return result
 
     # ------------------------------------------------------------------ scoring
@@ -222,6 +230,7 @@ class CGOPipe:
         the LM head on every token and no KV cache, as a log-likelihood needs."""
         self.tracer = self.streamer.tracer = NullTracer()  # not a traced generate's leftover
         self.streamer.set_pages(len(batch.micro_batches))
+        self.streamer.set_routed(False)
         mbs = [SimpleNamespace(index=j, requests=micro.requests, prompt_lens=[len(prompts[r]) for r in micro.requests])
                for j, micro in enumerate(batch.micro_batches)]
         out: dict[int, torch.Tensor] = {}
@@ -258,7 +267,7 @@ class CGOPipe:
                 else:
                     self._upload_attention(mb, label)
                     with tracer.device_span("compute", f"post L{s - 1} {label}"):
-                        mb.x = adapter.post(w.post, w.experts, mb.x, mb.attn_in)
+                        mb.x = adapter.post(w.post, w.experts, mb.x, mb.attn_in, self.streamer.fetch_experts)
                     mb.post_done = streams.record("compute")
                 if s < L:
                     with tracer.device_span("compute", f"pre L{s} {label}"):

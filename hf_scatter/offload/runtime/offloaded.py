@@ -22,6 +22,7 @@ from ...kernels.backend import autotune_override
 from ...models.pipeline_adapter import adapter_for
 from ...models.spec import ModelSpec
 from ..plan.attention_buckets import SLACK, BucketCosts
+from ..plan.cost_model import decode_layer_time
 from ..plan.known_profiles import load_profile
 from ..plan.policy import PlanError, Policy, Workload
 from ..plan.profile import HardwareProfile, host_memory_bytes
@@ -41,6 +42,7 @@ DEFAULT_WORKLOAD = Workload(prompt_len=512, gen_len=64)
 # device="cpu" has no GPU to plan for: a small fixed policy, every weight streamed.
 CPU_DEVICE_POLICY = Policy(batch_size=32, micro_batch_size=8)
 CGOPIPE_PLACEMENT = (False, True)  # attention on the CPU, experts on the GPU
+EXPERT_STREAMING = ("auto", "routed", "all")  # OffloadedModel.expert_streaming's values
 # generate()'s keywords that a transformers GenerationConfig also carries, and their values when neither sets
 # them (None: the model's own eos / pad, or off). As in model.generate, a field set in generation_config is the
 # default that the keyword overrides.
@@ -93,6 +95,9 @@ class _BatchesRun:
     decode_s: float = 0.0
     steps: int = 0
     wall_s: float = 0.0
+    routed_batches: int = 0  # batches whose decode streamed only the chosen experts
+    routed_steps: int = 0  # their decode steps
+    fetched_experts: int = 0  # expert blocks those steps fetched
 
 
 def offload(model, gpu_memory: int | float | str = "16GiB", cpu_memory: int | float | str | None = None,
@@ -166,6 +171,35 @@ class OffloadedModel:
                             BucketCosts.from_profile(profile))
         self.generation_config = getattr(model, "generation_config", None)
         self._released = release_weights
+        self._expert_streaming = "auto"
+        self._spec = ModelSpec.from_config(model.config, dtype_bytes=self.dtype.itemsize)
+
+    @property
+    def expert_streaming(self) -> str:
+        """How decode streams the experts' non-resident columns: ``"all"`` (every expert, paged ahead of
+        each stage), ``"routed"`` (only the experts the batch's rows choose, fetched once the router has
+        chosen) or ``"auto"`` (the default: the policy's choice for batches of its size; a smaller batch, such
+        as a short request list, is priced both ways by the HRM where a hardware profile is known)."""
+        return self._expert_streaming
+
+    @expert_streaming.setter
+    def expert_streaming(self, mode: str) -> None:
+        if mode not in EXPERT_STREAMING:
+            raise ValueError(f"expert_streaming must be one of {', '.join(map(repr, EXPERT_STREAMING))}, got {mode!r}")
+        self._expert_streaming = mode
+
+    def _routed(self, batch, lens: list[int], max_new_tokens: int) -> bool:
+        """Whether ``batch``'s decode streams only the routed experts (see :attr:`expert_streaming`)."""
+        if self._expert_streaming != "auto":
+            return self._expert_streaming == "routed"
+        if batch.size >= self.policy.batch_size or self.profile is None:
+            return self.policy.routed_experts
+        n, mu = batch.size, max(len(m) for m in batch.micro_batches)
+        context = sum(lens[r] for r in batch.requests) / n + (max_new_tokens + 1) / 2
+        x = self.store.layout.fraction
+        seconds = {routed: decode_layer_time(Policy(n, mu, weights_gpu_fraction=x, routed_experts=routed), self._spec,
+                                             self.profile, context).seconds for routed in (False, True)}
+        return seconds[True] < seconds[False]
 
     # ------------------------------------------------------------------ generation
     def generate(self, input_ids=None, attention_mask=None, *, prompts: Sequence[str] | None = None, tokenizer=None,
@@ -211,7 +245,11 @@ class OffloadedModel:
                  "tokens_per_s": generated / run.wall_s if run.wall_s > 0 else float("inf"),
                  "prefill_s": run.prefill_s, "decode_s": run.decode_s, "decode_steps": run.steps,
                  "batches": len(batches), "batch_size": batch_size, "micro_batch_size": micro,
-                 "weights_gpu_fraction": self.store.layout.fraction}
+                 "weights_gpu_fraction": self.store.layout.fraction, "routed_batches": run.routed_batches,
+                 "routed_experts_fetched": run.fetched_experts}
+        streaming_layers = sum(span is not None for span in self.store.expert_spans)
+        if run.routed_steps and streaming_layers:  # chosen experts brought in per layer and decode step
+            stats["routed_experts_per_layer_step"] = run.fetched_experts / (run.routed_steps * streaming_layers)
         if self.device.type == "cuda":
             stats["max_memory_allocated"] = torch.cuda.max_memory_allocated(self.device)
         if trace:
@@ -254,10 +292,15 @@ class OffloadedModel:
                 for b, batch in enumerate(batches):
                     bar.set_postfix_str(f"batch {b + 1}/{len(batches)} ({batch.size} requests)")
                     result = self.pipe.run(batch, requests, max_new_tokens, sampling, generator, stopping, tracer,
-                                           on_step=lambda: bar.update(1), clock_origin=start)
+                                           on_step=lambda: bar.update(1), clock_origin=start,
+                                           routed=self._routed(batch, lens, max_new_tokens))
                     run.prefill_s += result.prefill_s
                     run.decode_s += result.decode_s
                     run.steps += result.steps
+                    if result.routed:
+                        run.routed_batches += 1
+                        run.routed_steps += result.steps
+                        run.fetched_experts += result.fetched_experts
                     for r, toks in result.tokens.items():
                         run.tokens[r] = toks
                         run.timings[r] = RequestTiming(r, b, lens[r], len(toks), result.first_token_s[r],
@@ -398,6 +441,8 @@ class OffloadedModel:
                 ["batch N / micro-batch mu", f"{self.policy.batch_size} / {self.policy.micro_batch_size}"],
                 ["weights on the device (asked / realised)",
                  f"{self.policy.weights_gpu_fraction:.1%} / {layout.fraction:.1%}"],
+                ["expert streaming", f"{self._expert_streaming} (the policy: "
+                                     f"{'routed only' if self.policy.routed_experts else 'every expert'})"],
                 ["streamed per decode step", format_bytes(layout.host_bytes)],
                 ["prefill chunk / group (tokens)", f"{self.plan.chunk_tokens} / {self.plan.group_tokens}"],
                 ["CPU attention threads", self.worker.threads]]

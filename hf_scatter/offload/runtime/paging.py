@@ -18,6 +18,13 @@ pinned CPU buffer and in either GPU slot. A page is copied byte for byte, and on
 has landed the expert kernels read their ``[E, d_in, d_out]`` weights as strided views of the slot at
 those offsets: no gather, no reshuffle, no per-page index for the kernel to follow.
 
+*Routed streaming.* A decode micro-batch of a few rows touches only some of a layer's experts (top-8 of 128:
+8 experts for one row, about 82 for sixteen). In routed mode (:meth:`WeightStreamer.set_routed`) a stage's
+pages skip the streamed expert columns; once the router has chosen, :meth:`WeightStreamer.fetch_experts`
+copies the streamed columns of just the chosen experts into the slot at their page-table offsets, each
+expert once per stage, and the compute stream waits for them. The experts no row chose keep whatever the
+slot held before and are never read (the expert kernels only visit experts with rows).
+
 *Pinned memory.* All streamed weights live in one CPU allocation, page-locked in place with
 ``cudaHostRegister`` (``pin_memory=True`` would round a 40 GB request up to 64 GB); the copies are then
 true DMA at the link's pinned rate.
@@ -40,6 +47,7 @@ from .streams import DONE, Streams
 
 ALIGN = 256  # bytes: every tensor starts on a 256-byte boundary (vectorised kernel loads)
 COLUMN_ALIGN = 16  # resident expert columns come in multiples of this (16-byte aligned rows in bf16)
+STREAMED = "streamed."  # page-table names of the streamed expert columns, [E, ...] each
 
 
 @dataclass(frozen=True)
@@ -76,13 +84,31 @@ class PageTable:
         return {name: buffer[base + e.offset:base + e.offset + e.nbytes].view(e.dtype).view(e.shape)
                 for name, e in self.entries.items()}
 
-    def pages(self, count: int) -> list[tuple[int, int]]:
-        """``count`` near-equal byte ranges covering the table (fewer if it is small)."""
+    def pages(self, count: int, skip: tuple[int, int] | None = None) -> list[tuple[int, int]]:
+        """``count`` near-equal byte ranges covering the table (fewer if it is small), less the byte range
+        ``skip`` (a page straddling it is cut in two)."""
         if self.nbytes == 0:
             return []
         count = max(1, min(count, self.nbytes // ALIGN))
         bounds = [align_up(self.nbytes * i // count, ALIGN) for i in range(count)] + [self.nbytes]
-        return [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+        pages = [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+        if skip is None:
+            return pages
+        lo, hi = skip
+        return [(x, y) for a, b in pages for x, y in ((a, min(b, lo)), (max(a, hi), b)) if y > x]
+
+    def span(self, prefix: str) -> tuple[int, int] | None:
+        """The byte range of the entries whose names start with ``prefix`` (None: there are none); they must
+        have been added one after another."""
+        names = [n for n in self.entries if n.startswith(prefix)]
+        if not names:
+            return None
+        order = list(self.entries)
+        first = order.index(names[0])
+        if order[first:first + len(names)] != names:
+            raise ValueError(f"page table: the {prefix!r} entries are not contiguous")
+        last = self.entries[names[-1]]
+        return self.entries[names[0]].offset, last.offset + last.nbytes
 
 
 @dataclass(frozen=True)
@@ -222,7 +248,7 @@ class Layout:
             if r > 0:
                 self.resident_tables[l].add(f"resident.{name}", _with(t.shape, dim, r), t.dtype)
             if r < columns:
-                self.stage_tables[l + 1].add(f"streamed.{name}", _with(t.shape, dim, columns - r), t.dtype)
+                self.stage_tables[l + 1].add(f"{STREAMED}{name}", _with(t.shape, dim, columns - r), t.dtype)
 
     def _place(self, l: int, stage: int, name: str, shape, dtype) -> None:
         if name in self.splits[l].resident_dense:
@@ -267,6 +293,9 @@ class WeightStore:
         self.slots = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(2)] \
             if self.slot_bytes else []
         self._views: dict[tuple[int, int], StageWeights] = {}
+        # each stage's streamed expert columns: their byte range, and per slot (slot view, host view) pairs
+        self.expert_spans = [t.span(STREAMED) for t in self.stage_tables]
+        self._expert_views: dict[tuple[int, int], list] = {}
 
     def _fill(self, l: int, layer, part: str, stage: int) -> None:
         f = self.layout.adapter
@@ -282,7 +311,7 @@ class WeightStore:
                 if r > 0:
                     self.resident[l][f"resident.{name}"].copy_(t.narrow(dim, 0, r))
                 if r < columns:
-                    self.stage_host[stage][f"streamed.{name}"].copy_(t.narrow(dim, r, columns - r))
+                    self.stage_host[stage][f"{STREAMED}{name}"].copy_(t.narrow(dim, r, columns - r))
 
     # ----- what a stage reads -----
     def stage_weights(self, stage: int, slot: int | None) -> StageWeights:
@@ -293,6 +322,18 @@ class WeightStore:
             self._views[key] = self._assemble(stage, streamed)
         return self._views[key]
 
+    def copy_experts(self, stage: int, slot: int, experts: list[int]) -> None:
+        """Copy the streamed columns of ``experts`` of ``stage`` from pinned memory into GPU slot ``slot``
+        (on the current stream; one copy per expert and tensor, each a contiguous block)."""
+        key = (stage, slot)
+        if key not in self._expert_views:
+            slot_views = self.stage_tables[stage].views(self.slots[slot])
+            self._expert_views[key] = [(slot_views[name], self.stage_host[stage][name])
+                                       for name in slot_views if name.startswith(STREAMED)]
+        for dst, src in self._expert_views[key]:
+            for e in experts:
+                dst[e].copy_(src[e], non_blocking=True)
+
     def _assemble(self, stage: int, streamed: dict) -> StageWeights:
         def named(source: dict, prefix: str) -> dict:
             return {k[len(prefix):]: v for k, v in source.items() if k.startswith(prefix)}
@@ -302,7 +343,7 @@ class WeightStore:
         if stage >= 1:
             resident = self.resident[stage - 1]
             post = {**named(resident, "post."), **named(streamed, "post.")}
-            experts = [p for p in (named(resident, "resident."), named(streamed, "streamed.")) if p]
+            experts = [p for p in (named(resident, "resident."), named(streamed, STREAMED)) if p]
         if stage < self.num_layers:
             pre = {**named(self.resident[stage], "pre."), **named(streamed, "pre.")}
         return StageWeights(post, experts, pre)
@@ -322,11 +363,12 @@ class _Load:
     """One stage on its way into a slot: ``issued`` is set once its last page has been issued, ``ready`` is
     then the event marking that page's arrival."""
 
-    def __init__(self, stage: int):
+    def __init__(self, stage: int, present: set | None = None):
         self.stage = stage
         self.issued = threading.Event()
         self.ready = DONE
         self.error: BaseException | None = None
+        self.present = present  # routed mode: the experts whose streamed columns are in the slot (None: all)
 
 
 class Pager:
@@ -344,9 +386,10 @@ class Pager:
             self._thread = threading.Thread(target=self._loop, name="hf-scatter-pager", daemon=True)
             self._thread.start()
 
-    def load(self, slot: int, stage: int, pages: list[tuple[int, int]], after) -> _Load:
-        """Copy ``pages`` of ``stage`` into ``slot`` once ``after`` (an event: the slot's last reader) has passed."""
-        job = _Load(stage)
+    def load(self, slot: int, stage: int, pages: list[tuple[int, int]], after, present: set | None = None) -> _Load:
+        """Copy ``pages`` of ``stage`` into ``slot`` once ``after`` (an event: the slot's last reader) has passed;
+        ``present``: the experts the pages hold (None: every expert)."""
+        job = _Load(stage, present)
         if self._thread is None:
             self._copy(slot, job, pages, after)
         else:
@@ -394,13 +437,17 @@ class WeightStreamer:
     """Runs the stages in order through the double buffer: :meth:`enter` a stage (the compute stream waits
     for its weights, and the next stage starts streaming into the other slot), :meth:`leave` it (the slot
     is free once the compute stream has passed this point). Stage s+1 always follows stage s, wrapping from
-    the last stage to the first, so the prefill's and every decode step's stages run through one sequence."""
+    the last stage to the first, so the prefill's and every decode step's stages run through one sequence.
+    In routed mode (:meth:`set_routed`) stages load without their streamed expert columns, and
+    :meth:`fetch_experts` brings in those of the experts a micro-batch chose."""
 
     def __init__(self, store: WeightStore, streams: Streams, tracer, pages: int = 1):
         self.store, self.streams = store, streams
         self.pager = Pager(store, streams)
         self.tracer = tracer
         self.pages = max(1, pages)
+        self.routed = False
+        self.fetched_experts = 0  # expert blocks copied by fetch_experts (summed over stages and steps)
         self.num_stages = store.num_layers + 1
         self.slot_load: list[_Load | None] = [None, None]  # the stage each slot holds or is receiving
         self.slot_free = [DONE, DONE]  # event: the slot's stage has no reader left
@@ -418,6 +465,28 @@ class WeightStreamer:
     def set_pages(self, pages: int) -> None:
         """At least this many pages per stage (one per micro-batch); more where a page would exceed PAGE_BYTES."""
         self.pages = max(1, pages)
+
+    def set_routed(self, routed: bool) -> None:
+        """Stages requested from now on load every expert (False) or only what :meth:`fetch_experts` asks for."""
+        self.routed = bool(routed)
+
+    def fetch_experts(self, experts: torch.Tensor) -> None:
+        """Routed mode: copy into the current stage's slot the streamed columns of every expert in ``experts``
+        (the router's choice, any shape) it does not hold yet; the compute stream waits for them. The host
+        waits for the routing (a device sync). A no-op for a stage loaded whole."""
+        load = self.slot_load[self.current] if self.current is not None else None
+        if load is None or load.present is None:
+            return
+        new = [e for e in torch.unique(experts).tolist() if e not in load.present]
+        if not new:
+            return
+        streams = self.streams
+        streams.wait("experts", streams.record("compute"))  # the slot's earlier readers are behind this point
+        with streams.on("experts"), self.tracer.device_span("experts", f"stage {load.stage} {len(new)} experts"):
+            self.store.copy_experts(load.stage, self.current, new)
+        streams.wait("compute", streams.record("experts"))
+        load.present.update(new)
+        self.fetched_experts += len(new)
 
     def enter(self, stage: int) -> StageWeights:
         if not self.store.slot_bytes:
@@ -444,8 +513,10 @@ class WeightStreamer:
 
     def _request(self, k: int, stage: int) -> None:
         held = self.slot_load[k]
-        if held is not None and held.stage == stage:  # still there (a one-layer model never reloads)
-            return
+        if held is not None and held.stage == stage and (self.routed or held.present is None):
+            return  # still there (a one-layer model never reloads)
         table = self.store.stage_tables[stage]
         count = max(self.pages, -(-table.nbytes // PAGE_BYTES))
-        self.slot_load[k] = self.pager.load(k, stage, table.pages(count), self.slot_free[k])
+        skip = self.store.expert_spans[stage] if self.routed else None
+        self.slot_load[k] = self.pager.load(k, stage, table.pages(count, skip), self.slot_free[k],
+                                            present=None if skip is None else set())

@@ -1,9 +1,9 @@
 """The pipeline's streams and events, with a CPU stand-in, so one code path runs on both devices.
 
-On CUDA each role (compute, hidden-state uploads, QKV downloads, weight pages) has its own stream and work
-is ordered across them with events. On the CPU every operation completes before the call returns, so a
-stream is a no-op context and an event is already complete: the schedule, the buffer reuse rules and
-the page table run unchanged, which is what makes the CPU tests meaningful.
+On CUDA each role (compute, hidden-state uploads, QKV downloads, weight pages, routed experts) has its own
+stream and work is ordered across them with events. On the CPU every operation completes before the call
+returns, so a stream is a no-op context and an event is already complete: the schedule, the buffer reuse
+rules and the page table run unchanged, which is what makes the CPU tests meaningful.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import contextlib
 
 import torch
 
-ROLES = ("compute", "h2d", "d2h", "weights")
+ROLES = ("compute", "h2d", "d2h", "weights", "experts")
 
 
 class DoneEvent:
@@ -29,7 +29,7 @@ DONE = DoneEvent()
 
 
 class Streams:
-    """One stream per role (``compute``, ``h2d``, ``d2h``, ``weights``) on ``device``."""
+    """One stream per role (``compute``, ``h2d``, ``d2h``, ``weights``, ``experts``) on ``device``."""
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)

@@ -14,8 +14,9 @@ import time
 
 from ...common.jsonfile import write_json
 
-LANES = ("GPU compute", "CPU attention", "H2D hidden", "D2H qkv", "H2D weights")
-ROLE_LANES = {"compute": "GPU compute", "h2d": "H2D hidden", "d2h": "D2H qkv", "weights": "H2D weights"}
+LANES = ("GPU compute", "CPU attention", "H2D hidden", "D2H qkv", "H2D weights", "H2D routed experts")
+ROLE_LANES = {"compute": "GPU compute", "h2d": "H2D hidden", "d2h": "D2H qkv", "weights": "H2D weights",
+              "experts": "H2D routed experts"}
 
 
 class NullTracer:
@@ -75,11 +76,13 @@ class Tracer:
         return sorted(out, key=lambda s: s[2])
 
     def events(self) -> list[dict]:
-        lanes = {lane: i for i, lane in enumerate(LANES)}
+        spans = self.spans()
+        used = {lane for lane, *_ in spans}  # the routed-experts lane only where decode streamed that way
+        lanes = {lane: i for i, lane in enumerate(LANES) if lane in used or lane != "H2D routed experts"}
         meta = [{"ph": "M", "name": "thread_name", "pid": 0, "tid": i, "args": {"name": lane}}
                 for lane, i in lanes.items()]
         return meta + [{"name": name, "ph": "X", "pid": 0, "tid": lanes[lane], "ts": start * 1e6,
-                        "dur": max(end - start, 0.0) * 1e6} for lane, name, start, end in self.spans()]
+                        "dur": max(end - start, 0.0) * 1e6} for lane, name, start, end in spans]
 
     def save(self, path: str) -> str:
         return write_json(path, {"traceEvents": self.events(), "displayTimeUnit": "ms"}, indent=None)
@@ -90,7 +93,7 @@ class Tracer:
         the link cannot be hidden behind less compute than it takes, but the compute can hide under it)."""
         spans = self.spans()
         busy = {lane: _union([(s, e) for la, _, s, e in spans if la == lane]) for lane in LANES}
-        weights = busy["H2D weights"]
+        weights = _union(busy["H2D weights"] + busy["H2D routed experts"])
         compute = _union(busy["GPU compute"] + busy["CPU attention"])
         hidden = _overlap(weights, compute)
         total, computing = _length(weights), _length(compute)
