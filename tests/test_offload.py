@@ -136,6 +136,10 @@ def test_greedy_tokens_equal_vanilla_generate_on_cpu(family, fraction):
 
 @pytest.mark.parametrize("family", OFFLOADED)
 def test_routed_streaming_fetches_only_the_chosen_experts_and_keeps_every_token(family, monkeypatch):
+    check_routed_streaming(family, "cpu", monkeypatch)
+
+
+def check_routed_streaming(family, device, monkeypatch):
     """Decode stages load without their streamed expert columns; each micro-batch's chosen experts arrive after
     its router. The columns of the experts no row chose are NaN (poisoned as each stage is entered), so
     reading one would change the tokens. 8 experts, top-2: one row fetches exactly 2 per layer and step."""
@@ -151,11 +155,11 @@ def test_routed_streaming_fetches_only_the_chosen_experts_and_keeps_every_token(
         load = self.slot_load[self.current] if self.current is not None else None
         if load is not None and load.present == set():  # a routed stage, nothing fetched yet
             a, b = self.store.expert_spans[stage]
-            self.store.slots[self.current][a:b].fill_(255)  # every float NaN
+            self.store.slots[self.current][a:b].fill_(255)  # every float NaN (on the compute stream)
         return weights
 
     monkeypatch.setattr(WeightStreamer, "enter", enter_poisoned)
-    off = hf_scatter.offload(model, gpu_memory="1GiB", device="cpu", policy=Policy(3, 2, routed_experts=True),
+    off = hf_scatter.offload(model, gpu_memory="1GiB", device=device, policy=Policy(3, 2, routed_experts=True),
                              progress=False)
     result = off.generate(ids, attention_mask=mask, max_new_tokens=6, return_dict=True, progress=False)
     assert torch.equal(result.sequences, batched)
@@ -171,6 +175,7 @@ def test_routed_streaming_fetches_only_the_chosen_experts_and_keeps_every_token(
     assert every.stats["routed_batches"] == 0 and every.stats["routed_experts_fetched"] == 0
     with pytest.raises(ValueError, match="expert_streaming must be one of 'auto', 'routed', 'all'"):
         off.expert_streaming = "some"
+    off.close()
 
 
 def test_routed_pages_skip_the_expert_columns_and_nothing_else():
@@ -717,6 +722,13 @@ def test_greedy_tokens_equal_vanilla_generate_on_gpu(family):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("family", OFFLOADED)
+def test_routed_streaming_on_gpu(family, monkeypatch):
+    _fp32_exact()
+    check_routed_streaming(family, "cuda", monkeypatch)
+
+
+@pytest.mark.gpu
 def test_gpu_memory_stays_within_the_budget_and_transfers_overlap(tmp_path):
     """A bf16 model of ~0.4 GB in a 192 MiB budget (32 of them cuBLAS's workspace on Hopper): most of every
     layer streams through the double buffer."""
@@ -756,6 +768,51 @@ def test_bench_offload_end_to_end_small(tmp_path, model, layers):
     assert report["model"] == model and report["within_budget"] and report["accelerate"]["layers_on_gpu"] < layers
     assert report["hf_scatter"]["tokens_per_s"] > 0 and report["accelerate"]["tokens_per_s"] > 0
     assert png.stat().st_size > 0 and trace.stat().st_size > 0
+
+
+def test_routed_sweep_rows_render_as_a_table_and_a_plot(tmp_path):
+    """The bench's routed sweep on the CPU stand-in: one row per batch size, both ways on one weight store, with
+    the HRM's prediction; one row of a top-2 model fetches 2 experts per layer and step."""
+    from hf_scatter.bench import offload as bench
+    from hf_scatter.offload import ModelSpec, load_profile
+
+    model = BUILDERS["qwen3_moe"](experts=8)
+    spec = ModelSpec.from_config(model.config, dtype_bytes=4)
+    off = hf_scatter.offload(model, gpu_memory="1GiB", device="cpu", policy=Policy(4, 4), progress=False)
+    prof = load_profile("h100-host-anchors")
+    reqs = requests((5, 9, 7, 4))
+    rows = [bench.routed_row(off, reqs[:n], prof, spec, 2**30, 3) for n in (1, 4)]
+    off.close()
+    assert [r["batch_size"] for r in rows] == [1, 4]
+    assert rows[0]["routed"]["experts_per_layer_step"] == 2 and rows[0]["all"]["experts_per_layer_step"] is None
+    assert 2 <= rows[1]["routed"]["experts_per_layer_step"] <= 8
+    assert rows[0]["expected_experts"] == pytest.approx(2.0)
+    for r in rows:
+        assert r["routed"]["predicted_layer_s"] > 0 and r["hrm_choice"] in ("routed", "all")
+    report = {"model": "qwen3-30b-a3b", "layers": 2, "published_layers": 48, "gpu_budget": 2**30, "device": "cpu",
+              "weights_gpu_fraction": 0.0, "experts": 8, "top_k": 2, "routed_sweep": rows}
+    text = bench.to_markdown(report)
+    assert "| rows N | experts fetched per layer (of 8): measured / uniform |" in text and "| 1 | 2.0 / 2.0 |" in text
+    png = tmp_path / "routed.png"
+    bench.plot(report, str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="--routed-batches 64 exceeds --requests 8"):
+        bench.check_flags(model="qwen3-30b-a3b", layers=2, routed_batches=[1, 64], requests=8)
+
+
+@pytest.mark.gpu
+def test_bench_offload_routed_sweep_small(tmp_path):
+    from hf_scatter.cli import main
+
+    out, png = tmp_path / "routed.json", tmp_path / "routed.png"
+    assert main(["bench", "offload", "--model", "qwen3-30b-a3b", "--layers", "2", "--new-tokens", "4", "--requests",
+                 "8", "--routed-batches", "1,8", "--gpu-memory", "8GiB", "--profile", "h100-host-anchors", "--out",
+                 str(out), "--plot", str(png)]) == 0
+    report = json.loads(out.read_text())
+    one, eight = report["routed_sweep"]
+    assert one["routed"]["experts_per_layer_step"] == 8 and one["batch_size"] == 1  # top-8: one row, 8 experts
+    assert 8 < eight["routed"]["experts_per_layer_step"] <= 64
+    assert png.stat().st_size > 0
 
 
 @pytest.mark.parametrize("family", OFFLOADED)

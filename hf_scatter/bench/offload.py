@@ -14,6 +14,10 @@ tiled random block, so building takes seconds) is run
 Prompts are MTBench-like: lengths drawn uniformly from 40..114 tokens (mean 77), random token ids. Throughput of
 the whole model is the measured one scaled by layers / all layers (decode time grows with the layer count; the
 embedding and head are a small share), labelled as such.
+
+``--routed-batches 1,4,16,64`` measures instead when routed expert streaming pays: on one weight store (the
+HRM's policy for the largest of those batches), each batch size decodes with every expert paged ahead and with
+only the chosen experts fetched after routing, side by side, against the HRM's prediction for both.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import time
 
 import torch
 
-from ..common.argtypes import byte_size, int_at_least, positive_int
+from ..common.argtypes import byte_size, int_at_least, positive_int, positive_ints
 from ..common.markdown import markdown_table
 from ..common.timing import run_header
 from .availability import require_cuda
@@ -204,13 +208,20 @@ def add_arguments(parser) -> None:
     parser.add_argument("--validate-tokens", type=int_at_least(0), default=16,
                         help="new tokens of each HRM validation policy (per-layer decode time, predicted vs "
                              "measured); 0 skips them")
+    parser.add_argument("--routed-batches", type=positive_ints,
+                        help="instead of the comparison: at these batch sizes (e.g. 1,4,16,64) decode with every "
+                             "expert streamed and with only the routed ones, against the HRM's prediction for each")
 
 
-def check_flags(layers: int = 12, model: str = DEFAULT_MODEL, **_) -> int:
+def check_flags(layers: int = 12, model: str = DEFAULT_MODEL, routed_batches: list[int] | None = None,
+                requests: int = 1024, **_) -> int:
     """The model's published layer count, after checking ``model`` is an offloadable built-in and ``layers`` at
     most its layer count (here, not as argparse choices: listing them builds every built-in config)."""
     from ..models.spec import ModelSpec
 
+    if routed_batches and max(routed_batches) > requests:
+        raise ValueError(f"--routed-batches {max(routed_batches)} exceeds --requests {requests}: a batch is made of "
+                         "the requests")
     if model not in offload_models():
         raise ValueError(f"--model {model!r}: choose a built-in shape of a family offloading runs: "
                          f"{', '.join(offload_models())}")
@@ -222,14 +233,18 @@ def check_flags(layers: int = 12, model: str = DEFAULT_MODEL, **_) -> int:
 
 def run(layers: int = 12, new_tokens: int = 128, requests: int = 1024, gpu_memory: str = "16GiB",
         peer_batch: int = 16, peer_new_tokens: int = 8, profile: str | None = None, trace: str | None = None,
-        validate_tokens: int = 16, progress: bool = True, model: str = DEFAULT_MODEL) -> dict:
-    """The whole comparison (one GPU run of a few minutes). Kernel autotuning is off unless
-    HF_SCATTER_AUTOTUNE is set: the link bounds this workload, and tuning every shape would spend minutes
-    compiling candidates."""
-    published = check_flags(layers=layers, model=model)
+        validate_tokens: int = 16, progress: bool = True, model: str = DEFAULT_MODEL,
+        routed_batches: list[int] | None = None) -> dict:
+    """The whole comparison (one GPU run of a few minutes), or with ``routed_batches`` the routed-streaming
+    sweep. Kernel autotuning is off unless HF_SCATTER_AUTOTUNE is set: the link bounds this workload, and
+    tuning every shape would spend minutes compiling candidates."""
+    published = check_flags(layers=layers, model=model, routed_batches=routed_batches, requests=requests)
     saved = os.environ.get("HF_SCATTER_AUTOTUNE")
     os.environ.setdefault("HF_SCATTER_AUTOTUNE", "0")
     try:
+        if routed_batches:
+            return _run_routed(layers, new_tokens, gpu_memory, profile, progress, model, published,
+                               sorted(set(routed_batches)))
         return _run(layers, new_tokens, requests, gpu_memory, peer_batch, peer_new_tokens, profile, trace,
                     validate_tokens, progress, model, published)
     finally:
@@ -308,8 +323,76 @@ def _run(layers, new_tokens, requests, gpu_memory, peer_batch, peer_new_tokens, 
     return report
 
 
+def _run_routed(layers, new_tokens, gpu_memory, profile, progress, model_name, published_layers,
+                batches: list[int]) -> dict:
+    """When routed expert streaming pays: see the module docstring."""
+    import hf_scatter
+    from ..offload import ModelSpec, Workload, load_profile, measure_profile, parse_bytes
+
+    require_cuda()
+    header = run_header()
+    spec = ModelSpec.from_config(model_name)
+    prof = load_profile(profile) if profile else measure_profile(progress=progress, attention_shapes=[spec])
+    budget = parse_bytes(gpu_memory, "gpu_memory")
+    model = build_model(layers, model=model_name)
+    reqs = prompts(max(batches), model.config.vocab_size)
+    workload = Workload.from_prompts([len(r) for r in reqs], new_tokens)
+    spec = ModelSpec.from_config(model.config, name=f"{model_name} ({layers} of {published_layers} layers)")
+    offloaded = hf_scatter.offload(model, gpu_memory=budget, profile=prof, workload=workload, progress=progress)
+    rows = []
+    try:
+        for n in batches:
+            rows.append(routed_row(offloaded, reqs[:n], prof, spec, budget, new_tokens))
+    finally:
+        offloaded.expert_streaming = "auto"
+    report = {
+        **header, "model": model_name, "layers": layers, "published_layers": published_layers, "gpu_budget": budget,
+        "cpu_budget": offloaded.cpu_budget, "profile": prof.name, "new_tokens": new_tokens,
+        "experts": spec.experts, "top_k": spec.top_k, "policy": offloaded.policy.to_dict(),
+        "weights_gpu_fraction": offloaded.store.layout.fraction, "routed_sweep": rows,
+        "pays_up_to": max([r["batch_size"] for r in rows if r["routed_pays"]], default=None),
+        "hrm_agrees": sum(r["hrm_choice"] == ("routed" if r["routed_pays"] else "all") for r in rows),
+    }
+    offloaded.close()
+    return report
+
+
+def routed_row(offloaded, batch: list[torch.Tensor], prof, spec, budget: int, new_tokens: int) -> dict:
+    """One batch decoded both ways on ``offloaded``'s weight store: measured and predicted per-layer decode
+    time, and the experts fetched per layer and step (uniform routing predicts ``spec.active_experts(n)``)."""
+    from ..offload import Workload, predict
+    from ..offload.plan.policy import Policy
+
+    ids, mask = _left_padded(batch)
+    n = len(batch)
+    workload = Workload.from_prompts([len(r) for r in batch], new_tokens)
+    row = {"batch_size": n, "expected_experts": spec.active_experts(n)}
+    for mode in ("all", "routed"):
+        offloaded.expert_streaming = mode
+        offloaded.generate(ids, attention_mask=mask, max_new_tokens=2, progress=False)  # kernels for this shape
+        stats = offloaded.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, eos_token_id=[],
+                                   return_dict=True, progress=False).stats
+        policy = Policy(n, stats["micro_batch_size"], weights_gpu_fraction=offloaded.store.layout.fraction,
+                        routed_experts=mode == "routed")
+        prediction = predict(policy, spec, prof, workload, budget, offloaded.cpu_budget)
+        row[mode] = {"measured_layer_s": stats["decode_s"] / max(stats["decode_steps"], 1) / spec.layers,
+                     "predicted_layer_s": prediction.decode_layer.seconds,
+                     "predicted_bottleneck": prediction.decode_layer.bottleneck,
+                     "tokens_per_s": stats["tokens_per_s"], "micro_batch_size": stats["micro_batch_size"],
+                     "experts_per_layer_step": stats.get("routed_experts_per_layer_step")}
+    measured = row["all"]["measured_layer_s"] / row["routed"]["measured_layer_s"]
+    predicted = row["all"]["predicted_layer_s"] / row["routed"]["predicted_layer_s"]
+    row.update(speedup=measured, predicted_speedup=predicted, routed_pays=measured > 1.0,
+               hrm_choice="routed" if predicted > 1.0 else "all")
+    return row
+
+
 # ----------------------------------------------------------------------------- output
 def to_markdown(report: dict) -> str:
+    if "routed_sweep" in report:
+        return (f"{_shape(report)}, GPU budget {report['gpu_budget'] / 2**30:.0f} GiB, "
+                f"{report['weights_gpu_fraction']:.1%} of every layer resident, {report['device']}\n\n"
+                + routed_table(report))
     gib = 2**30
     peer, ours = report["accelerate"], report["hf_scatter"]
     rows = [
@@ -378,6 +461,20 @@ def throughput_table(report: dict) -> str:
     return markdown_table(["system", "tokens/s", "GPU peak GiB", "vs accelerate"], rows)
 
 
+def routed_table(report: dict) -> str:
+    """Routed expert streaming against every expert streamed, per batch size: measured and predicted."""
+    rows = []
+    for r in report["routed_sweep"]:
+        a, b = r["all"], r["routed"]
+        rows.append([r["batch_size"], f"{b['experts_per_layer_step']:.1f} / {r['expected_experts']:.1f}",
+                     f"{a['measured_layer_s'] * 1e3:.2f} / {a['predicted_layer_s'] * 1e3:.2f}",
+                     f"{b['measured_layer_s'] * 1e3:.2f} / {b['predicted_layer_s'] * 1e3:.2f}",
+                     f"{r['speedup']:.2f}x / {r['predicted_speedup']:.2f}x", r["hrm_choice"]])
+    return markdown_table(["rows N", f"experts fetched per layer (of {report['experts']}): measured / uniform",
+                           "every expert: ms/layer measured / predicted", "routed: ms/layer measured / predicted",
+                           "routed speed-up measured / predicted", "HRM picks"], rows)
+
+
 def validation_table(report: dict) -> str:
     """The HRM validation of a ``bench offload`` report: per-layer decode time, predicted against measured."""
     return validation_markdown(report["hrm_validation"])
@@ -427,11 +524,15 @@ def profile_table(profile: dict) -> str:
 
 
 def plot(report: dict, path: str) -> None:
-    """Throughput bars (log scale) and, with a trace, how busy each lane of the pipeline was."""
+    """Throughput bars (log scale) and, with a trace, how busy each lane of the pipeline was (the routed sweep:
+    per-layer decode time by batch size, both ways, measured and predicted)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    if "routed_sweep" in report:
+        return _plot_routed(report, path, plt)
 
     trace = report.get("trace")
     validation = report.get("hrm_validation")
@@ -486,8 +587,33 @@ def plot(report: dict, path: str) -> None:
         ax.set_ylabel("HRM predicted ms per layer")
         ax.set_title("HRM validation", fontsize=10)
         ax.legend(fontsize=8, loc="upper left")
+    _save(fig, path, plt)
+
+
+def _save(fig, path: str, plt) -> None:
+    """The PNG written whole or not at all."""
     fig.tight_layout()
     tmp = path + ".tmp"
     fig.savefig(tmp, dpi=110, format="png")
     os.replace(tmp, path)
     plt.close(fig)
+
+
+def _plot_routed(report: dict, path: str, plt) -> None:
+    rows = report["routed_sweep"]
+    n = [r["batch_size"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6.5, 4.0))
+    for mode, color, label in (("all", "tab:gray", "every expert streamed"), ("routed", "tab:orange",
+                                                                             "only the routed experts")):
+        ax.plot(n, [r[mode]["measured_layer_s"] * 1e3 for r in rows], "o-", color=color, label=f"{label}, measured")
+        ax.plot(n, [r[mode]["predicted_layer_s"] * 1e3 for r in rows], "x--", color=color,
+                label=f"{label}, HRM")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(n, [str(v) for v in n])
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("rows in the decode batch")
+    ax.set_ylabel("decode ms per layer")
+    ax.set_title(f"{_shape(report)}, {report['experts']} experts, top-{report['top_k']}, "
+                 f"{report['weights_gpu_fraction']:.0%} resident", fontsize=10)
+    ax.legend(fontsize=8)
+    _save(fig, path, plt)

@@ -9,8 +9,8 @@ import re
 
 from .units import parse_bytes
 
-__all__ = ["byte_size", "eval_limit", "int_at_least", "non_negative_float", "positive_int", "prompt_lengths",
-           "torch_device"]
+__all__ = ["byte_size", "eval_limit", "int_at_least", "non_negative_float", "positive_int", "positive_ints",
+           "prompt_lengths", "torch_device"]
 
 
 def int_at_least(minimum: int):
@@ -27,6 +27,17 @@ def int_at_least(minimum: int):
 
 
 positive_int = int_at_least(1)
+
+
+def positive_ints(text: str) -> list[int]:
+    """Comma-separated whole numbers >= 1, e.g. 1,4,16."""
+    values = []
+    for part in (p.strip() for p in text.split(",")):
+        try:
+            values.append(positive_int(part))
+        except argparse.ArgumentTypeError as e:
+            raise argparse.ArgumentTypeError(f"{e} (give whole numbers separated by commas, e.g. 1,4,16)") from None
+    return values
 
 
 def non_negative_float(text: str) -> float:
