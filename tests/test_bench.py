@@ -1,5 +1,6 @@
 """Benchmarks: re-rendering saved results works anywhere; a tiny training-step run works on the GPU."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -85,6 +86,17 @@ def test_bench_train_fsdp_refuses_variants_that_cannot_run_sharded():
     for impl in ("mixtral-liger", "mixtral-hf-scatter-graphs"):
         with pytest.raises(ValueError, match="--fsdp: .*leave them out of --configs"):
             train.run(["mixtral-grouped_mm", impl], cfg=train.SMOKE, fsdp=True)
+
+
+def test_bench_train_batch_replaces_every_familys_batch_and_nothing_else():
+    from hf_scatter.bench import train
+
+    for family, shape in train.FAMILY_SHAPES.items():
+        bigger = train.family_shape(f"{family}-hf-scatter", None, batch=16)
+        assert bigger.batch == 16 and bigger.tokens == 16 * shape.seq
+        assert dataclasses.replace(bigger, batch=shape.batch) == shape
+    assert train.family_shape("mixtral-grouped_mm", train.SMOKE) == train.SMOKE
+    assert train.family_shape("mixtral-grouped_mm", train.SMOKE, batch=3).batch == 3
 
 
 @pytest.mark.gpu

@@ -127,10 +127,11 @@ def liger_patched(family: str, model):
         vars(module).update(saved)
 
 
-def family_shape(impl: str, cfg: TrainConfig | None) -> TrainConfig:
+def family_shape(impl: str, cfg: TrainConfig | None, batch: int | None = None) -> TrainConfig:
     """The shape an implementation runs: ``cfg`` if given (one shape for all, e.g. the smoke test), else its
-    family's :data:`FAMILY_SHAPES` entry."""
-    return cfg or FAMILY_SHAPES[impl.split("-", 1)[0]]
+    family's :data:`FAMILY_SHAPES` entry; ``batch`` sequences per step instead of its own."""
+    shape = cfg or FAMILY_SHAPES[impl.split("-", 1)[0]]
+    return shape if batch is None else dataclasses.replace(shape, batch=batch)
 
 
 def build_model(impl: str, cfg: TrainConfig, device: torch.device, dtype: torch.dtype, seed: int = 0,
@@ -307,15 +308,17 @@ def add_arguments(parser) -> None:
                         help="skip the per-category time breakdown")
     parser.add_argument("--liger-autotune", choices=("on", "off"), default="on",
                         help="Liger's fused-MoE autotuner in the -liger variants (its default: on)")
+    parser.add_argument("--batch", type=positive_int,
+                        help="sequences per step for every variant (default: each family's shape, 4 of 2048 tokens)")
     parser.add_argument("--fsdp", action="store_true",
                         help="every variant under FSDP2 with world size 1 (fully_shard per decoder layer, after the "
                              "patch); no time breakdown")
 
 
 def run(impls=IMPLS, cfg: TrainConfig | None = None, warmup: int = 3, steps: int = 10,
-        breakdown: bool = True, liger_autotune: str = "on", fsdp: bool = False) -> dict:
+        breakdown: bool = True, liger_autotune: str = "on", fsdp: bool = False, batch: int | None = None) -> dict:
     """``cfg``: one shape for every implementation (the smoke test); None runs each family at its
-    :data:`FAMILY_SHAPES` entry."""
+    :data:`FAMILY_SHAPES` entry. ``batch``: sequences per step instead of the shape's."""
     check_names("implementation", impls, IMPLS)
     if fsdp and any(impl.endswith("-liger") or impl.endswith("-graphs") for impl in impls):
         raise ValueError("--fsdp: the -liger variants patch after construction and the -graphs variants do not run "
@@ -323,20 +326,27 @@ def run(impls=IMPLS, cfg: TrainConfig | None = None, warmup: int = 3, steps: int
     require_cuda()
     os.environ.setdefault("LIGER_FUSED_MOE_AUTOTUNE", "1" if liger_autotune == "on" else "0")  # read at import
     families = dict.fromkeys(impl.split("-", 1)[0] for impl in impls)
-    configs = {family: dataclasses.asdict(family_shape(family, cfg)) for family in families}
+    configs = {family: dataclasses.asdict(family_shape(family, cfg, batch)) for family in families}
     report = {**run_header(), "config": next(iter(configs.values())), "configs": configs, "warmup": warmup,
               "steps": steps, "liger_autotune": liger_autotune, "fsdp": fsdp, "results": {}}
     with _process_group(fsdp):
         for impl in impls:
-            _run_one(report, impl, cfg, warmup, steps, breakdown and not fsdp, fsdp)
+            _run_one(report, impl, family_shape(impl, cfg, batch), warmup, steps, breakdown and not fsdp, fsdp)
     return report
 
 
-def _run_one(report: dict, impl: str, cfg: TrainConfig | None, warmup: int, steps: int, breakdown: bool,
+def _run_one(report: dict, impl: str, shape: TrainConfig, warmup: int, steps: int, breakdown: bool,
              fsdp: bool) -> None:
-    shape = family_shape(impl, cfg)
     ids = torch.randint(shape.vocab, (shape.batch, shape.seq), generator=torch.Generator().manual_seed(0)).cuda()
-    report["results"][impl] = r = measure(impl, shape, ids, warmup, steps, breakdown, fsdp=fsdp)
+    try:
+        r = measure(impl, shape, ids, warmup, steps, breakdown, fsdp=fsdp)
+    except torch.cuda.OutOfMemoryError:  # a peer that cannot run this batch: said in the report, the rest go on
+        report.setdefault("out_of_memory", {})[impl] = f"out of memory at batch {shape.batch}x{shape.seq}"
+        print(f"  {impl:20s} out of memory at batch {shape.batch}x{shape.seq}", flush=True)
+        gc.collect()
+        torch.cuda.empty_cache()
+        return
+    report["results"][impl] = r
     print(f"  {impl:20s} {r['tokens_per_s'] / 1e3:8.1f}k tok/s  peak {r['peak_gib']:.1f} GiB  "
           f"first loss {r['first_step_loss']:.4f}", flush=True)
 
@@ -360,7 +370,7 @@ def to_markdown(report: dict) -> str:
                      f"{r['first_step_loss']:.4f}"])
     table = markdown_table(["implementation", "tokens/s", "step ms", "peak GiB", "vs family baseline",
                             "peak vs baseline", "peak reserved GiB", "reserved vs baseline", "first-step loss"], rows)
-    parts = [table]
+    parts = [table] + [f"\n{impl}: {why}" for impl, why in report.get("out_of_memory", {}).items()]
     for impl, r in res.items():
         if "breakdown_ms" in r:
             b = r["breakdown_ms"]
