@@ -88,10 +88,17 @@ def test_dbrx_parity_fp32(tmp_path, tokenizer, capsys):
     assert report["backends"][1]["patch_report"], "the patched backend must run hf-scatter's modules"
 
 
+INTERPRETED_EVAL_FAMILY = "qwen3_moe"  # the others run the kernels' torch reference: the harness is under test here
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v2", "gpt_oss"])
-def test_fine_grained_families_parity_fp32(family, tmp_path, capsys):
+def test_fine_grained_families_parity_fp32(family, tmp_path, capsys, monkeypatch):
     """Each family's random checkpoint: patched (its router, norms, RoPE and experts) and offloaded (CGOPipe on
-    the CPU stand-in) equal vanilla request by request, log-likelihoods and greedy generations alike."""
+    the CPU stand-in) equal vanilla request by request, log-likelihoods and greedy generations alike. One
+    family runs the Triton kernels under the interpreter; the kernels' own tests and the family suite of
+    test_models.py hold them to float64 references, so the others take the torch path (half the time)."""
+    if family != INTERPRETED_EVAL_FAMILY:
+        monkeypatch.setenv("HF_SCATTER_KERNELS", "torch")
     rc, report, out = _eval(["--random", f"tiny-{family}", *FP32, "--limit", "2", "--ll-tolerance", "1e-4",
                              "--tasks", "hfs_facts,hfs_generation", "--backends", "vanilla,patched,offloaded"],
                             tmp_path, capsys)

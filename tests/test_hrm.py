@@ -460,6 +460,8 @@ def test_routed_streaming_prices_only_the_experts_a_batch_chooses_by_hand():
         assert routed.link_weight_bytes == pytest.approx(L - X + share * X)  # nothing resident: dense rest streams
         assert routed.terms["h2d"] == pytest.approx((L - X + share * X) / 10e9, rel=1e-3)  # + activations
         assert every.link_weight_bytes == pytest.approx(L)
+        # the GPU waits for the chosen share of the streamed bytes (exactly share * X once the dense part is
+        # resident; with nothing resident the dense share is counted in, an upper bound)
         assert routed.terms["gpu_compute"] - every.terms["gpu_compute"] == pytest.approx(share * L / 10e9)
         # 90% resident (more than the dense share): the chosen experts' share of the streamed 10%
         mostly = decode_layer_time(Policy(n, n, weights_gpu_fraction=0.9, routed_experts=True), model, prof, 100)

@@ -161,6 +161,8 @@ def check_routed_streaming(family, device, monkeypatch):
     monkeypatch.setattr(WeightStreamer, "enter", enter_poisoned)
     off = hf_scatter.offload(model, gpu_memory="1GiB", device=device, policy=Policy(3, 2, routed_experts=True),
                              progress=False)
+    if off.profile is not None:  # a saved profile would price the smaller batches again ("auto")
+        off.expert_streaming = "routed"
     result = off.generate(ids, attention_mask=mask, max_new_tokens=6, return_dict=True, progress=False)
     assert torch.equal(result.sequences, batched)
     k = off.dims.top_k
@@ -176,6 +178,20 @@ def check_routed_streaming(family, device, monkeypatch):
     with pytest.raises(ValueError, match="expert_streaming must be one of 'auto', 'routed', 'all'"):
         off.expert_streaming = "some"
     off.close()
+
+
+def test_a_one_layer_model_keeps_its_whole_stages_and_reports_no_routed_batch():
+    """Two stages in two slots never reload: decode reuses the prefill's whole stages, so nothing is fetched
+    after routing and no batch is reported as routed."""
+    model = tiny_mixtral(layers=1, experts=8)
+    ids, mask = padded(requests((6, 9)))
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    off = hf_scatter.offload(model, gpu_memory="1GiB", device="cpu", policy=Policy(2, 2, routed_experts=True),
+                             progress=False)
+    result = off.generate(ids, attention_mask=mask, max_new_tokens=4, return_dict=True, progress=False)
+    assert torch.equal(result.sequences, expected)
+    assert result.stats["routed_batches"] == 0 and result.stats["routed_experts_fetched"] == 0
+    assert "routed_experts_per_layer_step" not in result.stats
 
 
 def test_routed_pages_skip_the_expert_columns_and_nothing_else():

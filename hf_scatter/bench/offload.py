@@ -22,6 +22,7 @@ only the chosen experts fetched after routing, side by side, against the HRM's p
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import time
@@ -256,7 +257,6 @@ def _run(layers, new_tokens, requests, gpu_memory, peer_batch, peer_new_tokens, 
          progress, model_name, published_layers) -> dict:
     import hf_scatter
     from ..offload import ModelSpec, Workload, load_profile, measure_profile, parse_bytes, predict
-    from ..offload.plan.policy import Policy
 
     require_cuda()
     header = run_header()
@@ -288,7 +288,7 @@ def _run(layers, new_tokens, requests, gpu_memory, peer_batch, peer_new_tokens, 
                                 progress=progress, trace=trace)
     peak = torch.cuda.max_memory_allocated()
     stats = result.stats
-    realised = Policy(policy.batch_size, policy.micro_batch_size, weights_gpu_fraction=offloaded.store.layout.fraction)
+    realised = dataclasses.replace(policy, weights_gpu_fraction=offloaded.store.layout.fraction, prediction=None)
     predicted = {prof.name: predict(realised, spec, prof, workload, budget, offloaded.cpu_budget)}
     if prof.name != "h100-host-anchors":
         predicted["h100-host-anchors"] = predict(realised, spec, load_profile("h100-host-anchors"), workload, budget,
@@ -372,13 +372,14 @@ def routed_row(offloaded, batch: list[torch.Tensor], prof, spec, budget: int, ne
         offloaded.generate(ids, attention_mask=mask, max_new_tokens=2, progress=False)  # kernels for this shape
         stats = offloaded.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, eos_token_id=[],
                                    return_dict=True, progress=False).stats
-        policy = Policy(n, stats["micro_batch_size"], weights_gpu_fraction=offloaded.store.layout.fraction,
-                        routed_experts=mode == "routed")
+        policy = Policy(stats["batch_size"], stats["micro_batch_size"],  # the batches the runtime ran
+                        weights_gpu_fraction=offloaded.store.layout.fraction, routed_experts=mode == "routed")
         prediction = predict(policy, spec, prof, workload, budget, offloaded.cpu_budget)
         row[mode] = {"measured_layer_s": stats["decode_s"] / max(stats["decode_steps"], 1) / spec.layers,
                      "predicted_layer_s": prediction.decode_layer.seconds,
                      "predicted_bottleneck": prediction.decode_layer.bottleneck,
-                     "tokens_per_s": stats["tokens_per_s"], "micro_batch_size": stats["micro_batch_size"],
+                     "tokens_per_s": stats["tokens_per_s"], "batches": stats["batches"],
+                     "micro_batch_size": stats["micro_batch_size"],
                      "experts_per_layer_step": stats.get("routed_experts_per_layer_step")}
     measured = row["all"]["measured_layer_s"] / row["routed"]["measured_layer_s"]
     predicted = row["all"]["predicted_layer_s"] / row["routed"]["predicted_layer_s"]
@@ -466,7 +467,8 @@ def routed_table(report: dict) -> str:
     rows = []
     for r in report["routed_sweep"]:
         a, b = r["all"], r["routed"]
-        rows.append([r["batch_size"], f"{b['experts_per_layer_step']:.1f} / {r['expected_experts']:.1f}",
+        fetched = b["experts_per_layer_step"]
+        rows.append([r["batch_size"], f"{'n/a' if fetched is None else f'{fetched:.1f}'} / {r['expected_experts']:.1f}",
                      f"{a['measured_layer_s'] * 1e3:.2f} / {a['predicted_layer_s'] * 1e3:.2f}",
                      f"{b['measured_layer_s'] * 1e3:.2f} / {b['predicted_layer_s'] * 1e3:.2f}",
                      f"{r['speedup']:.2f}x / {r['predicted_speedup']:.2f}x", r["hrm_choice"]])

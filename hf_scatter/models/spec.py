@@ -199,6 +199,12 @@ class ModelSpec:
         return self.kv_dim * (1 if self.values_are_keys else 2)
 
     @property
+    def expert_tensors(self) -> int:
+        """Tensors of one expert that streaming copies: its input and output projections, plus DBRX's separate
+        up projection or GPT-OSS's input bias."""
+        return 3 if self.family in ("dbrx", "gpt_oss") else 2
+
+    @property
     def is_moe(self) -> bool:
         return self.family != "dense"
 

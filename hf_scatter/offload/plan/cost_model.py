@@ -185,9 +185,6 @@ def _link_pieces(hrm: HierarchicalRoofline, h2d: Lin | list, d2h: Lin, h2d_copie
     }
 
 
-ROUTED_COPIES_PER_EXPERT = 2  # routed streaming copies an expert's input and output projection columns
-
-
 def routed_share(model: ModelSpec, rows: float) -> float:
     """The share of a layer's experts ``rows`` decode rows choose between them (uniform top-k routing): what
     routed streaming fetches of the streamed expert columns at one stage."""
@@ -198,7 +195,9 @@ def _routed_weights(model: ModelSpec, policy: Policy) -> tuple[list, Lin]:
     """Routed streaming: (the streamed weight bytes as Lins whose max they are, the expert bytes fetched after
     routing). Residency keeps dense tensors first, so below the dense share ``D`` of a layer (``L`` bytes)
     the dense rest and the chosen experts stream (``D - xL + f X``), above it only the chosen experts' share
-    of what streams (``f (1 - x) L``)."""
+    of what streams (``f (1 - x) L``). The fetched bytes are ``f min(X, (1 - x) L)``; a max of affine pieces
+    cannot hold a min, so they are priced as ``f (1 - x) L``, exact from the dense share up and at most
+    ``f D`` (a few percent of a MoE layer) too high below it."""
     f = routed_share(model, policy.batch_size)
     layer, experts = model.layer_weight_bytes, model.ffn_weight_bytes
     experts_only = on_cpu_share(layer) * f
@@ -277,7 +276,7 @@ def decode_terms(hrm: HierarchicalRoofline, model: ModelSpec, policy: Policy, co
     fetch = Lin()  # routed streaming: the compute stream waits while the chosen experts arrive
     if policy.routed_experts:
         weights, fetched = _routed_weights(model, policy)
-        copies = ROUTED_COPIES_PER_EXPERT * model.active_experts(n_seq)
+        copies = model.expert_tensors * model.active_experts(n_seq)
         fetch = fetched / hrm.roofs.link_bandwidth + (n_ub + copies) * hrm.latency_s + n_ub * hrm.launch_s
     activations_h2d, activations_d2h, kv_stream = 0.0, 0.0, Lin()
     if policy.attention_on_gpu:

@@ -202,7 +202,7 @@ class CGOPipe:
         if on_step:
             on_step()
         self.streamer.set_routed(routed)
-        fetched = self.streamer.fetched_experts
+        fetched, partial = self.streamer.fetched_experts, self.streamer.partial_loads
         start = time.perf_counter()
         produced = collected = 1
         for t in range(max_new_tokens - 1):
@@ -220,7 +220,9 @@ class CGOPipe:
             collect(collected)
             collected += 1
         result.decode_s = time.perf_counter() - start
-        result.routed, result.fetched_experts = routed, self.streamer.fetched_experts - fetched
+        # routed only where some stage loaded without its experts (a one-layer model keeps its prefill's stages)
+        result.routed = routed and self.streamer.partial_loads > partial
+        result.fetched_experts = self.streamer.fetched_experts - fetched
         return result
 
     # ------------------------------------------------------------------ scoring

@@ -448,6 +448,7 @@ class WeightStreamer:
         self.pages = max(1, pages)
         self.routed = False
         self.fetched_experts = 0  # expert blocks copied by fetch_experts (summed over stages and steps)
+        self.partial_loads = 0  # stages loaded without their streamed expert columns
         self.num_stages = store.num_layers + 1
         self.slot_load: list[_Load | None] = [None, None]  # the stage each slot holds or is receiving
         self.slot_free = [DONE, DONE]  # event: the slot's stage has no reader left
@@ -518,5 +519,6 @@ class WeightStreamer:
         table = self.store.stage_tables[stage]
         count = max(self.pages, -(-table.nbytes // PAGE_BYTES))
         skip = self.store.expert_spans[stage] if self.routed else None
+        self.partial_loads += skip is not None
         self.slot_load[k] = self.pager.load(k, stage, table.pages(count, skip), self.slot_free[k],
                                             present=None if skip is None else set())
