@@ -316,7 +316,8 @@ def _expert_parallel_config():
     return DistributedConfig(enable_expert_parallel=True, tp_size=WORLD, fsdp_size=1), True
 
 
-def _expert_parallel_worker(rank: int, path: str, init_file: str, out: str) -> None:
+def _expert_parallel_worker(rank: int, root: str, init_file: str, out: str,
+                            families: tuple = ENGINE_FAMILIES) -> None:
     from transformers import AutoModelForCausalLM
 
     import os
@@ -325,21 +326,24 @@ def _expert_parallel_worker(rank: int, path: str, init_file: str, out: str) -> N
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
         config, shared_batch = _expert_parallel_config()
-        hf_scatter.patch_transformers()
-        try:
-            model = AutoModelForCausalLM.from_pretrained(path, distributed_config=config, dtype=torch.float32)
-        finally:
-            hf_scatter.unpatch_transformers()
-        model.config.use_cache = False
-        experts = model.model.layers[0].mlp.experts
-        per_rank = ROWS // WORLD
-        rows = slice(None) if shared_batch else slice(rank * per_rank, (rank + 1) * per_rank)
-        losses = torch.stack(_train(model.train(), rows))
-        dist.all_reduce(losses)
-        torch.save({"losses": losses / WORLD, "report": hf_scatter.patch_report(model),
-                    "num_local": experts.num_experts,
-                    "local": {name: p.to_local().detach().clone() for name, p in experts.named_parameters()}},
-                   f"{out}.{rank}")
+        found = {}
+        for family in families:  # one pair of processes for both
+            hf_scatter.patch_transformers()
+            try:
+                model = AutoModelForCausalLM.from_pretrained(f"{root}/{family}", distributed_config=config,
+                                                             dtype=torch.float32)
+            finally:
+                hf_scatter.unpatch_transformers()
+            model.config.use_cache = False
+            experts = model.model.layers[0].mlp.experts
+            per_rank = ROWS // WORLD
+            rows = slice(None) if shared_batch else slice(rank * per_rank, (rank + 1) * per_rank)
+            losses = torch.stack(_train(model.train(), rows))
+            dist.all_reduce(losses)
+            found[family] = {"losses": losses / WORLD, "report": hf_scatter.patch_report(model),
+                             "num_local": experts.num_experts,
+                             "local": {name: p.to_local().detach().clone() for name, p in experts.named_parameters()}}
+        torch.save(found, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
 
@@ -347,35 +351,38 @@ def _expert_parallel_worker(rank: int, path: str, init_file: str, out: str) -> N
 def test_expert_parallel_training_equals_one_process(tmp_path, monkeypatch):
     # On CPU with gloo: transformers would place each rank on its own GPU where one is visible.
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    torch.manual_seed(0)
-    TINY_BUILDERS["qwen3_moe"](**SIZES).save_pretrained(tmp_path / "model")
+    for family in ENGINE_FAMILIES:
+        torch.manual_seed(0)
+        TINY_BUILDERS[family](**SIZES).save_pretrained(tmp_path / family)
     out = str(tmp_path / "ep.pt")
-    mp.start_processes(_expert_parallel_worker, args=(str(tmp_path / "model"), str(tmp_path / "init"), out),
+    mp.start_processes(_expert_parallel_worker, args=(str(tmp_path), str(tmp_path / "init"), out),
                        nprocs=WORLD, start_method="spawn", join=True)
     got = [torch.load(f"{out}.{rank}") for rank in range(WORLD)]
 
     from transformers import AutoModelForCausalLM
 
-    single = hf_scatter.patch_model(AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32))
-    single.config.use_cache = False
-    want_losses = torch.stack(_train(single.train(), slice(None)))
-    experts = single.model.layers[0].mlp.experts
-    local = SIZES["experts"] // WORLD
-    for rank, result in enumerate(got):
-        assert result["num_local"] == local
-        assert result["report"]["model.layers.0.mlp.experts"].startswith("scattermoe")
-        torch.testing.assert_close(result["losses"], want_losses, **TOL)
-        for name, value in result["local"].items():  # this rank's experts after 3 steps: the same weights
-            torch.testing.assert_close(value, getattr(experts, name)[rank * local:(rank + 1) * local].detach(),
-                                       **TOL, msg=f"rank {rank}: {name}")
+    for family in ENGINE_FAMILIES:
+        single = hf_scatter.patch_model(AutoModelForCausalLM.from_pretrained(tmp_path / family, dtype=torch.float32))
+        single.config.use_cache = False
+        want_losses = torch.stack(_train(single.train(), slice(None)))
+        experts = single.model.layers[0].mlp.experts
+        local = SIZES["experts"] // WORLD
+        for rank, found in enumerate(got):
+            result = found[family]
+            assert result["num_local"] == local, family
+            assert result["report"]["model.layers.0.mlp.experts"].startswith("scattermoe"), family
+            torch.testing.assert_close(result["losses"], want_losses, **TOL, msg=family)
+            for name, value in result["local"].items():  # this rank's experts after 3 steps: the same weights
+                torch.testing.assert_close(value, getattr(experts, name)[rank * local:(rank + 1) * local].detach(),
+                                           **TOL, msg=f"{family}, rank {rank}: {name}")
 
 
 def test_expert_parallel_over_ranks_that_do_not_divide_the_experts_is_refused(tmp_path, monkeypatch):
     """5 experts over 2 ranks: construction stops with transformers' error naming both numbers, on every rank,
     before any step (the patch adds nothing that would hide it)."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    TINY_BUILDERS["qwen3_moe"](**dict(SIZES, experts=5)).save_pretrained(tmp_path / "model")
+    TINY_BUILDERS["qwen3_moe"](**dict(SIZES, experts=5)).save_pretrained(tmp_path / "qwen3_moe")
     with pytest.raises(mp.ProcessRaisedException, match="5 experts across 2"):
-        mp.start_processes(_expert_parallel_worker, args=(str(tmp_path / "model"), str(tmp_path / "init"),
-                                                          str(tmp_path / "ep.pt")),
+        mp.start_processes(_expert_parallel_worker, args=(str(tmp_path), str(tmp_path / "init"),
+                                                          str(tmp_path / "ep.pt"), ("qwen3_moe",)),
                            nprocs=WORLD, start_method="spawn", join=True)
