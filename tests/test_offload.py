@@ -49,12 +49,20 @@ def tiny_deepseek_v2_lite_style(**config):
     return with_random(TINY_BUILDERS["deepseek_v2"](q_lora_rank=None, mlp_bias=True, **config), ("bias",))
 
 
+def tiny_qwen2_moe_windowed(**config):
+    """Qwen2-MoE with a sliding window of 8 on its first layer (``layer_types``), q/k/v biases and the shared
+    expert's gate random (transformers starts the biases at zero)."""
+    model = TINY_BUILDERS["qwen2_moe"](use_sliding_window=True, sliding_window=8, max_window_layers=1, **config)
+    assert model.config.layer_types[0] == "sliding_attention"
+    return with_random(model, ("bias", "shared_expert_gate.weight"), scale=0.5)
+
+
 # OLMoE with its clip_qkv set (published checkpoints leave it None), so the clamp after the q/k norms runs
 BUILDERS = {**TINY_BUILDERS, "olmoe": functools.partial(TINY_BUILDERS["olmoe"], clip_qkv=0.3),
             "gpt_oss": tiny_gpt_oss_with_biases, "deepseek_v3": tiny_deepseek_v3_with_biases,
-            "deepseek_v2": tiny_deepseek_v2_lite_style}
+            "deepseek_v2": tiny_deepseek_v2_lite_style, "qwen2_moe": tiny_qwen2_moe_windowed}
 # the families with a pipeline adapter
-OFFLOADED = ["mixtral", "dbrx", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3", "deepseek_v2"]
+OFFLOADED = ["mixtral", "dbrx", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3", "deepseek_v2", "qwen2_moe"]
 
 
 @pytest.fixture(autouse=True)
@@ -323,8 +331,8 @@ def test_offloading_a_model_whose_weights_were_released_is_refused_before_any_wo
 
 
 def test_families_without_offloading_or_with_dense_layers_are_refused_before_any_work():
-    with pytest.raises(ValueError, match="offloading supports .*qwen3_moe.* causal LMs; got model_type 'qwen2_moe'"):
-        hf_scatter.offload(TINY_BUILDERS["qwen2_moe"](), device="cpu", progress=False)
+    with pytest.raises(ValueError, match="offloading supports .*qwen3_moe.* causal LMs; got model_type 'granitemoe'"):
+        hf_scatter.offload(TINY_BUILDERS["granitemoe"](), device="cpu", progress=False)
     model = TINY_BUILDERS["qwen3_moe"](mlp_only_layers=[0])
     with pytest.raises(NotImplementedError, match=r"layers \[0\] of this qwen3_moe model hold a dense MLP"):
         hf_scatter.offload(model, device="cpu", progress=False)

@@ -26,7 +26,7 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as v3
 from ..kernels.router_select import Selection, deepseek_v2_selection, deepseek_v3_selection, router_select
 from ..moe.mlp import glu_activation
 from .decoder_moe import DecoderFamily, register_decoder_family
-from .pipeline_adapter import LayerAttention, LlamaStylePipelineAdapter, Rows
+from .pipeline_adapter import LayerAttention, LlamaStylePipelineAdapter, dense_mlp, mlp_tensors
 from .spec import ModelSpec
 
 
@@ -144,9 +144,9 @@ class DeepseekPipelineAdapter(LlamaStylePipelineAdapter):
             bias = getattr(mlp.gate, "e_score_correction_bias", None)
             if bias is not None:
                 t["score_bias"] = bias
-            t.update(_mlp_tensors("shared", mlp.shared_experts))
+            t.update(mlp_tensors("shared", mlp.shared_experts))
         else:
-            t.update(_mlp_tensors("dense", mlp))
+            t.update(mlp_tensors("dense", mlp))
         return t
 
     def expert_tensors(self, layer):
@@ -185,29 +185,12 @@ class DeepseekPipelineAdapter(LlamaStylePipelineAdapter):
 
     def _mlp(self, w, expert_parts, normed, fetch=None):
         if "dense_gate_up" in w:  # one of the first dense layers
-            return _dense_mlp(w, "dense", normed, self._glu)
-        return super()._mlp(w, expert_parts, normed, fetch) + _dense_mlp(w, "shared", normed, self._glu)
+            return dense_mlp(w, "dense", normed, self._glu)
+        return super()._mlp(w, expert_parts, normed, fetch) + dense_mlp(w, "shared", normed, self._glu)
 
     def _route(self, w, normed):
         logits = F.linear(normed.float(), w["router"].float())  # [T, E], as the router computes them
         return router_select(logits, self.dims.top_k, self._selection, bias=w.get("score_bias"))
-
-
-def _mlp_tensors(prefix: str, mlp: nn.Module) -> dict:
-    """A gated MLP's weights as ``<prefix>_gate_up`` [2I, H] ([gate; up]) and ``<prefix>_down`` [H, I], with
-    their biases where it has them."""
-    t = {f"{prefix}_gate_up": Rows(mlp.gate_proj.weight, mlp.up_proj.weight), f"{prefix}_down": mlp.down_proj.weight}
-    if mlp.gate_proj.bias is not None:
-        t.update({f"{prefix}_gate_up_bias": Rows(mlp.gate_proj.bias, mlp.up_proj.bias),
-                  f"{prefix}_down_bias": mlp.down_proj.bias})
-    return t
-
-
-def _dense_mlp(w: dict, prefix: str, x: torch.Tensor, glu) -> torch.Tensor:
-    """``down(act(gate(x)) * up(x))`` from :func:`_mlp_tensors`' weights (``glu``: ``act(gate) * up`` of
-    [gate; up] columns, :func:`~hf_scatter.moe.mlp.glu_activation`)."""
-    gate_up = F.linear(x, w[f"{prefix}_gate_up"], w.get(f"{prefix}_gate_up_bias"))  # [T, 2I]
-    return F.linear(glu(gate_up), w[f"{prefix}_down"], w.get(f"{prefix}_down_bias"))
 
 
 class DeepseekV3PipelineAdapter(DeepseekPipelineAdapter):

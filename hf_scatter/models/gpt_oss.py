@@ -23,7 +23,7 @@ from ..kernels.router_select import gpt_oss_selection, router_select
 from ..kernels.swiglu import gpt_oss_gate
 from ..moe.mlp import FusedSwiGLU, expert_mlp
 from .decoder_moe import DecoderFamily, register_decoder_family
-from .pipeline_adapter import LayerAttention, LlamaStylePipelineAdapter, Rows
+from .pipeline_adapter import LayerAttention, LlamaStylePipelineAdapter, Rows, layer_windows
 from .spec import llama_style_spec
 
 
@@ -57,12 +57,8 @@ class GptOssPipelineAdapter(LlamaStylePipelineAdapter):
 
     def __init__(self, model: nn.Module):
         super().__init__(model)
-        c = model.config
-        types = getattr(c, "layer_types", None) or ["full_attention"] * c.num_hidden_layers
-        self._attention = [
-            LayerAttention(window=c.sliding_window if kind == "sliding_attention" else None,
-                           sinks=layer.self_attn.sinks.detach().float().cpu().clone())
-            for kind, layer in zip(types, model.model.layers)]
+        self._attention = [LayerAttention(window=window, sinks=layer.self_attn.sinks.detach().float().cpu().clone())
+                           for window, layer in zip(layer_windows(model.config), model.model.layers)]
 
     def layer_attention(self):
         return list(self._attention)

@@ -211,6 +211,30 @@ class PipelineAdapter:
         raise NotImplementedError
 
 
+def mlp_tensors(prefix: str, mlp: nn.Module) -> dict:
+    """A gated MLP's weights as ``<prefix>_gate_up`` [2I, H] ([gate; up]) and ``<prefix>_down`` [H, I], with
+    their biases where it has them."""
+    t = {f"{prefix}_gate_up": Rows(mlp.gate_proj.weight, mlp.up_proj.weight), f"{prefix}_down": mlp.down_proj.weight}
+    if mlp.gate_proj.bias is not None:
+        t.update({f"{prefix}_gate_up_bias": Rows(mlp.gate_proj.bias, mlp.up_proj.bias),
+                  f"{prefix}_down_bias": mlp.down_proj.bias})
+    return t
+
+
+def dense_mlp(w: dict, prefix: str, x: torch.Tensor, glu) -> torch.Tensor:
+    """``down(act(gate(x)) * up(x))`` from :func:`mlp_tensors`' weights (``glu``: ``act(gate) * up`` of
+    [gate; up] columns, :func:`~hf_scatter.moe.mlp.glu_activation`)."""
+    gate_up = F.linear(x, w[f"{prefix}_gate_up"], w.get(f"{prefix}_gate_up_bias"))  # [T, 2I]
+    return F.linear(glu(gate_up), w[f"{prefix}_down"], w.get(f"{prefix}_down_bias"))
+
+
+def layer_windows(config) -> list[int | None]:
+    """Each layer's attention window from the config's ``layer_types`` (GPT-OSS, Qwen2-MoE): ``sliding_window``
+    on the "sliding_attention" layers, None (full attention) on the others and where the config has no types."""
+    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    return [config.sliding_window if kind == "sliding_attention" else None for kind in types]
+
+
 def offloaded_model_types() -> list[str]:
     """The families offloaded generation runs: those whose registry entry names a pipeline adapter."""
     from .registry import families

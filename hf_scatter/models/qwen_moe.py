@@ -1,7 +1,8 @@
 """Qwen3-MoE, Qwen2-MoE, OLMoE, Qwen3-Next and Qwen3.5-MoE: softmax -> top-k -> optional renormalisation
 (``norm_topk_prob``; Qwen3.5-MoE always renormalises), Llama-style RMSNorm (Qwen3's and OLMoE's q/k norms included),
 experts on the ``"scattermoe"`` backend. The shared expert and its sigmoid gate (Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE)
-run as transformers has them, inside the (optionally graphed) MoE block. Qwen3-Next and Qwen3.5-MoE keep their own
+run as transformers has them, inside the (optionally graphed) MoE block; offloaded Qwen2-MoE adds them to the
+routed experts itself. Qwen3-Next and Qwen3.5-MoE keep their own
 norms (``(1 + weight)`` scaling, rounded after the weight), attention and linear attention; their routers and
 experts are fused."""
 
@@ -15,10 +16,15 @@ from transformers.models.qwen3_moe import modeling_qwen3_moe as qwen3
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qwen3_5
 from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
 
+import torch
+import torch.nn.functional as F
+from transformers.activations import ACT2FN
+
 from ..kernels.norms import fused_add_rms_norm
+from ..moe.mlp import glu_activation
 from .decoder_moe import (DecoderFamily, register_decoder_family, renormalized_softmax_topk_router_forward,
                           softmax_topk_router_forward)
-from .pipeline_adapter import LlamaStylePipelineAdapter
+from .pipeline_adapter import LayerAttention, LlamaStylePipelineAdapter, Rows, dense_mlp, layer_windows, mlp_tensors
 from .spec import llama_style_spec
 
 
@@ -51,6 +57,37 @@ class OlmoePipelineAdapter(QwenStylePipelineAdapter):
     model_type = "olmoe"
 
 
+class Qwen2MoePipelineAdapter(LlamaStylePipelineAdapter):
+    """Offloaded generation of Qwen2-MoE: Mixtral's split with q/k/v biases, the shared expert (scaled by its
+    sigmoid gate) added to the routed experts as dense tensors of the layer, and sliding windows on the layers
+    ``layer_types`` names."""
+
+    model_type = "qwen2_moe"
+    gates_in_logits_dtype = True
+
+    def __init__(self, model):
+        super().__init__(model)
+        self._glu = glu_activation(ACT2FN[model.config.hidden_act])  # the shared expert's act(gate) * up
+
+    def layer_attention(self):
+        return [LayerAttention(window=window) for window in layer_windows(self.model.config)]
+
+    def pre_tensors(self, layer):
+        a, t = layer.self_attn, super().pre_tensors(layer)
+        if a.q_proj.bias is not None:
+            t["qkv_bias"] = Rows(a.q_proj.bias, a.k_proj.bias, a.v_proj.bias)
+        return t
+
+    def post_tensors(self, layer):
+        mlp = layer.mlp
+        return {**super().post_tensors(layer), **mlp_tensors("shared", mlp.shared_expert),
+                "shared_gate": mlp.shared_expert_gate.weight}  # [1, H]
+
+    def _mlp(self, w, expert_parts, normed, fetch=None):
+        shared = torch.sigmoid(F.linear(normed, w["shared_gate"])) * dense_mlp(w, "shared", normed, self._glu)
+        return super()._mlp(w, expert_parts, normed, fetch) + shared
+
+
 QWEN3_MOE = register_decoder_family(DecoderFamily(
     model_type="qwen3_moe", pretrained=qwen3.Qwen3MoePreTrainedModel, decoder_layer=qwen3.Qwen3MoeDecoderLayer,
     moe_block=qwen3.Qwen3MoeSparseMoeBlock, router=qwen3.Qwen3MoeTopKRouter,
@@ -60,7 +97,8 @@ QWEN3_MOE = register_decoder_family(DecoderFamily(
 QWEN2_MOE = register_decoder_family(DecoderFamily(
     model_type="qwen2_moe", pretrained=qwen2.Qwen2MoePreTrainedModel, decoder_layer=qwen2.Qwen2MoeDecoderLayer,
     moe_block=qwen2.Qwen2MoeSparseMoeBlock, router=qwen2.Qwen2MoeTopKRouter,
-    router_forward=softmax_topk_router_forward, norm=qwen2.Qwen2MoeRMSNorm, attention=qwen2.Qwen2MoeAttention))
+    router_forward=softmax_topk_router_forward, norm=qwen2.Qwen2MoeRMSNorm, attention=qwen2.Qwen2MoeAttention),
+    pipeline_adapter=Qwen2MoePipelineAdapter, spec=functools.partial(llama_style_spec, family="qwen2_moe"))
 
 OLMOE = register_decoder_family(DecoderFamily(
     model_type="olmoe", pretrained=olmoe.OlmoePreTrainedModel, decoder_layer=olmoe.OlmoeDecoderLayer,

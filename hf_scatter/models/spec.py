@@ -389,7 +389,9 @@ def llama_style_spec(config, label: str, dtype_bytes: int, family: str) -> Model
                      experts=experts or 1,
                      top_k=(getattr(config, "num_experts_per_tok", None) or 1) if experts else 1,
                      vocab=config.vocab_size, tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-                     dtype_bytes=dtype_bytes)
+                     dtype_bytes=dtype_bytes,
+                     # Qwen2-MoE's shared expert, every token's (its sigmoid gate, one row, is left out)
+                     shared_intermediate=(getattr(config, "shared_expert_intermediate_size", None) or 0) if experts else 0)
 
 
 def builtin_config(name: str, **overrides):
