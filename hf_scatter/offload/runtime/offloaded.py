@@ -103,8 +103,9 @@ class _BatchesRun:
 def offload(model, gpu_memory: int | float | str = "16GiB", cpu_memory: int | float | str | None = None,
             policy: Policy | None = None, device: str | torch.device = "cuda", *, profile=None,
             workload: Workload | None = None, release_weights: bool = True, progress: bool = True) -> "OffloadedModel":
-    """Prepare ``model`` (a Mixtral or DBRX causal LM on the CPU, or a checkpoint path loaded onto the CPU)
-    for offloaded generation within ``gpu_memory`` of device memory and ``cpu_memory`` of host memory.
+    """Prepare ``model`` (a causal LM on the CPU of a family in ``offloaded_model_types()``, or a checkpoint path
+    loaded onto the CPU) for offloaded generation within ``gpu_memory`` of device memory and ``cpu_memory`` of
+    host memory.
 
     ``policy``: a :class:`Policy`; default: the HRM's best for ``workload`` (default prompts of 512 tokens,
     64 new) on ``profile`` (a :class:`HardwareProfile`, a known name or a JSON path; default this
