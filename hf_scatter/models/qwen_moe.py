@@ -2,9 +2,8 @@
 (``norm_topk_prob``; Qwen3.5-MoE always renormalises), Llama-style RMSNorm (Qwen3's and OLMoE's q/k norms included),
 experts on the ``"scattermoe"`` backend. The shared expert and its sigmoid gate (Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE)
 run as transformers has them, inside the (optionally graphed) MoE block; offloaded Qwen2-MoE adds them to the
-routed experts itself. Qwen3-Next and Qwen3.5-MoE keep their own
-norms (``(1 + weight)`` scaling, rounded after the weight), attention and linear attention; their routers and
-experts are fused."""
+routed experts itself. Qwen3-Next and Qwen3.5-MoE keep their own norms (``(1 + weight)`` scaling, rounded after
+the weight), attention and linear attention; their routers and experts are fused."""
 
 from __future__ import annotations
 
