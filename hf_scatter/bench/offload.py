@@ -331,30 +331,27 @@ def _run_routed(layers, new_tokens, gpu_memory, profile, progress, model_name, p
 
     require_cuda()
     header = run_header()
-    spec = ModelSpec.from_config(model_name)
-    prof = load_profile(profile) if profile else measure_profile(progress=progress, attention_shapes=[spec])
+    prof = load_profile(profile) if profile else measure_profile(progress=progress,
+                                                                 attention_shapes=[ModelSpec.from_config(model_name)])
     budget = parse_bytes(gpu_memory, "gpu_memory")
     model = build_model(layers, model=model_name)
     reqs = prompts(max(batches), model.config.vocab_size)
     workload = Workload.from_prompts([len(r) for r in reqs], new_tokens)
     spec = ModelSpec.from_config(model.config, name=f"{model_name} ({layers} of {published_layers} layers)")
     offloaded = hf_scatter.offload(model, gpu_memory=budget, profile=prof, workload=workload, progress=progress)
-    rows = []
+    plan = {"cpu_budget": offloaded.cpu_budget, "policy": offloaded.policy.to_dict(),
+            "weights_gpu_fraction": offloaded.store.layout.fraction}
     try:
-        for n in batches:
-            rows.append(routed_row(offloaded, reqs[:n], prof, spec, budget, new_tokens))
+        rows = [routed_row(offloaded, reqs[:n], prof, spec, budget, new_tokens) for n in batches]
     finally:
-        offloaded.expert_streaming = "auto"
-    report = {
+        offloaded.close()
+    return {
         **header, "model": model_name, "layers": layers, "published_layers": published_layers, "gpu_budget": budget,
-        "cpu_budget": offloaded.cpu_budget, "profile": prof.name, "new_tokens": new_tokens,
-        "experts": spec.experts, "top_k": spec.top_k, "policy": offloaded.policy.to_dict(),
-        "weights_gpu_fraction": offloaded.store.layout.fraction, "routed_sweep": rows,
+        "profile": prof.name, "new_tokens": new_tokens, "experts": spec.experts, "top_k": spec.top_k, **plan,
+        "routed_sweep": rows,
         "pays_up_to": max([r["batch_size"] for r in rows if r["routed_pays"]], default=None),
         "hrm_agrees": sum(r["hrm_choice"] == ("routed" if r["routed_pays"] else "all") for r in rows),
     }
-    offloaded.close()
-    return report
 
 
 def routed_row(offloaded, batch: list[torch.Tensor], prof, spec, budget: int, new_tokens: int) -> dict:

@@ -173,10 +173,9 @@ def _micro_batches(policy: Policy) -> list[tuple[int, int]]:
     return [(policy.micro_batch_size, full)] + ([(rest, 1)] if rest else [])
 
 
-def _link_pieces(hrm: HierarchicalRoofline, h2d: Lin | list, d2h: Lin, h2d_copies: float, d2h_copies: float,
+def _link_pieces(hrm: HierarchicalRoofline, ups: list, d2h: Lin, h2d_copies: float, d2h_copies: float,
                  cpu_dram: Lin) -> dict:
-    """The link and host-memory terms; ``h2d``: the bytes up, or several Lins whose max they are."""
-    ups = h2d if isinstance(h2d, list) else [h2d]
+    """The link and host-memory terms; ``ups``: the bytes up, as Lins whose max they are."""
     return {
         "h2d": [up / hrm.roofs.link_bandwidth + h2d_copies * hrm.latency_s for up in ups],
         "d2h": [d2h / hrm.d2h_bandwidth + d2h_copies * hrm.latency_s],
@@ -345,7 +344,7 @@ def prefill_terms(hrm: HierarchicalRoofline, model: ModelSpec, policy: Policy, w
     kv = tokens * model.kv_bytes_per_token
     d2h = Lin(kv, 0, -kv) if policy.attention_on_gpu else Lin(kv)
     pieces = {"gpu_compute": [gpu], "gpu_launch": [Lin(launches)], "cpu": []}
-    pieces.update(_link_pieces(hrm, weights, d2h, math.ceil(chunks), math.ceil(chunks), Lin()))
+    pieces.update(_link_pieces(hrm, [weights], d2h, math.ceil(chunks), math.ceil(chunks), Lin()))
     pieces["dependency_chain"] = []
     return Terms(pieces, ops, [weights], workload.prompt_len)
 

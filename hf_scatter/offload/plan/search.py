@@ -1,9 +1,9 @@
 """Policy search: the placement that minimises predicted time per generated token within both memories.
 
 Exhaustive over the discrete choices (batch size N and micro-batch size mu as powers of two, attention on
-CPU or GPU, expert FFN on CPU or GPU, every expert or only the routed ones streamed); for each, the two fractions (weights and KV cache on the GPU) are
-found exactly by :func:`~hf_scatter.offload.pwl.minimize` (the cost and the memory use are piecewise-linear
-and linear in them). MoE-Lightning's Eqs. 12-14 as an integer grid plus a tiny LP; Mixtral-8x7B plans in
+CPU or GPU, expert FFN on CPU or GPU, every expert or only the routed ones streamed); for each, the two
+fractions (weights and KV cache on the GPU) are found exactly by :func:`~hf_scatter.offload.pwl.minimize`
+(the cost and the memory use are piecewise-linear and linear in them). MoE-Lightning's Eqs. 12-14 as an integer grid plus a tiny LP; Mixtral-8x7B plans in
 about a second.
 """
 
