@@ -91,7 +91,8 @@ def test_dbrx_parity_fp32(tmp_path, tokenizer, capsys):
 INTERPRETED_EVAL_FAMILY = "qwen3_moe"  # the others run the kernels' torch reference: the harness is under test here
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v2", "gpt_oss", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v2", "gpt_oss", "qwen2_moe",
+                                    "granitemoe"])
 def test_fine_grained_families_parity_fp32(family, tmp_path, capsys, monkeypatch):
     """Each family's random checkpoint: patched (its router, norms, RoPE and experts) and offloaded (CGOPipe on
     the CPU stand-in) equal vanilla request by request, log-likelihoods and greedy generations alike. One
@@ -155,7 +156,7 @@ def test_offloaded_backend_matches_vanilla_request_by_request(mixtral_dir, tmp_p
     assert summary["decisions_changed"] == 0 and summary["generations"] == 3 and summary["generations_changed"] == 0
 
 
-@pytest.mark.parametrize("shape", ["tiny-bert", "tiny-granitemoe"])
+@pytest.mark.parametrize("shape", ["tiny-bert", "tiny-qwen3_next"])
 def test_offloaded_backend_refuses_other_families_before_any_model_loads(shape, tmp_path, capsys):
     rc, report, out = _eval(["--random", shape, *FP32, "--backends", "vanilla,offloaded"], tmp_path, capsys)
     assert rc == 2 and report is None

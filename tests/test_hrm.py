@@ -103,7 +103,7 @@ def test_calibration_terms_interpolate_measurements():
 
 
 # ----- model description -----
-@pytest.mark.parametrize("family", ["mixtral", "dbrx", "llama", "deepseek_v3", "deepseek_v2"])
+@pytest.mark.parametrize("family", ["mixtral", "dbrx", "llama", "deepseek_v3", "deepseek_v2", "granitemoe"])
 def test_model_spec_weight_bytes_equal_the_real_parameter_count(family, tmp_path):
     """Through config.json, as a user passes it. DeepSeek: latent attention (V3 with a low-rank query, V2 without),
     shared experts and a first dense layer."""
@@ -118,7 +118,9 @@ def test_model_spec_weight_bytes_equal_the_real_parameter_count(family, tmp_path
                                            num_attention_heads=4, num_key_value_heads=2, vocab_size=100),
               "deepseek_v3": lambda: tiny_decoder_config("deepseek_v3", hidden=48, experts=6, top_k=3, intermediate=40),
               "deepseek_v2": lambda: tiny_decoder_config("deepseek_v2", hidden=48, experts=6, top_k=3, intermediate=40,
-                                                         q_lora_rank=None)}[family]()
+                                                         q_lora_rank=None),
+              "granitemoe": lambda: tiny_decoder_config("granitemoe", hidden=48, experts=6, top_k=3, intermediate=40)
+              }[family]()
     config.save_pretrained(tmp_path)
     spec = ModelSpec.from_config(str(tmp_path))
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)

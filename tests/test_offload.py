@@ -57,12 +57,19 @@ def tiny_qwen2_moe_windowed(**config):
     return with_random(model, ("bias", "shared_expert_gate.weight"), scale=0.5)
 
 
+def tiny_granitemoe_with_biases(**config):
+    """Granite-MoE with attention biases, random (its tiny config sets every multiplier away from 1)."""
+    return with_random(TINY_BUILDERS["granitemoe"](attention_bias=True, **config), ("bias",), scale=0.5)
+
+
 # OLMoE with its clip_qkv set (published checkpoints leave it None), so the clamp after the q/k norms runs
 BUILDERS = {**TINY_BUILDERS, "olmoe": functools.partial(TINY_BUILDERS["olmoe"], clip_qkv=0.3),
             "gpt_oss": tiny_gpt_oss_with_biases, "deepseek_v3": tiny_deepseek_v3_with_biases,
-            "deepseek_v2": tiny_deepseek_v2_lite_style, "qwen2_moe": tiny_qwen2_moe_windowed}
+            "deepseek_v2": tiny_deepseek_v2_lite_style, "qwen2_moe": tiny_qwen2_moe_windowed,
+            "granitemoe": tiny_granitemoe_with_biases}
 # the families with a pipeline adapter
-OFFLOADED = ["mixtral", "dbrx", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3", "deepseek_v2", "qwen2_moe"]
+OFFLOADED = ["mixtral", "dbrx", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3", "deepseek_v2", "qwen2_moe",
+             "granitemoe"]
 
 
 @pytest.fixture(autouse=True)
@@ -297,7 +304,7 @@ def test_requests_that_cannot_fit_are_refused_with_their_index():
         hf_scatter.offload(tiny_mixtral(), gpu_memory="64KiB", device="cpu", policy=Policy(4, 2), progress=False)
     with pytest.raises(ValueError, match="attention on the CPU"):
         hf_scatter.offload(tiny_mixtral(), device="cpu", policy=Policy(4, 2, attention_on_gpu=True), progress=False)
-    with pytest.raises(ValueError, match="supports dbrx, deepseek_v2, deepseek_v3, gpt_oss, mixtral"):
+    with pytest.raises(ValueError, match="supports dbrx, deepseek_v2, deepseek_v3, gpt_oss, granitemoe, mixtral"):
         hf_scatter.offload(torch.nn.Linear(2, 2), device="cpu")
 
 
@@ -331,8 +338,8 @@ def test_offloading_a_model_whose_weights_were_released_is_refused_before_any_wo
 
 
 def test_families_without_offloading_or_with_dense_layers_are_refused_before_any_work():
-    with pytest.raises(ValueError, match="offloading supports .*qwen3_moe.* causal LMs; got model_type 'granitemoe'"):
-        hf_scatter.offload(TINY_BUILDERS["granitemoe"](), device="cpu", progress=False)
+    with pytest.raises(ValueError, match="offloading supports .*qwen3_moe.* causal LMs; got model_type 'qwen3_next'"):
+        hf_scatter.offload(TINY_BUILDERS["qwen3_next"](), device="cpu", progress=False)
     model = TINY_BUILDERS["qwen3_moe"](mlp_only_layers=[0])
     with pytest.raises(NotImplementedError, match=r"layers \[0\] of this qwen3_moe model hold a dense MLP"):
         hf_scatter.offload(model, device="cpu", progress=False)
