@@ -22,6 +22,8 @@ MOE_LAYERS = 2  # every tiny config has two MoE layers (DeepSeek's extra first l
 LINEAR_ATTENTION = {"qwen3_next", "qwen3_5_moe_text"}  # hybrid stacks with gated-delta-net layers
 UNFUSED_NORMS = {"gpt_oss"} | LINEAR_ATTENTION  # RMSNorms rounding after the weight (Qwen3-Next's: 1 + weight): vanilla
 NO_ROPE = {"dbrx", "deepseek_v3", "deepseek_v2"} | LINEAR_ATTENTION  # RoPE stays vanilla (fused: the standard and GPT-OSS forms)
+# the families whose tiny configs hold a dense gated MLP (shared experts, DeepSeek's dense first layer)
+DENSE_MLP = {"deepseek_v3", "deepseek_v2", "qwen2_moe"} | LINEAR_ATTENTION
 
 
 def _rel(a, b):
@@ -71,7 +73,7 @@ def test_logits_and_every_gradient_match_vanilla_with_padding(family, device):
     report = hf_scatter.patch_report(patched)
     assert patched_experts(patched) == MOE_LAYERS
     fused = {"router_topk", "fused_linear_cross_entropy"} | (set() if family in UNFUSED_NORMS else {"fused_add_norm"}) \
-        | (set() if family in NO_ROPE else {"fused_rope"})
+        | (set() if family in NO_ROPE else {"fused_rope"}) | ({"fused_swiglu"} if family in DENSE_MLP else set())
     assert {v for v in report.values() if not v.startswith("scattermoe")} == fused
     assert "experts_implementation=scattermoe" in repr(patched)
     ids = _ids(device)
@@ -184,10 +186,10 @@ def test_patch_is_idempotent_switchable_and_reversible(family, device):
 
     hf_scatter.patch_model(patched, moe=False)
     assert patched_experts(patched) == 0 and hf_scatter.patch_report(patched)
-    hf_scatter.patch_model(patched, moe=False, norms=False, router=False, loss=False, rope=False)
+    hf_scatter.patch_model(patched, moe=False, norms=False, router=False, loss=False, rope=False, swiglu=False)
     assert hf_scatter.patch_report(patched) == {}
-    hf_scatter.patch_model(patched, rope=False)
-    assert "fused_rope" not in hf_scatter.patch_report(patched).values()
+    hf_scatter.patch_model(patched, rope=False, swiglu=False)
+    assert not {"fused_rope", "fused_swiglu"} & set(hf_scatter.patch_report(patched).values())
     hf_scatter.patch_model(patched, norms=False)
     assert "fused_add_norm" not in hf_scatter.patch_report(patched).values()
     assert "router_topk" in hf_scatter.patch_report(patched).values()
@@ -482,3 +484,43 @@ def test_qwen3_5_moe_multimodal_model_patches_its_language_layers():
         loss.backward()
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
     _assert_same_grads(vanilla, patched)
+
+
+def _saved_bytes(module, x):
+    """Bytes autograd keeps for the backward of ``module(x)`` (each storage once), and the output."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = module(x)
+    return sum(storages.values()), out
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+def test_fused_swiglu_keeps_one_activation_less_and_the_same_gradients(hooked):
+    """DeepSeek's shared experts and dense layers: the patched MLP stores gate and up (not silu(gate) too) for
+    the backward, and computes what vanilla does. A forward hook that keeps a projection's output sees it
+    unchanged after the backward (the gradients are then not written into it)."""
+    model = TINY_BUILDERS["deepseek_v3"](**ODD)
+    vanilla = model.model.layers[0].mlp  # the dense first layer's DeepseekV3MLP, I = 2 x 40
+    patched = hf_scatter.patch_model(copy.deepcopy(model)).model.layers[0].mlp
+    assert hf_scatter.patch_report(patched) == {"": "fused_swiglu"}
+    tokens, width = 64, vanilla.gate_proj.out_features
+    x = torch.randn(2, tokens // 2, ODD["hidden"], requires_grad=True)
+    kept = []
+    if hooked:
+        patched.gate_proj.register_forward_hook(lambda m, args, out: kept.append((out, out.detach().clone())))
+    want_bytes, want = _saved_bytes(vanilla, x)
+    got_bytes, got = _saved_bytes(patched, x)
+    assert want_bytes - got_bytes == tokens * width * 4  # one fp32 [T, I] activation less
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    dy = torch.randn_like(want)
+    want_grads = torch.autograd.grad(want, [x, *vanilla.parameters()], dy)
+    got_grads = torch.autograd.grad(got, [x, *patched.parameters()], dy)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    for out, copied in kept:
+        assert torch.equal(out, copied), "the backward wrote into an output a hook kept"

@@ -25,6 +25,7 @@ from ..kernels.router import router_topk
 from .class_patch import apply_swaps
 from .experts import SCATTERMOE, patch_interface_experts
 from .fused_loss import set_fused_loss
+from .fused_mlp import FUSED_SWIGLU, swiglu_mlp_forward
 from .fused_norms import FUSED_ADD_NORM, add_rms_norm, rms_norm
 from .fused_rope import FUSED_ROPE, rope_attention_forward
 from .training_graphs import layer_uses_rng, set_layer_graphs, set_moe_graphs
@@ -131,6 +132,7 @@ class DecoderFamily:
     uses_rng: Callable = never_random  # a block that draws random numbers (router jitter) stays eager
     attention: type | None = None  # its forward calls the module's apply_rotary_pos_emb: RoPE gets fused
     rope_full_head: bool = False  # cos/sin hold half a head (GPT-OSS): every channel of the head is rotated
+    dense_mlp: type | None = None  # the gated MLP of its shared experts and dense layers: SwiGLU gets fused
 
 
 def _swaps(family: DecoderFamily, options: PatchOptions) -> list:
@@ -139,6 +141,9 @@ def _swaps(family: DecoderFamily, options: PatchOptions) -> list:
         layer = decoder_layer_forward(family.mlp, family.scaled_residual)
         swaps += [(family.norm, fused_subclass(family.norm, FUSED_ADD_NORM, rms_norm_forward), options.norms),
                   (family.decoder_layer, fused_subclass(family.decoder_layer, FUSED_ADD_NORM, layer), options.norms)]
+    if family.dense_mlp is not None:
+        swaps.append((family.dense_mlp, fused_subclass(family.dense_mlp, FUSED_SWIGLU, swiglu_mlp_forward),
+                      options.swiglu))
     attention = family.attention and _rope_forward(family.attention, family.rope_full_head)
     if attention is not None:
         swaps.append((family.attention, fused_subclass(family.attention, FUSED_ROPE, attention), options.rope))

@@ -1,6 +1,6 @@
 """DeepSeek-V3 and DeepSeek-V2: their routers on the selection kernel, Llama-style RMSNorm (the attention's
 low-rank q/kv norms included), experts on the ``"scattermoe"`` backend. The shared experts and the first
-``first_k_dense_replace`` dense layers run as transformers has them.
+``first_k_dense_replace`` dense layers run as transformers has them, their SwiGLU fused.
 
 V3 routes on sigmoid scores plus ``e_score_correction_bias``, limited to the ``topk_group`` best of ``n_group``
 expert groups; V2 on softmax scores, greedy or ``group_limited_greedy``. The choice is exact, ties included
@@ -225,9 +225,9 @@ class DeepseekV2PipelineAdapter(DeepseekPipelineAdapter):
 DEEPSEEK_V3 = register_decoder_family(DecoderFamily(
     model_type="deepseek_v3", pretrained=v3.DeepseekV3PreTrainedModel, decoder_layer=v3.DeepseekV3DecoderLayer,
     moe_block=v3.DeepseekV3MoE, router=v3.DeepseekV3TopkRouter, router_forward=v3_router_forward,
-    norm=v3.DeepseekV3RMSNorm), spec=deepseek_spec, pipeline_adapter=DeepseekV3PipelineAdapter)
+    norm=v3.DeepseekV3RMSNorm, dense_mlp=v3.DeepseekV3MLP), spec=deepseek_spec, pipeline_adapter=DeepseekV3PipelineAdapter)
 
 DEEPSEEK_V2 = register_decoder_family(DecoderFamily(
     model_type="deepseek_v2", pretrained=v2.DeepseekV2PreTrainedModel, decoder_layer=v2.DeepseekV2DecoderLayer,
     moe_block=v2.DeepseekV2Moe, router=v2.DeepseekV2TopkRouter, router_forward=v2_router_forward,
-    norm=v2.DeepseekV2RMSNorm), spec=deepseek_spec, pipeline_adapter=DeepseekV2PipelineAdapter)
+    norm=v2.DeepseekV2RMSNorm, dense_mlp=v2.DeepseekV2MLP), spec=deepseek_spec, pipeline_adapter=DeepseekV2PipelineAdapter)

@@ -32,6 +32,7 @@ class PatchOptions:
     layer_graphs: bool = False  # whole decoder layers of training steps replayed as CUDA graphs (same terms)
     loss: bool = True  # causal LMs in training: LM head + cross-entropy fused, no [tokens, vocab] logits
     rope: bool = True  # rotary embeddings of q and k in one kernel each way (Liger-Kernel's)
+    swiglu: bool = True  # dense gated MLPs (shared experts, dense layers): silu(gate) * up fused, not stored
 
     @classmethod
     def from_kwargs(cls, caller: str, **options) -> "PatchOptions":
