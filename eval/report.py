@@ -3,6 +3,7 @@ and a plot of every request's log-likelihood difference."""
 
 from __future__ import annotations
 
+from hf_scatter.common.atomic_files import save_figure
 from hf_scatter.common.markdown import markdown_table
 
 
@@ -111,5 +112,4 @@ def plot(report: dict, path: str) -> None:
                  f"({report['device']})", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)

@@ -9,7 +9,7 @@ import sys
 from . import __version__
 from .common.argtypes import (byte_size, eval_limit, non_negative_float, positive_int, prompt_lengths,
                               torch_device)
-from .common.jsonfile import write_json
+from .common.atomic_files import write_json
 
 
 class UsageError(ValueError):

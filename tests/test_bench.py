@@ -155,3 +155,39 @@ def test_bench_moe_peers_compute_the_same_layer(family, shared):
     assert dense(x, idx, gates).shape == ref.shape
     # equal active FLOPs: as many weights as the (k + shared) experts a token passes through
     assert sum(p.numel() for p in params) == 3 * (cfg.top_k + shared) * cfg.intermediate * cfg.hidden
+
+
+def test_plots_and_results_are_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """A plot whose writing fails half-way (a full disk) leaves the previous file as it was and no temporary
+    file; a good one replaces it. The same for JSON results (a value JSON cannot hold)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.image
+    import matplotlib.pyplot as plt
+
+    from hf_scatter.common.atomic_files import save_figure, write_json
+
+    def disk_full(fname, *args, **kwargs):
+        with open(fname, "wb") as f:
+            f.write(b"\x89PNG half")
+        raise OSError(28, "No space left on device")
+
+    path = tmp_path / "plot.png"
+    path.write_bytes(b"previous")
+    fig, ax = plt.subplots()
+    with monkeypatch.context() as m:
+        m.setattr(matplotlib.image, "imsave", disk_full)
+        with pytest.raises(OSError, match="No space"):
+            save_figure(fig, path)
+    assert path.read_bytes() == b"previous" and sorted(p.name for p in tmp_path.iterdir()) == ["plot.png"]
+    assert not plt.get_fignums(), "the failed figure stays open"
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [1, 0])
+    save_figure(fig, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    result = tmp_path / "r.json"
+    write_json(result, {"a": 1})
+    with pytest.raises(TypeError):
+        write_json(result, {"a": object()})
+    assert result.read_text() == '{\n "a": 1\n}' and sorted(p.name for p in tmp_path.iterdir()) == ["plot.png", "r.json"]

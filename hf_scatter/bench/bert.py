@@ -20,6 +20,7 @@ import gc
 import numpy as np
 import torch
 
+from ..common.atomic_files import save_figure
 from ..common.markdown import markdown_table
 from ..common.timing import median_ms, run_header
 from .availability import require_cuda
@@ -253,4 +254,4 @@ def plot(report: dict, path: str) -> None:
     ax.set_title(f"BERT-base fp16 inference, {report['device']}")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)

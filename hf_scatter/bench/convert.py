@@ -16,6 +16,7 @@ import time
 import torch
 
 from ..common.argtypes import positive_int
+from ..common.atomic_files import save_figure
 from ..common.markdown import markdown_table
 from ..common.shapes import MIXTRAL_8X7B
 from ..common.timing import run_header
@@ -120,4 +121,4 @@ def plot(report: dict, path: str) -> None:
     ax.set_title(f"Mixtral-8x7B shape, {report['layers']} layers, {report['checkpoint_gb']:.1f} GB bf16; "
                  f"convert {report['convert_gb_per_s']:.2f} GB/s", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ..common.atomic_files import save_figure
 from ..common.markdown import markdown_table
 from ..common.timing import median_ms, peak_extra_gib, run_header
 from .availability import check_names, require_cuda
@@ -158,4 +159,4 @@ def plot(report: dict, path: str) -> None:
         ax.invert_yaxis()
     fig.suptitle(f"LM head + cross-entropy, bf16, {report['device']}")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)

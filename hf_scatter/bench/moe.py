@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ..common.atomic_files import save_figure
 from ..common.markdown import markdown_table
 from ..common.shapes import MIXTRAL_8X7B, MOE_BLOCKS
 from ..common.timing import is_oom, median_ms, peak_extra_gib, run_header
@@ -411,4 +412,4 @@ def plot(report: dict, path: str) -> None:
     axes[0, 0].legend(fontsize=8)
     fig.suptitle(f"SMoE SwiGLU layer, bf16, {report['device']} (lower is better; missing bar = OOM or n/a)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..common.atomic_files import save_figure
 from ..common.markdown import markdown_table
 from ..common.timing import median_ms, run_header
 from .availability import require_cuda
@@ -188,4 +189,4 @@ def plot(report: dict, path: str) -> None:
     ax.legend(loc="lower right")
     ax.set_title(f"Fused reductions vs torch, {report['device']}")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)

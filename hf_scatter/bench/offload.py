@@ -30,6 +30,7 @@ import time
 import torch
 
 from ..common.argtypes import byte_size, int_at_least, positive_int, positive_ints
+from ..common.atomic_files import save_figure
 from ..common.markdown import markdown_table
 from ..common.timing import run_header
 from .availability import require_cuda
@@ -586,16 +587,12 @@ def plot(report: dict, path: str) -> None:
         ax.set_ylabel("HRM predicted ms per layer")
         ax.set_title("HRM validation", fontsize=10)
         ax.legend(fontsize=8, loc="upper left")
-    _save(fig, path, plt)
+    _save(fig, path)
 
 
-def _save(fig, path: str, plt) -> None:
-    """The PNG written whole or not at all."""
+def _save(fig, path: str) -> None:
     fig.tight_layout()
-    tmp = path + ".tmp"
-    fig.savefig(tmp, dpi=110, format="png")
-    os.replace(tmp, path)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _plot_routed(report: dict, path: str, plt) -> None:
@@ -615,4 +612,4 @@ def _plot_routed(report: dict, path: str, plt) -> None:
     ax.set_title(f"{_shape(report)}, {report['experts']} experts, top-{report['top_k']}, "
                  f"{report['weights_gpu_fraction']:.0%} resident", fontsize=10)
     ax.legend(fontsize=8)
-    _save(fig, path, plt)
+    _save(fig, path)

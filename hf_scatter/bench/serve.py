@@ -20,6 +20,7 @@ import time
 import numpy as np
 import torch
 
+from ..common.atomic_files import save_figure
 from ..common.markdown import markdown_table
 from ..common.timing import run_header
 from .availability import require_cuda
@@ -201,4 +202,4 @@ def plot(report: dict, path: str) -> None:
     axes[0].legend()
     fig.suptitle(f"BERT-base serving, Poisson arrivals, lengths 5..500, {report['device']}")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)

@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 
 from ..common.argtypes import positive_int
+from ..common.atomic_files import save_figure
 from ..common.markdown import markdown_table
 from ..common.timing import run_header
 from .availability import check_names, require_cuda
@@ -472,5 +473,5 @@ def plot(report: dict, path: str) -> None:
     else:
         fig.suptitle(f"Training step of each family at its own ~1-2B shape, bf16 AdamW, {report['device']}")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 

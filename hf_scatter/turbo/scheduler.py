@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..common.jsonfile import write_json
+from ..common.atomic_files import write_json
 from ..common.partition import dp_schedule
 
 DEFAULT_LENGTHS = (8, 16, 32, 64, 128, 192, 256, 384, 512)

@@ -17,7 +17,7 @@ import platform
 import re
 from dataclasses import dataclass, field
 
-from ...common.jsonfile import write_json
+from ...common.atomic_files import write_json
 
 FORMAT = "hf-scatter-profile/1"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from ...common.atomic_files import save_figure
 from ...models.spec import ModelSpec
 from .hrm import HierarchicalRoofline
 from .policy import Policy
@@ -84,6 +85,5 @@ def plot_roofline(policy: Policy, model: ModelSpec, hrm: HierarchicalRoofline, p
                  f"{pred.tokens_per_s:,.0f} tokens/s predicted", fontsize=10)
     ax.legend(loc="lower right", fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return path

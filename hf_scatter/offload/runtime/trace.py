@@ -12,7 +12,7 @@ import contextlib
 import threading
 import time
 
-from ...common.jsonfile import write_json
+from ...common.atomic_files import write_json
 
 LANES = ("GPU compute", "CPU attention", "H2D hidden", "D2H qkv", "H2D weights", "H2D routed experts")
 ROLE_LANES = {"compute": "GPU compute", "h2d": "H2D hidden", "d2h": "D2H qkv", "weights": "H2D weights",
