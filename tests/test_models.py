@@ -499,11 +499,12 @@ def _saved_bytes(module, x):
     return sum(storages.values()), out
 
 
-@pytest.mark.parametrize("hooked", [False, True])
+@pytest.mark.parametrize("hooked", [None, "module", "global"])
 def test_fused_swiglu_keeps_one_activation_less_and_the_same_gradients(hooked):
     """DeepSeek's shared experts and dense layers: the patched MLP stores gate and up (not silu(gate) too) for
-    the backward, and computes what vanilla does. A forward hook that keeps a projection's output sees it
-    unchanged after the backward (the gradients are then not written into it)."""
+    the backward, and computes what vanilla does. A forward hook that keeps a projection's output (on it, or on
+    every module) sees it unchanged after the backward (the gradients are then not written into it); without
+    one, a second backward through the overwritten activations raises instead of computing with them."""
     model = TINY_BUILDERS["deepseek_v3"](**ODD)
     vanilla = model.model.layers[0].mlp  # the dense first layer's DeepseekV3MLP, I = 2 x 40
     patched = hf_scatter.patch_model(copy.deepcopy(model)).model.layers[0].mlp
@@ -511,10 +512,19 @@ def test_fused_swiglu_keeps_one_activation_less_and_the_same_gradients(hooked):
     tokens, width = 64, vanilla.gate_proj.out_features
     x = torch.randn(2, tokens // 2, ODD["hidden"], requires_grad=True)
     kept = []
-    if hooked:
-        patched.gate_proj.register_forward_hook(lambda m, args, out: kept.append((out, out.detach().clone())))
+
+    def keep(module, args, out):
+        if module is patched.gate_proj:
+            kept.append((out, out.detach().clone()))
+
+    handle = (patched.gate_proj.register_forward_hook(keep) if hooked == "module" else
+              torch.nn.modules.module.register_module_forward_hook(keep) if hooked == "global" else None)
     want_bytes, want = _saved_bytes(vanilla, x)
-    got_bytes, got = _saved_bytes(patched, x)
+    try:
+        got_bytes, got = _saved_bytes(patched, x)
+    finally:
+        if handle is not None:
+            handle.remove()
     assert want_bytes - got_bytes == tokens * width * 4  # one fp32 [T, I] activation less
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     dy = torch.randn_like(want)
@@ -522,5 +532,11 @@ def test_fused_swiglu_keeps_one_activation_less_and_the_same_gradients(hooked):
     got_grads = torch.autograd.grad(got, [x, *patched.parameters()], dy)
     for g, w in zip(got_grads, want_grads):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    assert len(kept) == (hooked is not None)
     for out, copied in kept:
         assert torch.equal(out, copied), "the backward wrote into an output a hook kept"
+    if hooked is None:  # (a forward outside saved_tensors_hooks, which skip autograd's version check)
+        again = patched(x)
+        torch.autograd.grad(again, x, dy, retain_graph=True)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            torch.autograd.grad(again, x, dy)

@@ -227,6 +227,15 @@ _swiglu_bwd_op = mutating_op("swiglu_bwd", "dgate", "dup")(_swiglu_bwd_impl)
 
 
 # -------------------------------------------------------------------------------------- autograd
+def _mark_overwritten(*saved: torch.Tensor) -> None:
+    """Saved tensors a backward wrote its gradients into: a kernel's write is invisible to autograd, so their
+    version counters move by hand, and a second backward through them raises instead of reading gradients as
+    activations (compiled code declares the mutation through the registered op)."""
+    if not torch.compiler.is_compiling():
+        for t in saved:
+            torch.autograd.graph.increment_version(t)
+
+
 class _SwiGLU(torch.autograd.Function):
     """``h = [gate; up]`` in one buffer; the gradient is one buffer too (no autograd cat of two halves)."""
 
@@ -247,6 +256,8 @@ class _SwiGLU(torch.autograd.Function):
         dh = h if ctx.reuse_input_buffer else torch.empty_like(h)
         run_op(_swiglu_bwd_op, _swiglu_bwd_impl, *SILU.halves(h), dout.contiguous(), *SILU.halves(dh),
                *SILU.numbers)
+        if ctx.reuse_input_buffer:
+            _mark_overwritten(h)
         return dh, None
 
 
@@ -269,6 +280,8 @@ class _SwiGLUPair(torch.autograd.Function):
         else:
             dgate, dup = torch.empty_like(gate), torch.empty_like(up)
         run_op(_swiglu_bwd_op, _swiglu_bwd_impl, gate, up, dout.contiguous(), dgate, dup, *SILU.numbers)
+        if ctx.reuse_input_buffers:
+            _mark_overwritten(gate, up)
         return dgate, dup, None
 
 

@@ -11,6 +11,7 @@ way). Activations other than SiLU run the vanilla forward.
 from __future__ import annotations
 
 import torch
+from torch.nn.modules.module import _global_forward_hooks
 
 from ..kernels.swiglu import swiglu_pair
 from ..moe.mlp import is_silu
@@ -18,14 +19,21 @@ from ..moe.mlp import is_silu
 FUSED_SWIGLU = "fused_swiglu"
 
 
+def _vanilla_forward(cls: type):
+    """The forward of the family's own class: the base of the fused subclass (which FSDP2 may subclass again)."""
+    mro = cls.__mro__
+    fused = next(i for i, c in enumerate(mro) if c.__dict__.get("hf_scatter_impl") == FUSED_SWIGLU)
+    return mro[fused + 1].forward
+
+
 def swiglu_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     """The Llama-style gated MLP (``gate_proj``, ``up_proj``, ``down_proj``, ``act_fn``) with the fused SwiGLU.
     The projections' outputs are this forward's own intermediates, so the backward writes their gradients into
     them, unless a forward hook on a projection may have kept its output."""
     if not is_silu(self.act_fn):
-        return type(self).__mro__[1].forward(self, x)
+        return _vanilla_forward(type(self))(self, x)
     gate, up = self.gate_proj(x), self.up_proj(x)  # [..., I] each
     shape = gate.shape
-    reuse = not (self.gate_proj._forward_hooks or self.up_proj._forward_hooks)
+    reuse = not (self.gate_proj._forward_hooks or self.up_proj._forward_hooks or _global_forward_hooks)
     hidden = swiglu_pair(gate.reshape(-1, shape[-1]), up.reshape(-1, shape[-1]), reuse_input_buffers=reuse)  # [T, I]
     return self.down_proj(hidden.view(shape))
