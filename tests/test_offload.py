@@ -1,7 +1,6 @@
 """Offloaded generation (CGOPipe): the same tokens as vanilla ``generate``, on the CPU stand-in and on the GPU;
 request batching, the KV cache and CPU attention, paging, sampling, budgets, the trace, the public API."""
 
-import functools
 import json
 import math
 
@@ -57,16 +56,19 @@ def tiny_qwen2_moe_windowed(**config):
     return with_random(model, ("bias", "shared_expert_gate.weight"), scale=0.5)
 
 
-def tiny_granitemoe_with_biases(**config):
-    """Granite-MoE with attention biases, random (its tiny config sets every multiplier away from 1)."""
-    return with_random(TINY_BUILDERS["granitemoe"](attention_bias=True, **config), ("bias",), scale=0.5)
+def with_attention_biases(family, **preset):
+    """``family`` with ``attention_bias`` set and the biases random (published Qwen3-MoE and OLMoE checkpoints have
+    none, but their configs allow them)."""
+    return lambda **config: with_random(TINY_BUILDERS[family](attention_bias=True, **preset, **config), ("bias",),
+                                        scale=0.5)
 
 
 # OLMoE with its clip_qkv set (published checkpoints leave it None), so the clamp after the q/k norms runs
-BUILDERS = {**TINY_BUILDERS, "olmoe": functools.partial(TINY_BUILDERS["olmoe"], clip_qkv=0.3),
+BUILDERS = {**TINY_BUILDERS, "qwen3_moe": with_attention_biases("qwen3_moe"),
+            "olmoe": with_attention_biases("olmoe", clip_qkv=0.3),
             "gpt_oss": tiny_gpt_oss_with_biases, "deepseek_v3": tiny_deepseek_v3_with_biases,
             "deepseek_v2": tiny_deepseek_v2_lite_style, "qwen2_moe": tiny_qwen2_moe_windowed,
-            "granitemoe": tiny_granitemoe_with_biases}
+            "granitemoe": with_attention_biases("granitemoe")}  # its tiny config: every multiplier away from 1
 # the families with a pipeline adapter
 OFFLOADED = ["mixtral", "dbrx", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3", "deepseek_v2", "qwen2_moe",
              "granitemoe"]

@@ -23,7 +23,7 @@ from ..kernels.router_select import gpt_oss_selection, router_select
 from ..kernels.swiglu import gpt_oss_gate
 from ..moe.mlp import FusedSwiGLU, expert_mlp
 from .decoder_moe import DecoderFamily, register_decoder_family
-from .pipeline_adapter import LayerAttention, LlamaStylePipelineAdapter, Rows, layer_windows
+from .pipeline_adapter import LayerAttention, LlamaStylePipelineAdapter, layer_windows
 from .spec import llama_style_spec
 
 
@@ -52,7 +52,6 @@ class GptOssPipelineAdapter(LlamaStylePipelineAdapter):
     and the clamped gate runs fused over it; the output projection's bias is added once, outside the parts."""
 
     model_type = "gpt_oss"
-    gates_in_logits_dtype = True
     column_dims = {"gate_up": 2, "gate_up_bias": 2, "down": 2}  # [E, 2, I, H], [E, 2, I], [E, H, I]
 
     def __init__(self, model: nn.Module):
@@ -66,20 +65,10 @@ class GptOssPipelineAdapter(LlamaStylePipelineAdapter):
     def rotary(self, device):
         return FullWidthRotary(super().rotary(device))
 
-    def pre_tensors(self, layer):
-        a = layer.self_attn
-        biases = (a.q_proj.bias, a.k_proj.bias, a.v_proj.bias)
-        tensors = super().pre_tensors(layer)
-        return {**tensors, "qkv_bias": Rows(*biases)} if all(b is not None for b in biases) else tensors
-
     def post_tensors(self, layer):
-        a, mlp = layer.self_attn, layer.mlp
-        tensors = {"o": a.o_proj.weight, "post_norm": layer.post_attention_layernorm.weight,
-                   "router": mlp.router.weight, "router_bias": mlp.router.bias,
-                   "down_bias": mlp.experts.down_proj_bias}
-        if a.o_proj.bias is not None:
-            tensors["o_bias"] = a.o_proj.bias
-        return tensors
+        mlp = layer.mlp
+        return {**self._attention_out_tensors(layer), "router": mlp.router.weight, "router_bias": mlp.router.bias,
+                "down_bias": mlp.experts.down_proj_bias}
 
     def expert_tensors(self, layer):
         experts = layer.mlp.experts

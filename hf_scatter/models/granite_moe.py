@@ -22,7 +22,7 @@ from transformers.models.granitemoe import modeling_granitemoe as granite
 
 from ..kernels.router_select import gpt_oss_selection, router_select
 from .decoder_moe import DecoderFamily, register_decoder_family
-from .pipeline_adapter import LayerAttention, LlamaStylePipelineAdapter, Rows
+from .pipeline_adapter import LayerAttention, LlamaStylePipelineAdapter
 from .spec import llama_style_spec
 
 _LOGITS_FIRST = "return router_logits" in inspect.getsource(granite.GraniteMoeTopKRouter.forward)
@@ -39,7 +39,6 @@ class GraniteMoePipelineAdapter(LlamaStylePipelineAdapter):
     its multipliers where vanilla applies them (same rounding: each scales a tensor in the activations' dtype)."""
 
     model_type = "granitemoe"
-    gates_in_logits_dtype = True
 
     def layers(self):
         return list(self.model.model.layers)  # every Granite-MoE layer holds experts
@@ -47,19 +46,8 @@ class GraniteMoePipelineAdapter(LlamaStylePipelineAdapter):
     def layer_attention(self):
         return [LayerAttention(scale=self.model.config.attention_multiplier)] * self.dims.layers
 
-    def pre_tensors(self, layer):
-        a, tensors = layer.self_attn, super().pre_tensors(layer)
-        if a.q_proj.bias is not None:  # attention_bias
-            tensors["qkv_bias"] = Rows(a.q_proj.bias, a.k_proj.bias, a.v_proj.bias)
-        return tensors
-
     def post_tensors(self, layer):
-        o = layer.self_attn.o_proj
-        tensors = {"o": o.weight, "post_norm": layer.post_attention_layernorm.weight,
-                   "router": layer.block_sparse_moe.router.weight}
-        if o.bias is not None:
-            tensors["o_bias"] = o.bias
-        return tensors
+        return {**self._attention_out_tensors(layer), "router": layer.block_sparse_moe.router.weight}
 
     def expert_tensors(self, layer):
         experts = layer.block_sparse_moe.experts  # [E, 2I, H] ([gate; up]) and [E, H, I]
@@ -81,6 +69,7 @@ class GraniteMoePipelineAdapter(LlamaStylePipelineAdapter):
         return router_select(logits.float(), self.dims.top_k, gpt_oss_selection(), out_dtype=logits.dtype)
 
     def logits(self, other, x):
+        """Divided by ``logits_scaling`` in the activations' dtype, as vanilla rounds, before the float32 cast."""
         return (F.linear(self._final_norm(other, x), other["lm_head"]) / self.model.config.logits_scaling).float()
 
 

@@ -283,11 +283,21 @@ class LlamaStylePipelineAdapter(PipelineAdapter):
 
     def pre_tensors(self, layer):
         a = layer.self_attn
-        return {"norm": layer.input_layernorm.weight, "qkv": Rows(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)}
+        tensors = {"norm": layer.input_layernorm.weight, "qkv": Rows(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)}
+        if a.q_proj.bias is not None:  # attention_bias (Qwen2-MoE and GPT-OSS always; the others by config)
+            tensors["qkv_bias"] = Rows(a.q_proj.bias, a.k_proj.bias, a.v_proj.bias)
+        return tensors
 
     def post_tensors(self, layer):
-        return {"o": layer.self_attn.o_proj.weight, "post_norm": layer.post_attention_layernorm.weight,
-                "router": layer.mlp.gate.weight}
+        return {**self._attention_out_tensors(layer), "router": layer.mlp.gate.weight}
+
+    def _attention_out_tensors(self, layer) -> dict:
+        """The attention's output projection (with its bias where it has one) and the post-attention norm."""
+        o = layer.self_attn.o_proj
+        tensors = {"o": o.weight, "post_norm": layer.post_attention_layernorm.weight}
+        if o.bias is not None:
+            tensors["o_bias"] = o.bias
+        return tensors
 
     def expert_tensors(self, layer):
         experts = layer.mlp.experts

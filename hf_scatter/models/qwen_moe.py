@@ -23,7 +23,7 @@ from ..kernels.norms import fused_add_rms_norm
 from ..moe.mlp import glu_activation
 from .decoder_moe import (DecoderFamily, register_decoder_family, renormalized_softmax_topk_router_forward,
                           softmax_topk_router_forward)
-from .pipeline_adapter import LayerAttention, LlamaStylePipelineAdapter, Rows, dense_mlp, layer_windows, mlp_tensors
+from .pipeline_adapter import LayerAttention, LlamaStylePipelineAdapter, dense_mlp, layer_windows, mlp_tensors
 from .spec import llama_style_spec
 
 
@@ -70,12 +70,6 @@ class Qwen2MoePipelineAdapter(LlamaStylePipelineAdapter):
 
     def layer_attention(self):
         return [LayerAttention(window=window) for window in layer_windows(self.model.config)]
-
-    def pre_tensors(self, layer):
-        a, t = layer.self_attn, super().pre_tensors(layer)
-        if a.q_proj.bias is not None:
-            t["qkv_bias"] = Rows(a.q_proj.bias, a.k_proj.bias, a.v_proj.bias)
-        return t
 
     def post_tensors(self, layer):
         mlp = layer.mlp
