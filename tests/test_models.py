@@ -540,3 +540,25 @@ def test_fused_swiglu_keeps_one_activation_less_and_the_same_gradients(hooked):
         torch.autograd.grad(again, x, dy, retain_graph=True)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             torch.autograd.grad(again, x, dy)
+
+
+def test_a_fused_class_subclassed_again_still_runs_the_familys_own_code():
+    """FSDP2's fully_shard subclasses each wrapped module's class again: the fused dense MLP's fallback for
+    activations other than SiLU, and a decoder layer called with positional arguments, still reach the family's
+    own class (not the wrapper's base)."""
+    from hf_scatter.models.class_patch import vanilla_class
+
+    vanilla = TINY_BUILDERS["deepseek_v3"](**ODD, hidden_act="gelu")
+    patched = hf_scatter.patch_model(copy.deepcopy(vanilla))
+    mlp, layer = patched.model.layers[0].mlp, patched.model.layers[1]
+    for module in (mlp, layer):
+        fused = type(module)
+        module.__class__ = type(f"Wrapped{fused.__name__}", (fused,), {})  # what fully_shard does
+        assert vanilla_class(type(module)) is fused.__mro__[1]
+    x = torch.randn(2, 5, ODD["hidden"])
+    rope = vanilla.model.rotary_emb(x, torch.arange(5)[None])
+    with torch.no_grad():
+        torch.testing.assert_close(mlp(x), vanilla.model.layers[0].mlp(x), rtol=0, atol=0)
+        # the attention mask positionally (None: causal attention without padding)
+        torch.testing.assert_close(layer(x, None, position_embeddings=rope),
+                                   vanilla.model.layers[1](x, None, position_embeddings=rope), rtol=1e-5, atol=1e-5)

@@ -46,6 +46,14 @@ def restore_class(module: nn.Module, vanilla_class: type) -> None:
     _rebind_accelerate_forward(module)
 
 
+def vanilla_class(cls: type) -> type:
+    """The class a swapped-in subclass computes differently from: the base right after the first class in
+    ``cls``'s MRO that defines ``hf_scatter_impl`` (an engine such as FSDP2 may subclass the swapped class again)."""
+    mro = cls.__mro__
+    ours = next(i for i, c in enumerate(mro) if "hf_scatter_impl" in c.__dict__)
+    return mro[ours + 1]
+
+
 def apply_swaps(model: nn.Module, swaps) -> None:
     """For each ``(vanilla_class, our_class, on)``: every ``vanilla_class`` module in ``model`` becomes
     ``our_class`` when ``on``, and plain ``vanilla_class`` again when not."""

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.router import router_topk
-from .class_patch import apply_swaps
+from .class_patch import apply_swaps, vanilla_class
 from .experts import SCATTERMOE, patch_interface_experts
 from .fused_loss import set_fused_loss
 from .fused_mlp import FUSED_SWIGLU, swiglu_mlp_forward
@@ -65,7 +65,7 @@ def decoder_layer_forward(mlp: str, scaled: bool) -> Callable:
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if args:  # the vanilla layers take everything after hidden_states by keyword; bind a positional call
-            bound = _signature(type(self).__mro__[1]).bind(self, hidden_states, *args, **kwargs)
+            bound = _signature(vanilla_class(type(self))).bind(self, hidden_states, *args, **kwargs)
             bound.arguments.pop("self")
             hidden_states = bound.arguments.pop("hidden_states")
             kwargs = {**bound.arguments.pop("kwargs", {}), **bound.arguments}

@@ -15,15 +15,9 @@ from torch.nn.modules.module import _global_forward_hooks
 
 from ..kernels.swiglu import swiglu_pair
 from ..moe.mlp import is_silu
+from .class_patch import vanilla_class
 
 FUSED_SWIGLU = "fused_swiglu"
-
-
-def _vanilla_forward(cls: type):
-    """The forward of the family's own class: the base of the fused subclass (which FSDP2 may subclass again)."""
-    mro = cls.__mro__
-    fused = next(i for i, c in enumerate(mro) if c.__dict__.get("hf_scatter_impl") == FUSED_SWIGLU)
-    return mro[fused + 1].forward
 
 
 def swiglu_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -31,7 +25,7 @@ def swiglu_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     The projections' outputs are this forward's own intermediates, so the backward writes their gradients into
     them, unless a forward hook on a projection may have kept its output."""
     if not is_silu(self.act_fn):
-        return _vanilla_forward(type(self))(self, x)
+        return vanilla_class(type(self)).forward(self, x)
     gate, up = self.gate_proj(x), self.up_proj(x)  # [..., I] each
     shape = gate.shape
     reuse = not (self.gate_proj._forward_hooks or self.up_proj._forward_hooks or _global_forward_hooks)
