@@ -283,17 +283,22 @@ def test_the_backend_runs_gpt_oss_experts_on_the_fused_gate():
 
 
 def _force_library_gemm(monkeypatch, on: bool):
-    """Make the expert weight gradients take (or avoid) the library grouped GEMM, whatever the device."""
+    """Make the expert weight gradients, and the SwiGLU experts' output projection and input gradient, take (or
+    avoid) the library grouped GEMM, whatever the device and batch size."""
     import importlib
 
     for name in ("hf_scatter.moe.parallel_linear", "hf_scatter.moe.swiglu_experts"):  # the modules, not the functions
         monkeypatch.setattr(importlib.import_module(name), "grouped_mm_applies", lambda weight, *operands: on)
+    monkeypatch.setattr(importlib.import_module("hf_scatter.moe.swiglu_experts"), "grouped_mm_rows_apply",
+                        lambda weight, x_grouped: on)
 
 
 def _experts_grads(x, w_in, w_out, idx, gates, dy):
+    """The SwiGLU experts' output, then the gradients of x, w_in, w_out and the gates (float64)."""
     x, w_in, w_out, gates = (t.detach().clone().requires_grad_(True) for t in (x, w_in, w_out, gates))
-    glu_experts(x, w_in, w_out, idx, gates).backward(dy)
-    return [t.grad.double() for t in (x, w_in, w_out, gates)]
+    y = glu_experts(x, w_in, w_out, idx, gates)
+    y.backward(dy)
+    return [y.detach().double()] + [t.grad.double() for t in (x, w_in, w_out, gates)]
 
 
 # hidden > 2I: both dW operands are scattered (in place for groupXTY, copied for the library GEMM); hidden < I:
@@ -301,7 +306,8 @@ def _experts_grads(x, w_in, w_out, idx, gates, dy):
 @pytest.mark.parametrize("hidden,intermediate", [(64, 24), (32, 48)])
 def test_weight_gradients_through_the_library_grouped_gemm(monkeypatch, hidden, intermediate):
     """The library grouped GEMM (torch._grouped_mm over grouped copies; CUTLASS on Hopper) gives the SwiGLU
-    experts' and the ParallelLinear chain's gradients that groupXTY gives, in transformers' [E, N, K] layout
+    experts' output (output projection on it, mixed through the slot positions) and gradients (input gradient
+    on it, summed likewise), and the ParallelLinear chain's gradients, that our kernels give, in transformers' [E, N, K] layout
     (transposed views, as patched models pass them) and in kernel layout, with an expert that gets no rows."""
     from hf_scatter.moe import flatten_sort_count, parallel_linear
 
@@ -323,7 +329,7 @@ def test_weight_gradients_through_the_library_grouped_gemm(monkeypatch, hidden, 
         got = _experts_grads(x, w_in, w_out, idx, gates, dy)
         for g, w in zip(got, want):
             assert _rel(g, w) < 1e-2
-        assert got[1][0].abs().max() == 0 and got[2][0].abs().max() == 0
+        assert got[2][0].abs().max() == 0 and got[3][0].abs().max() == 0
 
     routing = flatten_sort_count(idx, E)
     weight = hf_out.transpose(1, 2)  # [E, I, hidden]
@@ -343,18 +349,23 @@ def test_weight_gradients_through_the_library_grouped_gemm(monkeypatch, hidden, 
 
 @pytest.mark.gpu
 def test_library_grouped_gemm_runs_on_hopper_and_matches_group_xty(monkeypatch):
-    """On a Hopper/Blackwell GPU the bf16 SwiGLU experts' weight gradients take the library grouped GEMM
-    (unless HF_SCATTER_GROUPED_MM=0) and agree with groupXTY's; experts without rows get zeros."""
-    from hf_scatter.kernels.groupxty import grouped_mm_applies
+    """On a Hopper/Blackwell GPU the bf16 SwiGLU experts' weight gradients, and at a training-sized batch their
+    output projection and input gradient, take the library grouped GEMM (unless HF_SCATTER_GROUPED_MM=0) and
+    agree with our kernels; experts without rows get zeros."""
+    from hf_scatter.kernels.library_gemm import LIBRARY_MIN_ROWS_PER_EXPERT, grouped_mm_applies, grouped_mm_rows_apply
 
     if torch.cuda.get_device_capability()[0] not in (9, 10):
         pytest.skip("the library grouped GEMM is used on compute capability 9.x/10.x only")
     torch.manual_seed(0)
-    E, k, T, hidden, inter = 16, 4, 1000, 512, 192
+    E, k, hidden, inter = 16, 4, 512, 192
+    T = LIBRARY_MIN_ROWS_PER_EXPERT * E // k + 100
     x = torch.randn(T, hidden, device="cuda", dtype=torch.bfloat16)
     w_in = (torch.randn(E, 2 * inter, hidden, device="cuda") * 0.05).to(torch.bfloat16)
     w_out = (torch.randn(E, hidden, inter, device="cuda") * 0.05).to(torch.bfloat16)
     assert grouped_mm_applies(w_in.transpose(1, 2), x)
+    h = torch.empty(T * k, inter, device="cuda", dtype=torch.bfloat16)
+    assert grouped_mm_rows_apply(w_out.transpose(1, 2), h)
+    assert not grouped_mm_rows_apply(w_out.transpose(1, 2), h[:E * LIBRARY_MIN_ROWS_PER_EXPERT - 1])  # decode sizes
     mixtral_sized = torch.empty(1, 14336, 4096, device="cuda", dtype=torch.bfloat16)
     assert not grouped_mm_applies(mixtral_sized, x)  # measured slower there: groupXTY keeps those
     logits = torch.randn(T, E, device="cuda")
@@ -370,7 +381,7 @@ def test_library_grouped_gemm_runs_on_hopper_and_matches_group_xty(monkeypatch):
     want = _experts_grads(x, w_in, w_out, idx, gates, dy)
     for g, w in zip(got, want):
         assert _rel(g, w) < 1e-2
-    for dw in got[1:3]:
+    for dw in got[2:4]:
         assert dw[:2].abs().max() == 0 and dw[2:].abs().amax((1, 2)).min() > 0
 
 

@@ -196,6 +196,31 @@ def test_gate_mix_and_gate_grad_against_float64(device, dtype):
         gate_mix(y[:-1], g)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gate_mix_reads_expert_ordered_rows_through_slot_positions(device, dtype):
+    """Rows an expert GEMM wrote in expert order (the library grouped GEMM's output) mix per token through the
+    slot positions, weighted or as the plain k-sum of an input gradient, equal to mixing them in slot order."""
+    from hf_scatter.kernels.gating import gate_mix_unchecked
+    from hf_scatter.moe import flatten_sort_count
+    from hf_scatter.moe.routing import slot_positions
+
+    T, k, E, N = 41, 3, 6, 136
+    idx = torch.rand(T, E, device=device).topk(k, -1).indices
+    _, sorted_scattered, _ = flatten_sort_count(idx, E)
+    positions = slot_positions(sorted_scattered)
+    assert torch.equal(sorted_scattered[positions], torch.arange(T * k, device=device))
+    y_slots = torch.randn(T * k, N, device=device).to(dtype)
+    y_grouped = y_slots[sorted_scattered]  # row i holds slot sorted_scattered[i]
+    g = torch.rand(T, k, device=device)
+    out = torch.full((T, N), float("nan"), device=device, dtype=dtype)
+    gate_mix(y_grouped, g, out=out, slot_rows=positions)
+    assert rel_err(out, (y_slots.double().view(T, k, N) * g.double()[..., None]).sum(1)) < TOL[dtype] / 2
+    summed = gate_mix_unchecked(y_grouped, None, slot_rows=positions, k=k)
+    assert rel_err(summed, y_slots.double().view(T, k, N).sum(1)) < TOL[dtype] / 2
+    with pytest.raises(ValueError, match="slot_rows must have"):
+        gate_mix(y_grouped, g, slot_rows=positions[:-1])
+
+
 @pytest.mark.parametrize("counts,block_m", [([5, 0, 17, 1], 4), ([0, 0, 9], 16), ([3], 2), ([40] * 1, 64),
                                              ([i % 7 for i in range(256)], 16)])
 def test_expert_tiles_kernel_matches_its_reference(device, counts, block_m):

@@ -1,7 +1,8 @@
 """Routing-gate kernels: mixing the k expert outputs of each token, and the gate gradient.
 
 ``gate_mix``: ``y[t] = sum_j g[t, j] * y_slots[t*k + j]`` in fp32 (a batched [1, k] x [k, N] matmul runs as
-a cuBLAS gemv far below bandwidth). ``gate_grad``: ``dots[i] = dx[i] . x[i // fan_out]`` in fp32, optionally
+a cuBLAS gemv far below bandwidth); the rows may also be read through ``slot_rows`` (slot s lies in row
+``slot_rows[s]``: expert-ordered outputs of the library grouped GEMM), and without gates it is the plain k-sum. ``gate_grad``: ``dots[i] = dx[i] . x[i // fan_out]`` in fp32, optionally
 scaling ``dx[i]`` by ``coeff[i]`` in place and writing ``coeff[i] * x[i // fan_out]`` in the same pass. With ``dx = dY W^T`` (the ungated input
 gradient) the dots are the gate gradients: ``d g = (x W) . dY = x . (dY W^T)``, so the forward's [T*k, d_out]
 expert outputs need not be kept for backward.
@@ -14,7 +15,7 @@ from typing import Optional
 import torch
 
 from .backend import cdiv, kernels_enabled, next_power_of_2, triton_runs
-from .checks import check_float, check_like, check_out, fail
+from .checks import check_float, check_index, check_like, check_out, fail
 from .custom_ops import mutating_op, run_op
 
 if kernels_enabled():
@@ -22,18 +23,22 @@ if kernels_enabled():
     import triton.language as tl
 
     @triton.jit
-    def _gate_mix_kernel(y_ptr, g_ptr, out_ptr, T, N, stride_ym, stride_gt, stride_gk, stride_ot,
-                         K_SLOTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _gate_mix_kernel(y_ptr, g_ptr, rows_ptr, out_ptr, T, N, stride_ym, stride_gt, stride_gk, stride_ot,
+                         K_SLOTS: tl.constexpr, HAS_GATES: tl.constexpr, GATHER: tl.constexpr,
+                         BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
         tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         t_mask = tokens < T
         mask = t_mask[:, None] & (cols < N)[None, :]
         acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
         for j in range(K_SLOTS):
-            g = tl.load(g_ptr + tokens * stride_gt + j * stride_gk, mask=t_mask, other=0.0).to(tl.float32)
             slot = tokens.to(tl.int64) * K_SLOTS + j
+            if GATHER:
+                slot = tl.load(rows_ptr + slot, mask=t_mask, other=0).to(tl.int64)
             y = tl.load(y_ptr + slot[:, None] * stride_ym + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            acc += g[:, None] * y
+            if HAS_GATES:
+                y *= tl.load(g_ptr + tokens * stride_gt + j * stride_gk, mask=t_mask, other=0.0).to(tl.float32)[:, None]
+            acc += y
         tl.store(out_ptr + tokens[:, None].to(tl.int64) * stride_ot + cols[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -63,11 +68,16 @@ if kernels_enabled():
         tl.store(dots_ptr + rows, acc, mask=r_mask)
 
 
-def gate_mix_reference(y_slots: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+def gate_mix_reference(y_slots: torch.Tensor, gates: torch.Tensor | None, slot_rows: torch.Tensor | None = None,
+                       k: int | None = None) -> torch.Tensor:
     """Pure-torch definition of :func:`gate_mix`."""
-    T, k = gates.shape
+    k = gates.shape[1] if gates is not None else k
     acc = torch.promote_types(y_slots.dtype, torch.float32)
-    return (y_slots.view(T, k, -1).to(acc) * gates.to(acc).unsqueeze(-1)).sum(1).to(y_slots.dtype)
+    rows = y_slots if slot_rows is None else y_slots.index_select(0, slot_rows)
+    rows = rows.view(-1, k, y_slots.shape[1]).to(acc)
+    if gates is not None:
+        rows = rows * gates.to(acc).unsqueeze(-1)
+    return rows.sum(1).to(y_slots.dtype)
 
 
 def gate_grad_reference(dx: torch.Tensor, x: torch.Tensor, fan_out: int, coeff: torch.Tensor | None,
@@ -83,15 +93,17 @@ def gate_grad_reference(dx: torch.Tensor, x: torch.Tensor, fan_out: int, coeff: 
     return dots
 
 
-def gate_mix_triton(y_slots, gates, out):
-    T, k = gates.shape
-    N = out.shape[1]
+def gate_mix_triton(y_slots, gates, out, slot_rows=None, k=None):
+    T, N = out.shape
+    k = gates.shape[1] if gates is not None else k
     if T == 0 or N == 0:
         return out
     BLOCK_T, BLOCK_N = 16, min(256, max(16, next_power_of_2(N)))
+    g = gates if gates is not None else out
     _gate_mix_kernel[(cdiv(T, BLOCK_T), cdiv(N, BLOCK_N))](
-        y_slots, gates, out, T, N, y_slots.stride(0), gates.stride(0), gates.stride(1), out.stride(0),
-        K_SLOTS=k, BLOCK_T=BLOCK_T, BLOCK_N=BLOCK_N, num_warps=4)
+        y_slots, g, slot_rows if slot_rows is not None else out, out, T, N, y_slots.stride(0), g.stride(0),
+        g.stride(1), out.stride(0), K_SLOTS=k, HAS_GATES=gates is not None, GATHER=slot_rows is not None,
+        BLOCK_T=BLOCK_T, BLOCK_N=BLOCK_N, num_warps=4)
     return out
 
 
@@ -109,11 +121,12 @@ def gate_grad_triton(dx, x, fan_out, coeff, dots, x_scaled_out=None):
 
 
 # --------------------------------------------------------------------------------------------- ops
-def _gate_mix_impl(y_slots: torch.Tensor, gates: torch.Tensor, out: torch.Tensor) -> None:
+def _gate_mix_impl(y_slots: torch.Tensor, gates: Optional[torch.Tensor], out: torch.Tensor,
+                   slot_rows: Optional[torch.Tensor], k: int) -> None:
     if triton_runs(y_slots, "gate_mix"):
-        gate_mix_triton(y_slots, gates, out)
+        gate_mix_triton(y_slots, gates, out, slot_rows, k)
     else:
-        out.copy_(gate_mix_reference(y_slots, gates))
+        out.copy_(gate_mix_reference(y_slots, gates, slot_rows, k))
 
 
 _gate_mix_op = mutating_op("gate_mix", "out")(_gate_mix_impl)
@@ -130,9 +143,11 @@ def _gate_grad_impl(dx: torch.Tensor, x: torch.Tensor, fan_out: int, coeff: Opti
 _gate_grad_op = mutating_op("gate_grad", "dx", "dots", "x_scaled_out")(_gate_grad_impl)
 
 
-def gate_mix(y_slots: torch.Tensor, gates: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``out[t] = sum_j gates[t, j] * y_slots[t*k + j]`` (fp32 accumulation): the k expert outputs of each token,
-    in slot order, mixed by its routing gates."""
+def gate_mix(y_slots: torch.Tensor, gates: torch.Tensor, out: torch.Tensor | None = None,
+             slot_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[t] = sum_j gates[t, j] * y_slots[r(t*k + j)]`` (fp32 accumulation): the k expert outputs of each
+    token mixed by its routing gates, read in slot order (``r(s) = s``) or through ``slot_rows`` [T*k]
+    (``r(s) = slot_rows[s]``, e.g. the row where an expert-ordered output keeps slot s)."""
     op = "gate_mix"
     check_float(op, "y_slots", y_slots, 2)
     check_float(op, "gates", gates, 2)
@@ -140,11 +155,13 @@ def gate_mix(y_slots: torch.Tensor, gates: torch.Tensor, out: torch.Tensor | Non
     if y_slots.shape[0] != T * k or gates.device != y_slots.device or y_slots.stride(1) != 1:
         fail(op, f"y_slots must be [T*k, N] = [{T * k}, N] with contiguous rows on {gates.device}, got "
                  f"{tuple(y_slots.shape)} strides {y_slots.stride()} on {y_slots.device}")
+    if slot_rows is not None:
+        check_index(op, "slot_rows", slot_rows, T * k, y_slots.device)
     if out is not None:
         check_out(op, out, (T, y_slots.shape[1]), y_slots)
         if out.stride(1) != 1:
             fail(op, "out must have contiguous rows")
-    return gate_mix_unchecked(y_slots, gates, out)
+    return gate_mix_unchecked(y_slots, gates, out, slot_rows)
 
 
 def gate_grad(dx: torch.Tensor, x: torch.Tensor, fan_out: int = 1, coeff: torch.Tensor | None = None,
@@ -171,11 +188,13 @@ def gate_grad(dx: torch.Tensor, x: torch.Tensor, fan_out: int = 1, coeff: torch.
     return gate_grad_unchecked(dx, x, fan_out, coeff, x_scaled_out)
 
 
-def gate_mix_unchecked(y_slots, gates, out=None) -> torch.Tensor:
-    """:func:`gate_mix` without the checks (see ``custom_ops``: for callers that validated already)."""
+def gate_mix_unchecked(y_slots, gates, out=None, slot_rows=None, k=None) -> torch.Tensor:
+    """:func:`gate_mix` without the checks (see ``custom_ops``: for callers that validated already); ``gates``
+    None with a fan-in ``k`` sums each token's k rows unweighted."""
+    k = gates.shape[1] if gates is not None else k
     if out is None:
-        out = y_slots.new_empty((gates.shape[0], y_slots.shape[1]))
-    run_op(_gate_mix_op, _gate_mix_impl, y_slots, gates, out)
+        out = y_slots.new_empty((y_slots.shape[0] // k, y_slots.shape[1]))
+    run_op(_gate_mix_op, _gate_mix_impl, y_slots, gates, out, slot_rows, k)
     return out
 
 

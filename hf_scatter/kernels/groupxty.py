@@ -5,13 +5,8 @@ one [BLOCK_K, BLOCK_N] tile. Either operand may be grouped (row ``i``) or read f
 (row ``idx[i] // fan_out``), so the backward can do without a grouped copy where that copy would cost more
 memory than it saves time (see ``moe/parallel_linear.py``). Experts without rows get exact zeros.
 
-On Hopper and Blackwell, bf16 gradients of two grouped operands run as CUTLASS's grouped GEMM instead
-(:func:`grouped_mm_weight_grad`, through ``torch._grouped_mm``, the kernel transformers' own grouped_mm
-experts use). Each expert's reduction is only its own rows (about 1-2k at fine-grained shapes), so a tile
-spends a large share of its time filling its pipeline and storing its output; CUTLASS's warp-specialised
-persistent kernel overlaps those with the next tile's loads (Triton's warp specialisation targets Blackwell only).
-On an H100 the grouped copy of a scattered operand plus the library GEMM beat this kernel reading the operand in
-place at every fine-grained shape measured (docs/moe.md has the figures).
+On Hopper and Blackwell, bf16 gradients of two grouped operands run as the library grouped GEMM instead
+(``library_gemm.grouped_mm_weight_grad``).
 """
 
 from __future__ import annotations
@@ -21,8 +16,8 @@ from typing import Optional
 
 import torch
 
-from .backend import (cdiv, env_switch, fit_shared_memory, fitted_block, fitting_configs, kernels_enabled, launch,
-                      next_power_of_2, triton_interpreted, triton_runs, use_triton)
+from .backend import (cdiv, fit_shared_memory, fitted_block, fitting_configs, kernels_enabled, launch,
+                      next_power_of_2, triton_interpreted, triton_runs)
 from .checks import check_float, check_index, check_like, check_out, fail
 from .custom_ops import mutating_op, run_op, tf32_allowed
 
@@ -230,46 +225,3 @@ def groupxty_unchecked(x, dy, expert_offsets, dw=None, db=None, sorted_scattered
     run_op(_groupxty_op, _groupxty_impl, x, dy, expert_offsets, dw, db, tf32_allowed(), sorted_scattered_idxs,
            x_fan_out, dy_fan_out)
     return dw, db
-
-
-# ------------------------------------------------------------------------------------- library GEMM
-_ENV_GROUPED_MM = "HF_SCATTER_GROUPED_MM"  # 0/false/no/off: expert weight gradients always run groupXTY's kernel
-
-
-@functools.lru_cache(maxsize=None)
-def _grouped_mm_device(index: int) -> bool:
-    """torch's grouped GEMM is a CUTLASS kernel on compute capability 9.x and 10.x; elsewhere torch falls
-    back to a loop of matmuls, slower than groupXTY."""
-    return hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(index)[0] in (9, 10)
-
-
-# Largest expert matrix (K * N) whose gradient goes to the library: it was faster (H100, fwd+bwd of the SwiGLU
-# experts) for 3-17M-element experts (Qwen3-30B-A3B, OLMoE, DeepSeek-V2-Lite, GPT-OSS-20B, 4096 x 4096) and
-# slower for Mixtral-8x7B's 59-117M-element ones, where groupXTY's many tiles per expert already fill the GPU.
-LIBRARY_MAX_EXPERT_ELEMENTS = 1 << 25
-
-
-def grouped_mm_applies(weight: torch.Tensor, *operands: torch.Tensor) -> bool:
-    """Whether the gradient of ``weight`` [E, K, N] (no bias gradient) runs as the library grouped GEMM
-    (:func:`grouped_mm_weight_grad`): ``weight`` and the tensors its operands come from are bf16 on a
-    Hopper or Blackwell GPU, K and N keep rows 16-byte aligned, the expert matrix is at most
-    ``LIBRARY_MAX_EXPERT_ELEMENTS``, the kernels are not forced to the torch reference, and
-    ``HF_SCATTER_GROUPED_MM`` does not switch it off (0, false, no or off). Callers then make both operands grouped."""
-    _, K, N = weight.shape
-    return (weight.is_cuda and weight.dtype == torch.bfloat16 and all(t.dtype == torch.bfloat16 for t in operands)
-            and K % 8 == 0 and N % 8 == 0 and K * N <= LIBRARY_MAX_EXPERT_ELEMENTS
-            and env_switch(_ENV_GROUPED_MM) is not False and use_triton(weight, "groupXTY")
-            and _grouped_mm_device(weight.device.index if weight.device.index is not None
-                                   else torch.cuda.current_device()))
-
-
-def grouped_mm_weight_grad(x_grouped: torch.Tensor, dy_grouped: torch.Tensor, expert_offsets: torch.Tensor,
-                           weight: torch.Tensor) -> torch.Tensor:
-    """``dW[e] = X_e^T dY_e`` for grouped operands ([M, K], [M, N]) as one ``torch._grouped_mm`` call, laid
-    out like ``weight`` [E, K, N]: a transposed view of transformers' [E, N, K] tensor (its usual case) is
-    computed as ``dY_e^T X_e`` into [E, N, K] and returned transposed, so neither needs a copy. Experts
-    without rows get zeros."""
-    offsets = expert_offsets.to(torch.int32)  # [E], cumulative row ends
-    if weight.stride(1) == 1:  # K contiguous: [E, N, K] storage
-        return torch._grouped_mm(dy_grouped.t(), x_grouped, offs=offsets).transpose(1, 2)  # [E, K, N] view
-    return torch._grouped_mm(x_grouped.t(), dy_grouped, offs=offsets)  # [E, K, N]

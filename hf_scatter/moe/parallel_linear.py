@@ -18,7 +18,8 @@ import torch
 from ..kernels.custom_ops import profiled
 from ..kernels.gating import gate_grad_unchecked, gate_mix_unchecked
 from ..kernels.group import group_unchecked
-from ..kernels.groupxty import grouped_mm_applies, grouped_mm_weight_grad, groupxty_unchecked
+from ..kernels.groupxty import groupxty_unchecked
+from ..kernels.library_gemm import grouped_mm_applies, grouped_mm_weight_grad
 from ..kernels.scatter2scatter import scatter2scatter, scatter2scatter_unchecked
 
 
@@ -48,7 +49,7 @@ def expert_weight_grad(x_op: torch.Tensor, x_fan: int, dy_op: torch.Tensor, dy_f
                        need_b: bool, expert_offsets: torch.Tensor, sorted_scattered_idxs: torch.Tensor,
                        library: bool):
     """``(dW, db)`` of one expert projection, dW laid out like ``weight``: the library grouped GEMM when the
-    caller chose it (:func:`~hf_scatter.kernels.groupxty.grouped_mm_applies`, no bias; its operands were made
+    caller chose it (:func:`~hf_scatter.kernels.library_gemm.grouped_mm_applies`, no bias; its operands were made
     grouped by :func:`dw_operand`), groupXTY otherwise."""
     if library:
         return grouped_mm_weight_grad(x_op, dy_op, expert_offsets, weight), None

@@ -32,3 +32,11 @@ def flatten_sort_count(expert_idxs: torch.Tensor, num_experts: int, validate: bo
             raise ValueError(f"flatten_sort_count: expert ids must lie in [0, {num_experts}), got values in "
                              f"[{lo}, {hi}]; check num_experts against the router's output size")
     return sort_slots(flat, num_experts)
+
+
+def slot_positions(sorted_scattered_idxs: torch.Tensor) -> torch.Tensor:
+    """The row of each slot ``t*k + j`` in expert order ([T*k], the inverse of the sort's permutation): how a
+    per-token mix reads outputs that a GEMM wrote in expert order."""
+    positions = torch.empty_like(sorted_scattered_idxs)
+    return positions.index_copy_(0, sorted_scattered_idxs, torch.arange(
+        sorted_scattered_idxs.numel(), device=sorted_scattered_idxs.device, dtype=sorted_scattered_idxs.dtype))

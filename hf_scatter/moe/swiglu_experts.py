@@ -13,6 +13,10 @@ The forward runs the SwiGLU in the first projection's epilogue (``scatter2scatte
 from it in the pass that runs the SwiGLU backward, which reads the pre-activation anyway. A model's
 activations then hold one I-wide buffer less per MoE layer, which is what every layer keeps alive until the
 backward reaches it: 0.75 GiB of a 16-layer Qwen3-MoE-style step at 8k tokens.
+
+At training-sized batches on Hopper/Blackwell the output projection and the input gradient, whose inputs are
+grouped rows, run as the library grouped GEMM (``kernels/library_gemm.py``): their [T*k, d] results then come
+in expert order, and the per-token mix reads them through the slot positions (``routing.slot_positions``).
 """
 
 from __future__ import annotations
@@ -22,11 +26,12 @@ import torch
 from ..kernels.custom_ops import profiled
 from ..kernels.gating import gate_mix_unchecked
 from ..kernels.group import group_unchecked
-from ..kernels.groupxty import grouped_mm_applies
+from ..kernels.library_gemm import grouped_mm_applies, grouped_mm_rows, grouped_mm_rows_apply
 from ..kernels.scatter2scatter import scatter2scatter_swiglu, scatter2scatter_unchecked
 from ..kernels.swiglu import SILU, GateForm
 from ..kernels.swiglu_grad_gemm import swiglu_grad_gemm_unchecked
 from .parallel_linear import autocast_operands, dw_operand, expert_weight_grad, grouped_copy_pays, with_bias_term
+from .routing import slot_positions
 
 
 def _release(t: torch.Tensor) -> None:
@@ -39,7 +44,10 @@ def _forward(x, w_in, w_out, gates, b_in, b_out, form, k, routing, keep_pre_acti
     """The layer's output and the [T*k, 2I] pre-activation its backward starts from (None in inference: the
     first projection's kernel then writes only the SwiGLU output)."""
     gate_up, h = scatter2scatter_swiglu(x, w_in, *routing, k, form, b_in, keep_pre_activation)  # checks
-    y = gate_mix_unchecked(scatter2scatter_unchecked(h, w_out, *routing, 1, x_grouped=True, bias=b_out), gates)
+    if b_out is None and grouped_mm_rows_apply(w_out, h):  # expert-ordered rows, mixed through their positions
+        y = gate_mix_unchecked(grouped_mm_rows(h, w_out, routing[2]), gates, slot_rows=slot_positions(routing[1]))
+    else:
+        y = gate_mix_unchecked(scatter2scatter_unchecked(h, w_out, *routing, 1, x_grouped=True, bias=b_out), gates)
     return y, gate_up
 
 
@@ -93,8 +101,13 @@ class _SwiGLUExperts(torch.autograd.Function):
         d_gate_up = gate_up
         d_x = None
         if need_x:
-            d_slots = scatter2scatter_unchecked(d_gate_up, w_in.transpose(1, 2), *routing, 1, x_grouped=True)
-            d_x = d_slots.view(-1, k, d).sum(1) if k > 1 else d_slots
+            w_in_t = w_in.transpose(1, 2)  # [E, 2I, d]
+            if grouped_mm_rows_apply(w_in_t, d_gate_up):  # expert-ordered rows, summed through their positions
+                d_slots = grouped_mm_rows(d_gate_up, w_in_t, expert_offsets)
+                d_x = gate_mix_unchecked(d_slots, None, slot_rows=slot_positions(idx), k=k)
+            else:
+                d_slots = scatter2scatter_unchecked(d_gate_up, w_in_t, *routing, 1, x_grouped=True)
+                d_x = d_slots.view(-1, k, d).sum(1) if k > 1 else d_slots
             del d_slots
         d_w_in = d_b_in = None
         if need_w_in or need_b_in:
