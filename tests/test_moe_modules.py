@@ -366,6 +366,12 @@ def test_library_grouped_gemm_runs_on_hopper_and_matches_group_xty(monkeypatch):
     h = torch.empty(T * k, inter, device="cuda", dtype=torch.bfloat16)
     assert grouped_mm_rows_apply(w_out.transpose(1, 2), h)
     assert not grouped_mm_rows_apply(w_out.transpose(1, 2), h[:E * LIBRARY_MIN_ROWS_PER_EXPERT - 1])  # decode sizes
+    # Weights the library cannot read as an operand stay on our kernels: a start off 16 bytes, no unit stride
+    # in the expert matrices, more experts than the library's groups.
+    shifted = torch.empty(w_out.numel() + 4, device="cuda", dtype=torch.bfloat16)[4:].view(w_out.shape)
+    assert not grouped_mm_rows_apply(shifted.transpose(1, 2), h)
+    assert not grouped_mm_rows_apply(w_out.transpose(1, 2)[:, ::2], h)
+    assert not grouped_mm_applies(torch.empty(1024, 64, 64, device="cuda", dtype=torch.bfloat16), x)
     mixtral_sized = torch.empty(1, 14336, 4096, device="cuda", dtype=torch.bfloat16)
     assert not grouped_mm_applies(mixtral_sized, x)  # measured slower there: groupXTY keeps those
     logits = torch.randn(T, E, device="cuda")

@@ -28,7 +28,7 @@ _ENV_GROUPED_MM = "HF_SCATTER_GROUPED_MM"  # 0/false/no/off: every expert produc
 @functools.lru_cache(maxsize=None)
 def _grouped_mm_device(index: int) -> bool:
     """torch's grouped GEMM is a CUTLASS kernel on compute capability 9.x and 10.x; elsewhere torch falls
-    back to a loop of matmuls, slower than groupXTY."""
+    back to a loop of matmuls, slower than our kernels."""
     return hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(index)[0] in (9, 10)
 
 
@@ -37,20 +37,25 @@ def _grouped_mm_device(index: int) -> bool:
 # slower for Mixtral-8x7B's 59-117M-element ones, where groupXTY's many tiles per expert already fill the GPU.
 LIBRARY_MAX_EXPERT_ELEMENTS = 1 << 25
 
-# Fewest mean rows per expert at which grouped-row products go to the library: below it (decode, short
-# prompts) our kernels' decode-sized tiles stream each expert's weights once, and the call is bound by that.
-LIBRARY_MIN_ROWS_PER_EXPERT = 512
+# Fewest mean rows per expert at which grouped-row products go to the library: measured faster end to end from
+# there (H100; Qwen3-30B-A3B at 16k tokens has 1,024). From 512 to 1,024 rows the two were within run-to-run
+# spread, in either order by shape; at decode sizes our kernels' tiles stream each expert's weights once.
+LIBRARY_MIN_ROWS_PER_EXPERT = 1024
+
+# CUTLASS's grouped GEMM takes at most this many groups (experts) per call.
+_MAX_GROUPS = 1023
 
 
 def grouped_mm_applies(weight: torch.Tensor, *operands: torch.Tensor) -> bool:
     """Whether products with ``weight`` [E, K, N] may run as the library grouped GEMM: ``weight`` and the
     tensors its operands come from are bf16 on a Hopper or Blackwell GPU, K and N keep rows 16-byte aligned,
-    the expert matrix is at most ``LIBRARY_MAX_EXPERT_ELEMENTS``, the kernels are not forced to the torch
-    reference, and ``HF_SCATTER_GROUPED_MM`` does not switch it off (0, false, no or off). Callers then make
-    the operands grouped. The weight gradient (no bias gradient) takes it whenever this holds."""
-    _, K, N = weight.shape
+    at most 1,023 experts (the library's limit), the expert matrix is at most ``LIBRARY_MAX_EXPERT_ELEMENTS``,
+    the kernels are not forced to the torch reference, and ``HF_SCATTER_GROUPED_MM`` does not switch it off
+    (0, false, no or off). Callers then make the operands grouped. The weight gradient (no bias gradient)
+    takes it whenever this holds."""
+    E, K, N = weight.shape
     return (weight.is_cuda and weight.dtype == torch.bfloat16 and all(t.dtype == torch.bfloat16 for t in operands)
-            and K % 8 == 0 and N % 8 == 0 and K * N <= LIBRARY_MAX_EXPERT_ELEMENTS
+            and K % 8 == 0 and N % 8 == 0 and E <= _MAX_GROUPS and K * N <= LIBRARY_MAX_EXPERT_ELEMENTS
             and env_switch(_ENV_GROUPED_MM) is not False and use_triton(weight, "groupXTY")
             and _grouped_mm_device(weight.device.index if weight.device.index is not None
                                    else torch.cuda.current_device()))
@@ -58,8 +63,11 @@ def grouped_mm_applies(weight: torch.Tensor, *operands: torch.Tensor) -> bool:
 
 def grouped_mm_rows_apply(weight: torch.Tensor, x_grouped: torch.Tensor) -> bool:
     """Whether ``x_grouped @ W[e]`` (grouped rows in and out, no bias) runs as the library grouped GEMM:
-    :func:`grouped_mm_applies`, at a batch of at least ``LIBRARY_MIN_ROWS_PER_EXPERT`` mean rows per expert."""
-    return x_grouped.shape[0] >= LIBRARY_MIN_ROWS_PER_EXPERT * weight.shape[0] and grouped_mm_applies(weight, x_grouped)
+    :func:`grouped_mm_applies`, at a batch of at least ``LIBRARY_MIN_ROWS_PER_EXPERT`` mean rows per expert,
+    with the weight as the library reads an operand (16-byte aligned start, one unit stride in its matrices:
+    transformers' tensors and their transposed views; other views stay on our kernels)."""
+    return (x_grouped.shape[0] >= LIBRARY_MIN_ROWS_PER_EXPERT * weight.shape[0] and weight.data_ptr() % 16 == 0
+            and 1 in weight.stride()[-2:] and grouped_mm_applies(weight, x_grouped))
 
 
 def grouped_mm_rows(x_grouped: torch.Tensor, weight: torch.Tensor, expert_offsets: torch.Tensor) -> torch.Tensor:
