@@ -2,8 +2,9 @@
 
 ``gate_mix``: ``y[t] = sum_j g[t, j] * y_slots[t*k + j]`` in fp32 (a batched [1, k] x [k, N] matmul runs as
 a cuBLAS gemv far below bandwidth); the rows may also be read through ``slot_rows`` (slot s lies in row
-``slot_rows[s]``: expert-ordered outputs of the library grouped GEMM), and without gates it is the plain k-sum. ``gate_grad``: ``dots[i] = dx[i] . x[i // fan_out]`` in fp32, optionally
-scaling ``dx[i]`` by ``coeff[i]`` in place and writing ``coeff[i] * x[i // fan_out]`` in the same pass. With ``dx = dY W^T`` (the ungated input
+``slot_rows[s]``: expert-ordered outputs of the library grouped GEMM), and without gates it is the plain k-sum.
+``gate_grad``: ``dots[i] = dx[i] . x[i // fan_out]`` in fp32, optionally scaling ``dx[i]`` by ``coeff[i]`` in
+place and writing ``coeff[i] * x[i // fan_out]`` in the same pass. With ``dx = dY W^T`` (the ungated input
 gradient) the dots are the gate gradients: ``d g = (x W) . dY = x . (dY W^T)``, so the forward's [T*k, d_out]
 expert outputs need not be kept for backward.
 """
