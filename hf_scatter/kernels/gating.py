@@ -69,10 +69,9 @@ if kernels_enabled():
         tl.store(dots_ptr + rows, acc, mask=r_mask)
 
 
-def gate_mix_reference(y_slots: torch.Tensor, gates: torch.Tensor | None, slot_rows: torch.Tensor | None = None,
-                       k: int | None = None) -> torch.Tensor:
-    """Pure-torch definition of :func:`gate_mix`."""
-    k = gates.shape[1] if gates is not None else k
+def gate_mix_reference(y_slots: torch.Tensor, gates: torch.Tensor | None, slot_rows: torch.Tensor | None,
+                       k: int) -> torch.Tensor:
+    """Pure-torch definition of :func:`gate_mix` (and of the plain k-sum without ``gates``)."""
     acc = torch.promote_types(y_slots.dtype, torch.float32)
     rows = y_slots if slot_rows is None else y_slots.index_select(0, slot_rows)
     rows = rows.view(-1, k, y_slots.shape[1]).to(acc)
@@ -94,9 +93,8 @@ def gate_grad_reference(dx: torch.Tensor, x: torch.Tensor, fan_out: int, coeff: 
     return dots
 
 
-def gate_mix_triton(y_slots, gates, out, slot_rows=None, k=None):
+def gate_mix_triton(y_slots, gates, out, slot_rows, k):
     T, N = out.shape
-    k = gates.shape[1] if gates is not None else k
     if T == 0 or N == 0:
         return out
     BLOCK_T, BLOCK_N = 16, min(256, max(16, next_power_of_2(N)))

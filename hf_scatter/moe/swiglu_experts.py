@@ -40,15 +40,25 @@ def _release(t: torch.Tensor) -> None:
     t.untyped_storage().resize_(0)
 
 
+def _per_token(rows, weight, routing, k, gates=None, bias=None):
+    """``sum_j gates[t, j] * (rows[s] @ W[e] + b[e])`` over token t's slots s = t*k + j (a plain sum without
+    gates), for ``rows`` [T*k, K] in expert order: the output projection (forward) and the input gradient
+    (backward). Where it pays, the product runs on the library and comes in expert order, mixed through the
+    slot positions; our kernel writes it in slot order."""
+    if bias is None and grouped_mm_rows_apply(weight, rows):
+        grouped = grouped_mm_rows(rows, weight, routing[2])  # [T*k, N] in expert order
+        return gate_mix_unchecked(grouped, gates, slot_rows=slot_positions(routing[1]), k=k)
+    slots = scatter2scatter_unchecked(rows, weight, *routing, 1, x_grouped=True, bias=bias)  # [T*k, N]
+    if gates is not None:
+        return gate_mix_unchecked(slots, gates)
+    return slots.view(-1, k, slots.shape[1]).sum(1) if k > 1 else slots
+
+
 def _forward(x, w_in, w_out, gates, b_in, b_out, form, k, routing, keep_pre_activation=True):
     """The layer's output and the [T*k, 2I] pre-activation its backward starts from (None in inference: the
     first projection's kernel then writes only the SwiGLU output)."""
     gate_up, h = scatter2scatter_swiglu(x, w_in, *routing, k, form, b_in, keep_pre_activation)  # checks
-    if b_out is None and grouped_mm_rows_apply(w_out, h):  # expert-ordered rows, mixed through their positions
-        y = gate_mix_unchecked(grouped_mm_rows(h, w_out, routing[2]), gates, slot_rows=slot_positions(routing[1]))
-    else:
-        y = gate_mix_unchecked(scatter2scatter_unchecked(h, w_out, *routing, 1, x_grouped=True, bias=b_out), gates)
-    return y, gate_up
+    return _per_token(h, w_out, routing, k, gates, b_out), gate_up
 
 
 @profiled("hf_scatter::swiglu_experts.forward")
@@ -101,14 +111,7 @@ class _SwiGLUExperts(torch.autograd.Function):
         d_gate_up = gate_up
         d_x = None
         if need_x:
-            w_in_t = w_in.transpose(1, 2)  # [E, 2I, d]
-            if grouped_mm_rows_apply(w_in_t, d_gate_up):  # expert-ordered rows, summed through their positions
-                d_slots = grouped_mm_rows(d_gate_up, w_in_t, expert_offsets)
-                d_x = gate_mix_unchecked(d_slots, None, slot_rows=slot_positions(idx), k=k)
-            else:
-                d_slots = scatter2scatter_unchecked(d_gate_up, w_in_t, *routing, 1, x_grouped=True)
-                d_x = d_slots.view(-1, k, d).sum(1) if k > 1 else d_slots
-            del d_slots
+            d_x = _per_token(d_gate_up, w_in.transpose(1, 2), routing, k)  # [T, d]
         d_w_in = d_b_in = None
         if need_w_in or need_b_in:
             x_op, x_fan = dw_operand(x, k, d_gate_up.shape[1], idx, library_in)
