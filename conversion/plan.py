@@ -4,10 +4,12 @@ shapes, expert count, truncated files) before anything is written."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import stat
+import tempfile
 from dataclasses import dataclass, field
 
 import torch
@@ -57,6 +59,7 @@ class Plan:
     shards: dict[str, list[OutputTensor]]  # file name -> tensors in write order
     copies: list[str]  # other files of SRC copied as they are
     skipped: list[str] = field(default_factory=list)  # weight files of other formats, not copied
+    replaces: tuple[int, int] | None = None  # device and inode of the DST that --overwrite may replace
 
     @property
     def total_bytes(self) -> int:
@@ -248,7 +251,7 @@ def _listing(names: list[str], shown: int = 5) -> str:
     return ", ".join(names[:shown]) + more
 
 
-def _not_a_checkpoint(dst: str, copies: list[str]) -> list[str]:
+def not_a_checkpoint(dst: str, copies: list[str]) -> list[str]:
     """Why the existing directory ``dst`` is not a checkpoint that --overwrite may replace (empty when it is)."""
     entries = sorted(os.listdir(dst))
     if not entries:
@@ -286,10 +289,32 @@ def _not_a_checkpoint(dst: str, copies: list[str]) -> list[str]:
     return problems
 
 
-def _check_destination(dst: str, overwrite: bool, copies: list[str]) -> None:
-    """--overwrite never deletes what the converter did not write: it replaces only a checkpoint directory."""
+def check_folder(dst: str) -> None:
+    """DST's folder exists or can be created, and can be written: said before any work (``--dry-run`` too),
+    not found as a failed write at the end. Tried by making a directory there, as the converter will: mode
+    bits do not tell for root or a read-only mount."""
+    folder = existing = os.path.dirname(os.path.abspath(dst))
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConversionError(f"{existing}: {os.strerror(errno.ENOTDIR)}: cannot create {dst} in it; "
+                              f"choose another DST")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.probe-", dir=existing))
+    except OSError as e:
+        where = folder if existing == folder else f"{existing} (to create {folder})"
+        raise ConversionError(f"{where}: {os.strerror(e.errno)}: cannot write {dst} there; choose another "
+                              f"DST") from None
+
+
+def _check_destination(dst: str, overwrite: bool, copies: list[str]) -> tuple[int, int] | None:
+    """--overwrite never deletes what the converter did not write: it replaces only a checkpoint directory.
+
+    Returns that directory's device and inode, taken before its contents are checked: the writer replaces it
+    only if what is at DST in the end is still this directory, and still a checkpoint."""
     if not os.path.lexists(dst):
-        return
+        return None
+    st = os.lstat(dst)
     fix = "remove it yourself or choose another DST"
     if os.path.islink(dst):
         raise ConversionError(f"{dst} is a symbolic link (to {os.readlink(dst)}): the converter writes a directory "
@@ -297,13 +322,14 @@ def _check_destination(dst: str, overwrite: bool, copies: list[str]) -> None:
     if not os.path.isdir(dst):
         raise ConversionError(f"{dst} is a file: the converter writes a directory and replaces only a checkpoint "
                               f"directory; {fix}")
-    problems = _not_a_checkpoint(dst, copies)
+    problems = not_a_checkpoint(dst, copies)
     if problems:
         raise ConversionError(f"{dst} is not a checkpoint directory, which is all --overwrite replaces: "
                               f"{'; '.join(problems)}. Move what you want to keep out of {dst}, or choose "
                               f"another DST")
     if not overwrite:
         raise ConversionError(f"{dst} exists: pass --overwrite to replace it")
+    return st.st_dev, st.st_ino
 
 
 def supported_model_types() -> list[str]:
@@ -322,13 +348,14 @@ def build_plan(src: str, dst: str, to: str = TO_SCATTER, dtype: str | torch.dtyp
     from hf_scatter import __version__
 
     _check_paths(src, dst)
+    check_folder(dst)
     copies, skipped = [], []
     for name in sorted(os.listdir(src)):
         if name in ("config.json", INDEX_NAME) or not os.path.isfile(os.path.join(src, name)):
             continue
         (skipped if name.endswith(_WEIGHT_SUFFIXES) else copies).append(name)
     skipped = [n for n in skipped if not n.endswith(".safetensors")]
-    _check_destination(dst, overwrite, copies)
+    replaces = _check_destination(dst, overwrite, copies)
     dtype, max_bytes = parse_dtype(dtype), parse_size(max_shard_size)
     config_path = os.path.join(src, "config.json")
     try:
@@ -378,4 +405,5 @@ def build_plan(src: str, dst: str, to: str = TO_SCATTER, dtype: str | torch.dtyp
         dtype_key = "torch_dtype" if "torch_dtype" in out_config else "dtype"
         out_config[dtype_key] = str(dtype).removeprefix("torch.")
     return Plan(src=src, dst=dst, to=to, model_type=model_type, scheme=scheme, dtype=dtype, config=out_config,
-                shards=_shard(_outputs(corr, to, tensors, dtype), max_bytes), copies=copies, skipped=skipped)
+                shards=_shard(_outputs(corr, to, tensors, dtype), max_bytes), copies=copies, skipped=skipped,
+                replaces=replaces)

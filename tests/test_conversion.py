@@ -3,6 +3,7 @@ input without leaving a partial destination."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -237,9 +238,11 @@ flag, where, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def pause():
+def pause():  # until the test creates FLAG.go
     open(flag, "w").close()
-    time.sleep(120)
+    deadline = time.monotonic() + 120
+    while not os.path.exists(flag + ".go") and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 if where == "write":  # while the third tensor is assembled: shards half written
@@ -252,15 +255,24 @@ if where == "write":  # while the third tensor is assembled: shards half written
         return assemble(t, reader)
 
     writer._assemble = _assemble
-else:  # "aside": the old DST moved aside, the new one not yet in place; "swapped": just after that
+elif where == "aside":  # the old DST moved aside, the new one not yet in place
     rename, dst = os.rename, os.path.abspath(argv[2])
 
     def _rename(a, b):
         rename(a, b)
-        if (a if where == "aside" else b) == dst:
+        if a == dst:
             pause()
 
     os.rename = _rename
+else:  # "swapped": just after the new one is in place
+    rename_noreplace, dst = writer._rename_noreplace, os.path.abspath(argv[2])
+
+    def _rename_noreplace(a, b):
+        rename_noreplace(a, b)
+        if b == dst:
+            pause()
+
+    writer._rename_noreplace = _rename_noreplace
 from hf_scatter.cli import main
 sys.exit(main(argv))
 """
@@ -269,8 +281,8 @@ sys.exit(main(argv))
 @pytest.fixture
 def paused_conversions(tmp_path):
     """Starts ``hf-scatter convert ARGS --no-progress`` processes, each paused at its point ``where``,
-    together (importing transformers takes seconds); returns them once all are paused. Teardown kills
-    whatever still runs."""
+    together (importing transformers takes seconds); returns them once all are paused. The Nth started
+    goes on once ``tmp_path / "paused-N.go"`` exists. Teardown kills whatever still runs."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     started = []
 
@@ -319,8 +331,8 @@ def test_kill_term_and_ctrl_c_during_conversion(tmp_path, capsys, paused_convers
         assert (out + err).splitlines() == [f"hf-scatter convert: {verb}, nothing written"], (out, err)
     killed.communicate(timeout=60)
 
-    (left,) = _leftovers(tmp_path)
-    assert left.startswith(".k.tmp-"), left
+    lock, left = sorted(_leftovers(tmp_path))  # the others' lock files went with them
+    assert lock == ".k.lock" and left.startswith(".k.tmp-"), (lock, left)
     marker = json.loads((tmp_path / left / ".hf-scatter-convert.json").read_text())
     assert marker["pid"] == killed.pid and marker["host"] == socket.gethostname() and marker["start"]
     size = _du(tmp_path / left)
@@ -407,6 +419,206 @@ def test_leftovers_of_live_or_other_writers_are_left_alone(tmp_path, capsys):
         f"hf-scatter convert: removed {tmp_path / '.hfs.tmp-reused-pid'} ({format_size(size)}), left by an interrupted "
         f"conversion (pid {os.getpid()})"]
     assert sorted(_leftovers(tmp_path)) == sorted(set(markers) - {".hfs.tmp-reused-pid"})
+
+
+# ------------------------------------------------------------------------- other processes, the file system
+def _folder_appears(dst, src):
+    """No DST when the conversion starts; the user makes a folder there while it writes."""
+    def meanwhile():
+        dst.mkdir()
+        (dst / "mine.txt").write_text("mine")
+    return [], meanwhile, "appeared during the conversion"
+
+
+def _checkpoint_swapped(dst, src):
+    """--overwrite of a checkpoint that the user moves away while it writes, putting a folder of their own at DST."""
+    convert(str(src), str(dst), progress=False)
+
+    def meanwhile():
+        dst.rename(dst.parent / "moved")
+        dst.mkdir()
+        (dst / "mine.txt").write_text("mine")
+    return ["--overwrite"], meanwhile, "was replaced during the conversion"
+
+
+def _file_added(dst, src):
+    """--overwrite of a checkpoint the user adds a file to while it writes."""
+    convert(str(src), str(dst), progress=False)
+    return (["--overwrite"], lambda: (dst / "mine.txt").write_text("mine"),
+            "no longer only a checkpoint (1 entry a checkpoint does not hold: mine.txt)")
+
+
+RACES = {"a folder appears at DST": _folder_appears, "DST swapped for a folder": _checkpoint_swapped,
+         "a file added to DST": _file_added}
+
+
+@pytest.mark.parametrize("rename", ["renameat2", "mkdir fallback"])
+@pytest.mark.parametrize("race", list(RACES))
+def test_race_what_is_at_dst_at_the_end_is_kept_unless_allowed(race, rename, tmp_path, capsys, monkeypatch):
+    """What is at DST at the final rename, unless it is the checkpoint --overwrite was allowed to replace, stays
+    as it is (exit 2); the finished checkpoint is kept beside it under the name the error prints. The same where
+    the file system lacks renameat2's RENAME_NOREPLACE (EINVAL)."""
+    from hf_scatter.conversion import writer
+
+    src, dst, reference = tmp_path / "src", tmp_path / "hfs", tmp_path / "reference"
+    _checkpoint("mixtral", src)
+    convert(str(src), str(reference), progress=False)
+    flags, meanwhile, reason = RACES[race](dst, src)
+    if rename == "mkdir fallback":
+        def no_renameat2(*args):
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+
+        monkeypatch.setattr(writer, "_renameat2", no_renameat2)
+    write, theirs = writer.write_checkpoint, {}
+
+    def write_then_race(*args, **kwargs):
+        write(*args, **kwargs)
+        meanwhile()
+        theirs.update({n: _digest(tmp_path / n) for n in os.listdir(tmp_path) if not n.startswith(".")})
+
+    monkeypatch.setattr(writer, "write_checkpoint", write_then_race)
+    capsys.readouterr()
+    assert cli_main(["convert", str(src), str(dst), "--no-progress", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"hf-scatter convert: error: {dst} ") and reason in err, err
+    assert err.endswith(f": left as it is; the new checkpoint is at {dst}.converted instead\n"), err
+    assert (dst / "mine.txt").read_text() == "mine"
+    after = {n: _digest(tmp_path / n) for n in os.listdir(tmp_path) if not n.startswith(".")}
+    assert after == {**theirs, "hfs.converted": _digest(reference)}
+    assert _leftovers(tmp_path) == []
+
+
+def test_two_writers_into_one_dst_the_second_stops_naming_the_first(tmp_path, capsys, paused_conversions):
+    """While a conversion writes DST (another process, paused mid-write), a second one into the same DST exits 2
+    at once, naming the first's pid, and changes nothing; the first then finishes as if alone."""
+    first, second, dst = tmp_path / "first", tmp_path / "second", tmp_path / "hfs"
+    _checkpoint("mixtral", first)
+    _checkpoint("dbrx", second)
+    (proc,) = paused_conversions(("write", [first, dst]))
+    capsys.readouterr()
+    assert cli_main(["convert", str(second), str(dst), "--no-progress"]) == 2
+    assert capsys.readouterr().err == (f"hf-scatter convert: error: another conversion is writing {dst} "
+                                       f"(pid {proc.pid}): wait for it to finish, or choose another DST\n")
+    (tmp_path / "paused-0.go").touch()
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and out.startswith(f"wrote {dst}: "), (out, err)
+    assert json.loads((dst / "config.json").read_text())["model_type"] == "mixtral"
+    assert _leftovers(tmp_path) == []
+
+
+def test_a_writer_that_locks_a_removed_lock_file_starts_over(tmp_path, monkeypatch):
+    """The lock file goes at the end of each conversion; one that opened it just before and locks it just after
+    holds a file no longer at its path, which would let a third in: it opens the path again instead."""
+    from hf_scatter.conversion import writer
+
+    dst, lock = str(tmp_path / "hfs"), tmp_path / ".hfs.lock"
+    with writer._exclusive(dst):
+        stale = os.open(lock, os.O_RDWR)
+    assert not lock.exists()
+    open_, opened = os.open, []
+
+    def open_stale_first(path, *args, **kwargs):
+        opened.append(path)
+        return os.dup(stale) if len(opened) == 1 else open_(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", open_stale_first)
+    with writer._exclusive(dst):
+        with pytest.raises(ConversionError, match=f"another conversion is writing {dst} \\(pid {os.getpid()}\\)"):
+            with writer._exclusive(dst):
+                pass
+        assert lock.read_text() == f"{os.getpid()}\n"
+    assert not lock.exists() and len(opened) == 3
+    os.close(stale)
+
+
+def test_a_full_disk_exits_2_and_leaves_nothing(tmp_path, capsys, monkeypatch):
+    from hf_scatter.conversion import writer
+
+    src, dst = tmp_path / "src", tmp_path / "hfs"
+    _checkpoint("mixtral", src)
+    write_file, calls = writer.write_file, []
+
+    def disk_fills_up(path, *args, **kwargs):
+        calls.append(path)
+        if len(calls) == 3:  # two shards written, the third half
+            with open(path, "wb") as f:
+                f.write(bytes(1000))
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as a write reports it: no file name
+        write_file(path, *args, **kwargs)
+
+    monkeypatch.setattr(writer, "write_file", disk_fills_up)
+    capsys.readouterr()
+    assert cli_main(["convert", str(src), str(dst), "--no-progress", "--max-shard-size", SHARD]) == 2
+    assert capsys.readouterr().err == (f"hf-scatter convert: error: {tmp_path}: {os.strerror(errno.ENOSPC)}: {dst} "
+                                       f"was not written; free some space or choose another DST\n")
+    assert len(calls) == 3 and not dst.exists() and _leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("code", [errno.EACCES, errno.EROFS], ids=errno.errorcode.get)
+def test_an_unwritable_folder_is_refused_up_front(code, tmp_path, capsys, monkeypatch):
+    """DST's folder cannot be written (no permission, a read-only mount): exit 2 naming it and the reason,
+    --dry-run too. No permission is a chmod; but root writes through that, and making a read-only mount needs
+    root: so under root, and for EROFS, os.mkdir in that folder fails the way the kernel would fail it."""
+    src, folder = tmp_path / "src", tmp_path / "ro"
+    _checkpoint("mixtral", src)
+    folder.mkdir()
+    dst = folder / "hfs"
+    if code == errno.EROFS or os.geteuid() == 0:
+        mkdir = os.mkdir
+
+        def refused_in_folder(path, *args, **kwargs):
+            if os.path.dirname(os.path.abspath(path)) == str(folder):
+                raise OSError(code, os.strerror(code), path)
+            return mkdir(path, *args, **kwargs)
+
+        monkeypatch.setattr(os, "mkdir", refused_in_folder)
+    folder.chmod(0o555)
+    capsys.readouterr()
+    try:
+        for extra in (["--dry-run"], ["--no-progress"]):
+            assert cli_main(["convert", str(src), str(dst), *extra]) == 2
+            assert capsys.readouterr().err == (f"hf-scatter convert: error: {folder}: {os.strerror(code)}: cannot "
+                                               f"write {dst} there; choose another DST\n")
+        assert os.listdir(folder) == []
+    finally:
+        folder.chmod(0o755)
+
+
+def test_a_file_in_dsts_path_is_refused_up_front(tmp_path, capsys):
+    """A file where DST's folder should be: exit 2 naming it, --dry-run too. A folder that does not exist yet
+    is fine (--dry-run does not create it)."""
+    src, notes = tmp_path / "src", tmp_path / "notes.txt"
+    _checkpoint("mixtral", src)
+    notes.write_text("mine")
+    dst = notes / "models" / "hfs"
+    capsys.readouterr()
+    for extra in (["--dry-run"], ["--no-progress"]):
+        assert cli_main(["convert", str(src), str(dst), *extra]) == 2
+        assert capsys.readouterr().err == (f"hf-scatter convert: error: {notes}: {os.strerror(errno.ENOTDIR)}: "
+                                           f"cannot create {dst} in it; choose another DST\n")
+    assert notes.read_text() == "mine" and _leftovers(tmp_path) == []
+    assert cli_main(["convert", str(src), str(tmp_path / "new" / "models" / "hfs"), "--dry-run"]) == 0
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_shard_gone_during_the_conversion_is_named(tmp_path, capsys, monkeypatch):
+    from hf_scatter.conversion import writer
+
+    src, dst = tmp_path / "src", tmp_path / "hfs"
+    _checkpoint("mixtral", src)
+    shard, build_plan = src / _shard_of(src, EXPERT), writer.build_plan
+
+    def plan_then_delete(*args, **kwargs):
+        plan = build_plan(*args, **kwargs)
+        shard.unlink()
+        return plan
+
+    monkeypatch.setattr(writer, "build_plan", plan_then_delete)
+    capsys.readouterr()
+    assert cli_main(["convert", str(src), str(dst), "--no-progress"]) == 2
+    assert capsys.readouterr().err == (f"hf-scatter convert: error: {shard}: {os.strerror(errno.ENOENT)}: {dst} "
+                                       f"was not written\n")
+    assert not dst.exists() and _leftovers(tmp_path) == []
 
 
 # ------------------------------------------------------------------------------------------- --overwrite
@@ -561,6 +773,8 @@ BAD_INPUTS = {
     "shape mismatch": (lambda src: [_rewrite_shard(src, EXPERT, torch.zeros(95, 64)), EXPERT, "[95, 64]"],
                        "has shape"),
     "truncated file": (_truncate, "truncated"),
+    "missing shard file": (lambda src: (src / _shard_of(src, EXPERT)).unlink() or [_shard_of(src, EXPERT)],
+                           "which does not exist"),
     "corrupt file": (_corrupt_header, "corrupt"),
     "too few experts in config": (lambda src: _edit_config(src, num_local_experts=3) or
                                   [_shard_of(src, "model.layers.0.block_sparse_moe.experts.3.w1.weight"),
