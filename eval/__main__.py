@@ -1,8 +1,9 @@
 """``python -m hf_scatter.eval ARGS``: lm-eval's own command line with the ``hf-scatter`` models registered.
 
-An installed wheel makes the stock ``lm_eval`` command find ``--model hf-scatter`` (its startup hook,
-``_hf_scatter_lm_eval``); an editable install has no hook, and lm-eval only knows models registered in the
-running process, which is what this entry point does before handing over to ``lm-eval``:
+The stock ``lm_eval`` command finds ``--model hf-scatter`` through hf-scatter's startup hook
+(``_hf_scatter_lm_eval``, installed by the wheel and by ``pip install -e``); this entry point registers the
+models in the running process itself, for an interpreter that skips site hooks (``python -S``, some
+embedded or frozen environments):
 
     python -m hf_scatter.eval run --model hf-scatter --model_args pretrained=DIR,dtype=bfloat16 \\
         --tasks hfs_all --include_path "$(python -c 'import hf_scatter.eval as e; print(e.TASKS_DIR)')"

@@ -224,9 +224,11 @@ def test_declared_entry_points_name_the_registered_classes():
         assert EntryPoint(name=name, value=target, group="lm_eval.models").load() is get_model(name)
 
 
-def test_lm_eval_command_line_runs_the_hf_scatter_model(mixtral_dir, tmp_path):
+def test_stock_lm_eval_command_runs_the_hf_scatter_model_in_this_environment(mixtral_dir, tmp_path):
+    """`lm_eval --model hf-scatter` in the environment the tests run in (make's editable install included):
+    the startup hook registers the model in a fresh interpreter, before lm-eval resolves the name."""
     env = {**os.environ, "HF_SCATTER_KERNELS": "torch"}  # the command's plumbing, not the kernels, is under test
-    cmd = [sys.executable, "-m", "hf_scatter.eval", "run", "--model", "hf-scatter", "--model_args",
+    cmd = [sys.executable, "-m", "lm_eval", "run", "--model", "hf-scatter", "--model_args",
            f"pretrained={mixtral_dir},dtype=float32", "--device", "cpu", "--tasks", "hfs_arithmetic",
            "--include_path", str(TASKS_DIR), "--limit", "2", "--output_path", str(tmp_path / "out")]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
