@@ -33,11 +33,12 @@ class MaskedLMScorer(TemplateLM):
 
     ``model_args``: ``pretrained`` (a directory or a loaded ``*ForMaskedLM`` model), ``tokenizer`` (a
     directory or tokenizer; default: ``pretrained``'s), ``dtype``, ``device``, ``batch_size`` (masked copies
-    per forward), ``max_length``, ``patch``.
+    per forward), ``max_length``, ``patch``, ``scoring_dtype`` (of the log-probabilities and their sums).
     """
 
     def __init__(self, pretrained, tokenizer=None, dtype: str | torch.dtype = "auto", device: str = "cpu",
-                 batch_size: int | str = 32, max_length: int | None = None, patch: bool = True, **unused):
+                 batch_size: int | str = 32, max_length: int | None = None, patch: bool = True,
+                 scoring_dtype: str | torch.dtype = "float32", **unused):
         super().__init__()
         from transformers import AutoTokenizer
 
@@ -62,6 +63,7 @@ class MaskedLMScorer(TemplateLM):
         self._prefix = [tokenizer.cls_token_id] if tokenizer.cls_token_id is not None else []
         self._suffix = [tokenizer.sep_token_id] if tokenizer.sep_token_id is not None else []
         self._pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.scoring_dtype = getattr(torch, scoring_dtype) if isinstance(scoring_dtype, str) else scoring_dtype
 
     @property
     def device(self):
@@ -102,7 +104,8 @@ class MaskedLMScorer(TemplateLM):
             ids[rows_idx, where] = mask_id
             with torch.no_grad():
                 logits = self.model(input_ids=ids.to(self.device), attention_mask=attention.to(self.device)).logits
-            logprobs = torch.log_softmax(logits[rows_idx.to(self.device), where.to(self.device)].float(), dim=-1)
+            logprobs = torch.log_softmax(logits[rows_idx.to(self.device), where.to(self.device)].to(self.scoring_dtype),
+                                         dim=-1)
             picked = logprobs.gather(1, truth.to(self.device)[:, None])[:, 0].tolist()
             top = (logprobs.argmax(-1).cpu() == truth).tolist()
             for (j, _), lp, is_top in zip(batch, picked, top):

@@ -37,17 +37,20 @@ def request_table(report: dict) -> str:
     """Per task and backend: log-likelihood differences, changed decisions and changed generations."""
     labels = {b["name"]: b["label"] for b in report["backends"]}
     ll_tol = report["tolerance"]["loglikelihood"]
+    per_token = any("ll_max_per_token" in r for r in report["requests"])  # reports made before: per request
     header = ["task", "requests", "backend", "max abs Δ log-lik", "mean abs Δ log-lik",
-              "decisions changed (acc / acc_norm)", "generations changed",
-              "ok" if ll_tol is None else f"max Δ <= {ll_tol:g}"]
+              *(["max abs Δ per token"] if per_token else []), "decisions changed (acc / acc_norm)",
+              "generations changed",
+              "ok" if ll_tol is None else f"Δ <= {ll_tol:g}{' per token' if per_token else ''}"]
     rows = []
     for r in report["requests"]:
         decisions = (f"{r['decisions_changed']} / {r['decisions_norm_changed']} of {r['docs']}"
                      if "docs" in r else "")
         generations = f"{r['generations_changed']} of {r['requests']}" if "generations_changed" in r else ""
         rows.append([r["task"], r["requests"], labels[r["backend"]], _err(r["ll_max_abs"]) if "ll_max_abs" in r else "",
-                     _err(r["ll_mean_abs"]) if "ll_mean_abs" in r else "", decisions, generations,
-                     "yes" if r["ok"] else "**NO**"])
+                     _err(r["ll_mean_abs"]) if "ll_mean_abs" in r else "",
+                     *([_err(r["ll_max_per_token"]) if "ll_max_per_token" in r else ""] if per_token else []),
+                     decisions, generations, "yes" if r["ok"] else "**NO**"])
     return markdown_table(header, rows)
 
 
@@ -77,14 +80,16 @@ def to_markdown(report: dict) -> str:
         out.append(f"skipped {task}: {why}")
     if report["passed"]:
         out.append(f"PASS: every metric within {tol['metric']:g}"
-                   + ("" if ll_tol is None else f", every log-likelihood within {ll_tol:g}"))
+                   + ("" if ll_tol is None else f", every log-likelihood within {ll_tol:g} per scored token"))
     else:
         out += ["FAIL:"] + [f"- {f}" for f in report["failures"]]
     return "\n".join(out)
 
 
 def plot(report: dict, path: str) -> None:
-    """Per task, every request's |Δ log-likelihood| against the reference (log scale), one colour per backend."""
+    """Per task, every request's |Δ log-likelihood| per scored token against the reference (log scale), one
+    colour per backend: the quantity ``--ll-tolerance`` bounds, comparable across short and long requests.
+    Reports made before token counts were kept show the per-request differences."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -96,18 +101,22 @@ def plot(report: dict, path: str) -> None:
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(tasks)), 4))
     floor = 1e-9  # exact agreement is drawn on the floor
     backends = list(dict.fromkeys(r["backend"] for r in rows))
+    per_token = all("ll_tokens" in r for r in rows)
+    unit = " per token" if per_token else ""
     for b_i, backend in enumerate(backends):
         for t_i, task in enumerate(tasks):
-            diffs = next((r["ll_abs_diffs"] for r in rows if r["task"] == task and r["backend"] == backend), [])
+            row = next((r for r in rows if r["task"] == task and r["backend"] == backend), None)
+            diffs = [] if row is None else [d / n for d, n in zip(row["ll_abs_diffs"], row["ll_tokens"])] \
+                if per_token else row["ll_abs_diffs"]
             x = [t_i + (b_i - (len(backends) - 1) / 2) * 0.25 + (i % 7 - 3) * 0.02 for i in range(len(diffs))]
             ax.scatter(x, [max(d, floor) for d in diffs], s=8, alpha=0.6, color=f"C{b_i}",
                        label=labels[backend] if t_i == 0 else None)
     ll_tol = report["tolerance"]["loglikelihood"]
     if ll_tol:
-        ax.axhline(ll_tol, color="red", linestyle="--", linewidth=1, label=f"tolerance {ll_tol:g}")
+        ax.axhline(ll_tol, color="red", linestyle="--", linewidth=1, label=f"tolerance {ll_tol:g}{unit}")
     ax.set_yscale("log")
     ax.set_xticks(range(len(tasks)), tasks, rotation=20)
-    ax.set_ylabel(f"|Δ log-likelihood| vs {labels[report['reference']]} (equal: {floor:g})")
+    ax.set_ylabel(f"|Δ log-likelihood|{unit} vs {labels[report['reference']]} (equal: {floor:g})")
     ax.set_title(f"per-request log-likelihood differences, {report['model_type']} {report['dtype']} "
                  f"({report['device']})", fontsize=10)
     ax.legend(fontsize=8)

@@ -141,12 +141,45 @@ def resolve_tasks(names: list[str], include_path: list[str], builtin_tasks: bool
     return leaves, manager, skipped
 
 
+@contextlib.contextmanager
+def _quiet_git_lookup():
+    """lm-eval records the working directory's git revision in every run, asking git with its stderr on ours:
+    outside a checkout each backend printed "fatal: not a git repository". The same lookup, quiet."""
+    import lm_eval.evaluator as evaluator
+
+    from hf_scatter.common.timing import git_revision
+
+    if not hasattr(evaluator, "get_git_commit_hash"):  # another lm-eval layout: nothing to quiet
+        yield
+        return
+    loud, evaluator.get_git_commit_hash = evaluator.get_git_commit_hash, git_revision
+    try:
+        yield
+    finally:
+        evaluator.get_git_commit_hash = loud
+
+
 def _free_memory() -> None:
     import torch
 
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def scored_tokens(lm, output_type: str, arguments: tuple) -> int:
+    """How many tokens lm-eval sums a log-likelihood request over, tokenized as ``lm`` does: a rolling
+    request scores every token of its text, a (context, continuation) request the continuation's."""
+    if output_type == "loglikelihood_rolling":
+        return len(lm.tok_encode(arguments[0]))
+    context, continuation = arguments[:2]
+    if not context:  # lm-eval conditions on a prefix token instead
+        return len(lm.tok_encode(continuation))
+    return len(lm._encode_pair(context, continuation)[1])
+
+
+def _model_dtype(dtype: str, config: dict) -> str:
+    return dtype if dtype != "auto" else str(config.get("dtype") or config.get("torch_dtype") or "float32")
 
 
 def _run_backend(backend, settings: LoadSettings, tasks: list[str], manager, limit, log) -> BackendRun:
@@ -159,10 +192,12 @@ def _run_backend(backend, settings: LoadSettings, tasks: list[str], manager, lim
     except (BackendUnavailable, ValueError) as e:  # e.g. an architecture hf-scatter does not patch
         raise ParityError(f"backend {backend.name}: {e}") from e
     loaded = time.perf_counter()
-    results = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, log_samples=True,
-                                      bootstrap_iters=0, batch_size=settings.batch_size)
+    with _quiet_git_lookup():
+        results = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit,
+                                          log_samples=True, bootstrap_iters=0, batch_size=settings.batch_size)
     seconds = time.perf_counter() - loaded
-    run = from_lm_eval(backend.name, backend.label, seconds, results, tasks)
+    run = from_lm_eval(backend.name, backend.label, seconds, results, tasks,
+                       scored_tokens=lambda output_type, arguments: scored_tokens(lm, output_type, arguments))
     run.extra = {"load_s": loaded - start, "eval_s": seconds,
                  "patch_report": sorted(set(getattr(lm, "patch_report", {}).values()))}
     log(f"[{backend.name}] evaluated in {seconds:.1f} s")
@@ -205,20 +240,23 @@ def run_parity(model: str, tasks: list[str] | None = None, backends: list[str] |
     refusals = [f"backend {b.name}: {reason}" for b in chosen if (reason := b.refuses(config))]
     if refusals:
         raise ParityError("; ".join(refusals))
+    model_dtype = _model_dtype(dtype, config)
+    scoring_dtype = "float64" if model_dtype == "float32" else "float32"
     settings = LoadSettings(model=str(model_dir), tokenizer=str(tokenizer_dir), dtype=dtype, device=device,
                             batch_size=batch_size, max_length=max_length, encoder=encoder, gpu_memory=gpu_memory,
-                            profile=profile)
+                            profile=profile, scoring_dtype=scoring_dtype)
     with offline(), _quiet_bundled_task_hints():
         _check_tokenizer(tokenizer_dir, encoder)
         leaves, manager, skipped = resolve_tasks(tasks or [SUITE], include_path or [], builtin_tasks, encoder)
         runs = [_run_backend(b, settings, leaves, manager, limit, log) for b in chosen]
     from hf_scatter.common.timing import run_header
 
-    report = {**run_header(), "dtype": dtype if dtype != "auto" else str(config.get("dtype") or config.get(
-        "torch_dtype") or "float32"), "lm_eval": lm_eval_version, "model": str(model_dir),
+    report = {**run_header(), "dtype": model_dtype, "scoring_dtype": scoring_dtype, "lm_eval": lm_eval_version,
+              "model": str(model_dir),
               "model_type": config.get("model_type"), "scoring": "pseudo-log-likelihood (masked LM)" if encoder
               else "causal log-likelihood", "tokenizer": str(tokenizer_dir), "device_arg": device,
               "batch_size": batch_size, "limit": limit, "tasks": leaves, "skipped_tasks": skipped,
               "backends": [{"name": r.name, "label": r.label, **r.extra} for r in runs]}
-    report.update(compare(runs, tolerance, ll_tolerance))
+    roundoff = torch.finfo(getattr(torch, scoring_dtype)).eps / 2
+    report.update(compare(runs, tolerance, ll_tolerance, roundoff))
     return report

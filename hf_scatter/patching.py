@@ -52,6 +52,27 @@ def _family_patch(root: nn.Module):
                      f"{', '.join(supported_model_types())}, and {_GENERIC}.")
 
 
+def check_supported(config) -> None:
+    """Raise the ``ValueError`` :func:`patch_model` would raise for a model of ``config`` (a transformers
+    config or a config.json dict), without loading any weight: tools call it before their long work."""
+    import torch
+    from transformers import AutoConfig, AutoModel
+
+    model_type = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
+    if model_type in families():
+        return
+    unsupported = ValueError(f"hf_scatter: model_type {model_type!r} is not supported. Supported: "
+                             f"{', '.join(supported_model_types())}, and {_GENERIC}.")
+    try:
+        if isinstance(config, dict):
+            config = AutoConfig.for_model(**config)
+        with torch.device("meta"):  # the modules only: whether its experts use transformers' ExpertsInterface
+            root = AutoModel.from_config(config)
+    except (ValueError, KeyError, TypeError):  # a model type transformers does not know either
+        raise unsupported from None
+    _family_patch(root)
+
+
 def patch_model(model: nn.Module, **options) -> nn.Module:
     """Run ``model`` on hf-scatter's kernels, in place; returns ``model``.
 

@@ -22,6 +22,13 @@ from hf_scatter.eval.suite import DATA_DIR, TASKS, TASKS_DIR, generated_sums, lo
 from hf_scatter.tiny import tiny_dbrx, tiny_mixtral  # noqa: E402
 
 FP32 = ["--dtype", "float32", "--device", "cpu"]
+# --ll-tolerance is per scored token. A float32 model's log-probabilities are scored in float64, so what two
+# correct implementations leave is their float32 arithmetic inside the model: one float32 ulp of a
+# log-probability of the tiny vocabulary's size (|log p| ~ ln 384 ~ 6, in [4, 8): ulp 2**-21) per token.
+# A different float32 summation order in every matmul measured 2e-8 to 6e-8 per token; one expert's output
+# scaled by 1.001 moves some requests by 1e-6 to 5e-6 per token (test_ll_tolerance_...).
+LL_PER_TOKEN = 2.0 ** -21
+LL = ["--ll-tolerance", str(LL_PER_TOKEN)]
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +64,7 @@ def test_mixtral_converted_layout_parity_fp32_offline(mixtral_dir, tmp_path, cap
     converted = tmp_path / "mixtral-hf-scatter"
     convert(mixtral_dir, str(converted), progress=False)
     plot = tmp_path / "parity.png"
-    rc, report, out = _eval(["--model", str(converted), *FP32, "--limit", "3", "--ll-tolerance", "1e-4",
+    rc, report, out = _eval(["--model", str(converted), *FP32, "--limit", "3", *LL,
                              "--plot", str(plot)], tmp_path, capsys)
     assert rc == 0, out.out + out.err
     assert report["passed"] and not no_network
@@ -71,7 +78,7 @@ def test_mixtral_converted_layout_parity_fp32_offline(mixtral_dir, tmp_path, cap
         assert (task, metric) in metrics
     summary = report["summary"]["patched"]
     assert summary["ll_requests"] == 3 * 4 + 3 * 4 + 3 * 2 + 3  # choices of 3 docs per MC task + 3 paragraphs
-    assert summary["ll_max_abs"] <= 1e-4
+    assert summary["ll_max_per_token"] <= LL_PER_TOKEN and report["scoring_dtype"] == "float64"
     assert summary["decisions_changed"] == 0 and summary["generations"] == 3
     assert "PASS" in out.out and "| hfs_perplexity | bits_per_byte |" in out.out
     assert plot.stat().st_size > 0
@@ -81,10 +88,10 @@ def test_dbrx_parity_fp32(tmp_path, tokenizer, capsys):
     path = tmp_path / "dbrx"
     tiny_dbrx().save_pretrained(path)
     tokenizer.save_pretrained(path)
-    rc, report, out = _eval(["--model", str(path), *FP32, "--limit", "2", "--ll-tolerance", "1e-4",
+    rc, report, out = _eval(["--model", str(path), *FP32, "--limit", "2", *LL,
                              "--tasks", "hfs_facts,hfs_perplexity,hfs_generation"], tmp_path, capsys)
     assert rc == 0, out.out + out.err
-    assert report["model_type"] == "dbrx" and report["summary"]["patched"]["ll_max_abs"] <= 1e-4
+    assert report["model_type"] == "dbrx" and report["summary"]["patched"]["ll_max_per_token"] <= LL_PER_TOKEN
     assert report["backends"][1]["patch_report"], "the patched backend must run hf-scatter's modules"
 
 
@@ -100,14 +107,15 @@ def test_fine_grained_families_parity_fp32(family, tmp_path, capsys, monkeypatch
     test_models.py hold them to float64 references, so the others take the torch path (half the time)."""
     if family != INTERPRETED_EVAL_FAMILY:
         monkeypatch.setenv("HF_SCATTER_KERNELS", "torch")
-    rc, report, out = _eval(["--random", f"tiny-{family}", *FP32, "--limit", "2", "--ll-tolerance", "1e-4",
+    rc, report, out = _eval(["--random", f"tiny-{family}", *FP32, "--limit", "2", *LL,
                              "--tasks", "hfs_facts,hfs_generation", "--backends", "vanilla,patched,offloaded"],
                             tmp_path, capsys)
     assert rc == 0, out.out + out.err
     assert report["model_type"] == family
     for backend in ("patched", "offloaded"):
         summary = report["summary"][backend]
-        assert summary["ll_max_abs"] <= 1e-4 and summary["generations"] > 0 and summary["generations_changed"] == 0
+        assert summary["ll_max_per_token"] <= LL_PER_TOKEN and summary["generations"] > 0
+        assert summary["generations_changed"] == 0
     assert any("scattermoe" in i for i in report["backends"][1]["patch_report"])
     assert any(r.startswith(f"offloaded: OffloadedModel({family}") for r in report["backends"][2]["patch_report"])
 
@@ -126,14 +134,100 @@ def _perturbed(settings):
 def test_broken_backend_fails_and_the_table_shows_where(mixtral_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(BACKENDS, "perturbed", Backend("perturbed", "perturbed", _perturbed))
     rc, report, out = _eval(["--model", mixtral_dir, *FP32, "--limit", "3", "--backends", "vanilla,perturbed",
-                             "--ll-tolerance", "1e-4", "--tasks", "hfs_arithmetic,hfs_perplexity"], tmp_path, capsys)
+                             *LL, "--tasks", "hfs_arithmetic,hfs_perplexity"], tmp_path, capsys)
     assert rc == 1 and not report["passed"]
     bad_rows = {(m["task"], m["metric"]) for m in report["metrics"] if not m["ok"]}
     assert ("hfs_perplexity", "bits_per_byte") in bad_rows
-    assert all(not r["ok"] and r["ll_max_abs"] > 1e-4 for r in report["requests"])
+    assert all(not r["ok"] and r["ll_max_per_token"] > LL_PER_TOKEN for r in report["requests"])
     table_row = next(line for line in out.out.splitlines() if line.startswith("| hfs_perplexity | bits_per_byte |"))
     assert table_row.endswith("**NO** |")
     assert "FAIL:" in out.out and "hfs_perplexity bits_per_byte: perturbed" in out.out
+
+
+def _reassociated(settings):
+    """vanilla with every linear layer summing its inner dimension in another order (chunks of 7, last first):
+    what another processor's BLAS does, and nothing a parity check should call a difference."""
+    import torch.nn.functional as F
+
+    lm = BACKENDS["vanilla"].build(settings)
+    linear, model_call = F.linear, lm._model_call
+
+    def reassociated(x, w, b=None):
+        parts = [linear(x[..., s:s + 7], w[:, s:s + 7]) for s in range(0, x.shape[-1], 7)]
+        out = sum(parts[::-1][1:], parts[-1])
+        return out if b is None else out + b
+
+    def call(*args, **kwargs):
+        F.linear = reassociated
+        try:
+            return model_call(*args, **kwargs)
+        finally:
+            F.linear = linear
+
+    lm._model_call = call
+    return lm
+
+
+def _one_expert_scaled(settings):
+    """vanilla with expert 0 of layer 0 giving 1.001 times its output: a real, small kernel error."""
+    lm = BACKENDS["vanilla"].build(settings)
+    with torch.no_grad():
+        lm.model.get_parameter("model.layers.0.mlp.experts.down_proj")[0].mul_(1.001)
+    return lm
+
+
+def test_ll_tolerance_passes_another_summation_order_and_fails_a_scaled_expert(mixtral_dir, tmp_path, capsys,
+                                                                              monkeypatch):
+    """The per-token tolerance holds on any processor: float32 sums in another order pass (under an absolute
+    1e-4 per request with float32 scoring, they failed: 1.22e-4 on a paragraph), a 0.1% error fails."""
+    monkeypatch.setitem(BACKENDS, "reassociated", Backend("reassociated", "reassociated", _reassociated))
+    monkeypatch.setitem(BACKENDS, "scaled", Backend("scaled", "scaled", _one_expert_scaled))
+    rc, report, out = _eval(["--model", mixtral_dir, *FP32, "--limit", "3", *LL, "--backends",
+                             "vanilla,reassociated,scaled", "--tasks", "hfs_facts,hfs_word_order,hfs_perplexity"],
+                            tmp_path, capsys)
+    assert rc == 1 and report["scoring_dtype"] == "float64"
+    rows = {(r["task"], r["backend"]): r for r in report["requests"]}
+    other_order = report["summary"]["reassociated"]
+    assert other_order["ll_max_abs"] > 0, "the reassociated sums must differ from vanilla's, or nothing is tested"
+    assert all(rows[(task, "reassociated")]["ok"] for task in report["tasks"])
+    assert not all(rows[(task, "scaled")]["ok"] for task in report["tasks"])
+    assert all(f.split(":")[1].strip().startswith("scaled") for f in report["failures"] if "per token" in f)
+
+
+def test_ll_tolerance_scales_with_the_tokens_summed_and_the_scoring_dtype():
+    from hf_scatter.eval.compare import BackendRun, compare
+
+    def run(name, values):
+        requests = [{"doc_id": i, "idx": 0, "value": v, "tokens": n} for i, (v, n) in enumerate(values)]
+        return BackendRun(name, name, 0.0, {"t": {}}, {"t": "loglikelihood_rolling"}, {"t": requests})
+
+    two_ulps = 2 * 2.0 ** -14  # of a float32 sum in [512, 1024)
+    ref = run("ref", [(-600.0, 250), (-3.0, 1)])
+    moved = run("moved", [(-600.0 + two_ulps, 250), (-3.0 + two_ulps, 1)])
+    float64_sums = compare([ref, moved], 0.006, 1e-6, roundoff=2.0 ** -53)["requests"][0]
+    assert float64_sums["ll_tokens"] == [250, 1] and not float64_sums["ok"]  # the one-token request fails
+    long_only = compare([run("ref", [(-600.0, 250)]), run("moved", [(-600.0 + two_ulps, 250)])], 0.006, 1e-6,
+                        roundoff=2.0 ** -53)
+    assert long_only["passed"], "1.2e-4 over 250 tokens is 4.9e-7 per token"
+    strict = compare([run("ref", [(-600.0, 250)]), run("moved", [(-600.0 + two_ulps, 250)])], 0.006, 1e-7,
+                     roundoff=2.0 ** -53)
+    assert not strict["passed"]
+    float32_sums = compare([run("ref", [(-600.0, 250)]), run("moved", [(-600.0 + two_ulps, 250)])], 0.006, 1e-7,
+                           roundoff=2.0 ** -24)
+    assert float32_sums["passed"], "two roundings of a float32 sum of 250 terms may move it by far more"
+
+
+def test_a_family_hf_scatter_does_not_patch_is_refused_before_any_model_loads(tmp_path, tokenizer, capsys):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path / "llama"
+    LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                 num_key_value_heads=2, vocab_size=tokenizer.vocab_size)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    rc, report, out = _eval(["--model", str(path), *FP32, "--limit", "2"], tmp_path, capsys)
+    assert rc == 2 and report is None
+    assert "backend patched: model_type 'llama' (LlamaModel) is not supported. Supported: bert, dbrx" in out.err
+    assert "loading" not in out.err, "the reference backend loaded before the refusal"
 
 
 def test_eager_backend_needs_interface_experts(tmp_path, tokenizer, capsys):
@@ -147,12 +241,12 @@ def test_eager_backend_needs_interface_experts(tmp_path, tokenizer, capsys):
 def test_offloaded_backend_matches_vanilla_request_by_request(mixtral_dir, tmp_path, capsys):
     """The checkpoint through hf_scatter.offload (the same pipeline on the CPU): fp32 log-likelihoods and
     greedy generations equal transformers'."""
-    rc, report, out = _eval(["--model", mixtral_dir, *FP32, "--limit", "3", "--ll-tolerance", "1e-4",
+    rc, report, out = _eval(["--model", mixtral_dir, *FP32, "--limit", "3", *LL,
                              "--backends", "vanilla,offloaded"], tmp_path, capsys)
     assert rc == 0, out.out + out.err
     assert any(r.startswith("offloaded: OffloadedModel(mixtral") for r in report["backends"][1]["patch_report"])
     summary = report["summary"]["offloaded"]
-    assert summary["ll_requests"] == 3 * 4 + 3 * 4 + 3 * 2 + 3 and summary["ll_max_abs"] <= 1e-4
+    assert summary["ll_requests"] == 3 * 4 + 3 * 4 + 3 * 2 + 3 and summary["ll_max_per_token"] <= LL_PER_TOKEN
     assert summary["decisions_changed"] == 0 and summary["generations"] == 3 and summary["generations_changed"] == 0
 
 
@@ -237,7 +331,7 @@ def test_stock_lm_eval_command_runs_the_hf_scatter_model_in_this_environment(mix
 
 
 def test_bert_is_scored_by_pseudo_log_likelihood_and_skips_generation(tmp_path, capsys):
-    rc, report, out = _eval(["--random", "tiny-bert", *FP32, "--limit", "2", "--ll-tolerance", "1e-4",
+    rc, report, out = _eval(["--random", "tiny-bert", *FP32, "--limit", "2", *LL,
                              "--tasks", "hfs_facts,hfs_generation"], tmp_path, capsys)
     assert rc == 0, out.out + out.err
     assert report["scoring"].startswith("pseudo-log-likelihood") and report["tasks"] == ["hfs_facts"]

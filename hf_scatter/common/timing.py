@@ -22,6 +22,20 @@ def run_header() -> dict:
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "dtype": "bfloat16"}
 
 
+def git_revision(folder: str | None = None) -> str | None:
+    """``git describe --always`` of ``folder`` (default: the working directory), or None outside a git checkout
+    or without git. git's complaints are captured: a run outside a checkout must not print "fatal: not a git
+    repository" on the user's terminal (what lm-eval's own lookup does)."""
+    import subprocess
+
+    try:
+        done = subprocess.run(["git", "describe", "--always"], cwd=folder, capture_output=True, text=True,
+                              timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (done.stdout.strip() or None) if done.returncode == 0 else None
+
+
 def median_ms(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 200, grad_to_none=None) -> float:
     """Median time of ``fn`` in ms (CUDA events via ``triton.testing.do_bench``)."""
     from triton.testing import do_bench
@@ -44,4 +58,4 @@ def is_oom(error: BaseException) -> bool:
     return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
 
 
-__all__ = ["is_oom", "median_ms", "peak_extra_gib", "run_header"]
+__all__ = ["git_revision", "is_oom", "median_ms", "peak_extra_gib", "run_header"]
