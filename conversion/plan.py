@@ -5,6 +5,7 @@ shapes, expert count, truncated files) before anything is written."""
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import os
 import re
@@ -332,13 +333,17 @@ def _check_destination(dst: str, overwrite: bool, copies: list[str]) -> tuple[in
     return st.st_dev, st.st_ino
 
 
-def supported_model_types() -> list[str]:
-    """The causal-LM families ``patch_model`` runs (the registry's), which the hf-scatter layout is for."""
+@functools.lru_cache(maxsize=None)
+def supported_model_types() -> tuple[str, ...]:
+    """The MoE causal-LM families ``patch_model`` runs (the registry's): the hf-scatter layout is a layout of
+    experts, so a family whose configs name no expert count (BERT) has nothing to convert."""
+    from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     import hf_scatter
 
-    return [t for t in hf_scatter.supported_model_types() if t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES]
+    return tuple(t for t in hf_scatter.supported_model_types() if t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+                 and _expert_count(AutoConfig.for_model(t).get_text_config().to_dict())[1] is not None)
 
 
 def build_plan(src: str, dst: str, to: str = TO_SCATTER, dtype: str | torch.dtype | None = None,

@@ -785,6 +785,15 @@ BAD_INPUTS = {
 }
 
 
+def test_a_family_without_experts_is_refused_before_its_tensors_are_read(tmp_path, capsys):
+    """BERT is patched, but the hf-scatter layout is a layout of experts: refused up front, not at a tensor."""
+    TINY_BUILDERS["bert"]().save_pretrained(tmp_path / "bert")
+    assert cli_main(["convert", str(tmp_path / "bert"), str(tmp_path / "out"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown architecture model_type='bert'" in err and "supports dbrx, deepseek_v2" in err, err
+    assert "bert" not in err.split("supports", 1)[1] and not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
 def test_bad_input_names_file_and_tensor_exits_nonzero_and_leaves_no_dst(case, tmp_path, capsys):
     src, dst = tmp_path / "src", tmp_path / "hfs"
