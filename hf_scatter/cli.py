@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import re
 import sys
 
 from . import __version__
@@ -16,8 +18,68 @@ class UsageError(ValueError):
     """Bad command-line input: printed as one line, exit status 2, before any work starts."""
 
 
+def _help_list(name: str) -> list[str] | None:
+    """The names a help text's ``{name}`` stands for: the tables the commands check their input against, so the
+    help cannot drift from them (None: not a list)."""
+    if name == "builtin_models":
+        from .models.spec import BUILTIN_MODELS as names
+    elif name == "planned_families":
+        from .models.spec import planned_model_types
+
+        names = planned_model_types()
+    elif name == "convert_families":
+        from .conversion.plan import supported_model_types
+
+        names = supported_model_types()
+    elif name == "gpus":
+        from .offload import GPU_SPECS as names
+    elif name == "known_profiles":
+        from .offload import KNOWN_PROFILES as names
+    else:
+        return None
+    return list(names)
+
+
+def _fill_lists(text: str) -> str:
+    def names(match: re.Match) -> str:
+        found = _help_list(match.group(1))
+        return match.group(0) if found is None else ", ".join(found)
+
+    return re.sub(r"\{(\w+)\}", names, text)
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Fills the ``{lists}`` of help texts as help is shown, not when the parser is built: listing the registry's
+    families imports every family's transformers code, seconds that every command would wait for. Names stay
+    whole on wrapping (argparse breaks mixtral-8x7b at its hyphen)."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        import textwrap
+
+        return textwrap.wrap(" ".join(_fill_lists(text).split()), width, break_on_hyphens=False)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return super()._fill_text(_fill_lists(text), width, indent)
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse, but a bad option is one line naming it (not the whole usage block), exit status 2."""
+    """argparse, but a bad option is one line naming it (not the whole usage block), exit status 2, and under the
+    name of the command it was given to (``hf-scatter plan: error: ...``)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+        self._has_commands = False
+
+    def add_subparsers(self, **kwargs):
+        self._has_commands = True
+        return super().add_subparsers(**kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras and not self._has_commands:  # else argparse reports a command's stray option as the top level's
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -72,16 +134,24 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 _BENCH_OPTIONS = ("out", "plot", "replot")  # every suite's; the rest of a bench command's flags are the suite's
 
 
-def _read_report(path: str) -> dict:
+def _read_report(path: str, suite, name: str) -> dict:
+    """A saved report of ``suite``, rendered once here: another suite's report (or any other JSON) is refused in
+    one line instead of a traceback from the table or the plot."""
     import json
 
     try:
         with open(path) as f:
-            return json.load(f)
+            report = json.load(f)
     except OSError as e:
         raise UsageError(f"--replot {path}: {e.strerror.lower()}") from None
     except ValueError as e:
         raise UsageError(f"--replot {path}: not a JSON report ({e})") from None
+    try:
+        suite.to_markdown(report)
+    except (KeyError, IndexError, TypeError, AttributeError) as e:
+        raise UsageError(f"--replot {path}: not a report of `hf-scatter bench {name}` ({type(e).__name__}: {e})") \
+            from None
+    return report
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -93,10 +163,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     _check_outputs(out=args.out, plot=args.plot, trace=flags.get("trace"))
     _check_workdir(flags.get("workdir"))
     if args.replot:
-        report = _read_report(args.replot)
+        report = _read_report(args.replot, suite, args.suite)
     else:
         if flags.get("profile"):
-            _check_profile(flags["profile"])
+            _load_profile(flags["profile"])
         if hasattr(suite, "check_flags"):
             try:
                 suite.check_flags(**flags)
@@ -116,13 +186,26 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_profile(ref: str) -> None:
+def _load_profile(ref: str | None):
     from .offload import load_profile
 
     try:
-        load_profile(ref)
+        return load_profile(ref)
     except (ValueError, FileNotFoundError) as e:
         raise UsageError(f"--profile: {e}") from None
+    except TypeError as e:  # JSON that is no profile (a list, a field of the wrong type)
+        what = f"--profile {ref}" if ref else "this machine's saved profile"
+        raise UsageError(f"{what}: not a hardware profile ({e})") from None
+
+
+def _model_spec(ref: str):
+    """A model's shapes from a built-in name, a config.json or a model directory (``--model`` of plan, profile)."""
+    from .offload import ModelSpec
+
+    try:
+        return ModelSpec.from_config(ref)
+    except ValueError as e:
+        raise UsageError(f"--model: {e}") from None
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
@@ -153,21 +236,30 @@ def _split(text: str | None) -> list[str] | None:
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     """Exit status: 0 parity holds, 1 a tolerance was exceeded, 2 bad input, 3 the run itself failed."""
-    import contextlib
     import traceback
 
     from .eval.random_checkpoint import FULL_SIZE, temporary_random_checkpoint
     from .eval.report import plot, to_markdown
     from .eval.runner import ParityError, run_parity
 
-    if (args.model is None) == (args.random is None):
+    if args.model is None and args.random is None:  # both at once: argparse's group refuses
         raise UsageError("give a checkpoint with --model DIR, or --random SHAPE")
     _check_outputs(out=args.out, plot=args.plot)
     _check_workdir(args.workdir)
+    for flag, folder in [("--tokenizer", args.tokenizer), *(("--include-path", d) for d in args.include_path)]:
+        if folder and not os.path.isdir(folder):
+            raise UsageError(f"{flag} {folder}: not a folder")
     backends = _split(args.backends)
+    if backends:  # before a --random checkpoint is written (gigabytes for the full-size shapes)
+        from .eval.backends import BackendUnavailable, resolve
+
+        try:
+            resolve(backends)
+        except BackendUnavailable as e:
+            raise UsageError(str(e) if "--backends" in str(e) else f"--backends {args.backends}: {e}") from None
     device = args.device or ("cuda" if _has_cuda() else "cpu")
     if "offloaded" in (backends or []) and device.startswith("cuda"):
-        _check_profile(args.profile)  # planning the offloaded run needs one: say so before the first model loads
+        _load_profile(args.profile)  # planning the offloaded run needs one: say so before the first model loads
     try:
         with contextlib.ExitStack() as stack:
             model, described = args.model, None
@@ -212,13 +304,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     from .offload.measure import measure_profile
 
     _check_outputs(out=args.out)
-    from .offload import ModelSpec
-
-    try:  # before any measuring: a bad model name costs nothing
-        shapes = [ModelSpec.from_config(m) for m in args.model or []]
-    except ValueError as e:
-        print(f"error: --model: {e}", file=sys.stderr)
-        return 2
+    shapes = [_model_spec(m) for m in args.model or []]  # before any measuring: a bad model name costs nothing
     profile = measure_profile(quick=args.quick, progress=not args.no_progress, attention_shapes=shapes)
     path = profile.save(args.out)
     print(markdown_table(["quantity", "value", "source"], profile.summary_rows()))
@@ -232,16 +318,16 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from .offload import ModelSpec, PlanError, Workload, load_profile, plot_roofline, search_policy
+    from .offload import PlanError, Workload, plot_roofline, search_policy
     from .offload.plan.hrm import HierarchicalRoofline
     from .offload.runtime.offloaded import CGOPIPE_PLACEMENT
 
     _check_outputs(out=args.out, plot=args.plot)
+    model = _model_spec(args.model)  # first: a wrong name needs no profile to be found out
+    profile = _load_profile(args.profile)
     try:
-        profile = load_profile(args.profile)
         if args.gpu:
             profile = profile.with_gpu(args.gpu)
-        model = ModelSpec.from_config(args.model)
         prompts = args.prompt_len
         workload = Workload.from_prompts(prompts[0] if len(prompts) == 1 else prompts, args.gen_len,
                                          args.num_requests)
@@ -265,20 +351,25 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _command(sub, name: str, summary: str) -> argparse.ArgumentParser:
+    """One sub-command, its summary both in ``hf-scatter --help`` and atop its own ``--help``."""
+    return sub.add_parser(name, help=summary, description=summary)
+
+
 def _add_env(sub) -> None:
-    p = sub.add_parser("env", help="print versions, the device and which kernel path is active")
+    p = _command(sub, "env", "print versions, the device and which kernel path is active")
     p.set_defaults(func=_cmd_env)
 
 
 def _add_demo(sub) -> None:
-    p = sub.add_parser("demo", help="patch tiny Mixtral/DBRX/BERT models and check them against vanilla (offline)")
+    p = _command(sub, "demo", "patch tiny Mixtral/DBRX/BERT models and check them against vanilla (offline)")
     p.add_argument("--quick", action="store_true", help="smaller shapes, for a fast smoke run")
     p.set_defaults(func=_cmd_demo)
 
 
 def _add_convert(sub) -> None:
-    p = sub.add_parser("convert", help="convert a Mixtral/DBRX safetensors checkpoint to the hf-scatter layout "
-                                       "(or back with --to hf)")
+    p = _command(sub, "convert", "convert a safetensors checkpoint of a family hf-scatter patches ({convert_families}) "
+                                 "to the hf-scatter layout (or back with --to hf)")
     p.add_argument("src", help="checkpoint directory (config.json + safetensors, single file or sharded)")
     p.add_argument("dst", help="output directory; written elsewhere first and renamed into place when complete")
     p.add_argument("--to", choices=["hf-scatter", "hf"], default="hf-scatter", help="target layout")
@@ -287,7 +378,8 @@ def _add_convert(sub) -> None:
                         "Mixtral, Qwen-MoE, OLMoE, DeepSeek) or the model's own fused names (default: the naming "
                         "the checkpoint was converted from; per_expert is the old name of hub)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="cast floating-point tensors")
-    p.add_argument("--max-shard-size", default="5GB", help="largest output shard, e.g. 5GB, 500MB (default 5GB)")
+    p.add_argument("--max-shard-size", type=byte_size, default="5GB",
+                   help="largest output shard, e.g. 5GB, 500MB (default 5GB)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing DST if it is a checkpoint (config.json + safetensors, or an earlier "
                         "conversion; anything else is refused), only after the new one is complete")
@@ -302,12 +394,14 @@ def _add_convert(sub) -> None:
 def _add_eval(sub) -> None:
     from .eval.random_checkpoint import SHAPES as RANDOM_SHAPES
 
-    p = sub.add_parser("eval", help="lm-eval parity: the same checkpoint vanilla vs hf-scatter, metric by metric and "
-                                    "request by request (offline; exit 1 past a tolerance)")
-    p.add_argument("--model", help="checkpoint directory of a family patch_model runs, HF or hf-scatter layout")
-    p.add_argument("--random", choices=RANDOM_SHAPES, metavar="SHAPE",
-                   help="instead of --model: a random-weight checkpoint of this shape, saved to a temp dir first: "
-                        + ", ".join(RANDOM_SHAPES))
+    p = _command(sub, "eval", "lm-eval parity: the same checkpoint vanilla vs hf-scatter, metric by metric and "
+                              "request by request (offline; exit 1 past a tolerance)")
+    checkpoint = p.add_mutually_exclusive_group()
+    checkpoint.add_argument("--model", help="checkpoint directory of a family patch_model runs, HF or hf-scatter "
+                                            "layout")
+    checkpoint.add_argument("--random", choices=RANDOM_SHAPES, metavar="SHAPE",
+                            help="instead of --model: a random-weight checkpoint of this shape, saved to a temp dir "
+                                 "first: " + ", ".join(RANDOM_SHAPES))
     p.add_argument("--random-layers", type=positive_int, default=2, help="--random: number of layers (default 2)")
     p.add_argument("--tasks", help="comma-separated lm-eval tasks or groups (default: hfs_all, the bundled suite)")
     p.add_argument("--backends", default="vanilla,patched",
@@ -332,8 +426,8 @@ def _add_eval(sub) -> None:
     p.add_argument("--workdir", help="--random: where the checkpoint is written (default: the temp dir)")
     p.add_argument("--gpu-memory", type=byte_size, default="16GiB",
                    help="offloaded backend: GPU memory budget (default 16GiB)")
-    p.add_argument("--profile", help="offloaded backend: hardware profile, a known name or JSON (default: this "
-                                     "machine's saved one from `hf-scatter profile`)")
+    p.add_argument("--profile", help="offloaded backend: hardware profile, a known name ({known_profiles}) or JSON "
+                                     "(default: this machine's saved one from `hf-scatter profile`)")
     p.add_argument("--out", help="write the full report as JSON here")
     p.add_argument("--plot", help="draw every request's log-likelihood difference into this PNG")
     p.set_defaults(func=_cmd_eval)
@@ -343,7 +437,7 @@ def _add_bench(sub) -> None:
     from .bench import SUITES
     from .bench import suite as bench_suite
 
-    p = sub.add_parser("bench", help="GPU benchmarks against every peer in one process (JSON + Markdown)")
+    p = _command(sub, "bench", "GPU benchmarks against every peer in one process (JSON + Markdown)")
     suites = p.add_subparsers(dest="suite", metavar="SUITE", required=True)
     for name, summary in SUITES.items():
         sp = suites.add_parser(name, help=summary, description=summary)
@@ -355,34 +449,34 @@ def _add_bench(sub) -> None:
 
 
 def _add_profile(sub) -> None:
-    p = sub.add_parser("profile", help="measure this machine's roofs for the offload planner (GPU, CPU, PCIe; "
-                                       "under a minute) and save them as JSON")
+    p = _command(sub, "profile", "measure this machine's roofs for the offload planner (GPU, CPU, PCIe; under a "
+                                 "minute) and save them as JSON")
     p.add_argument("--out", help="JSON file (default: ~/.cache/hf_scatter/profiles/<host>__<device>.json)")
     p.add_argument("--quick", action="store_true", help="smaller sizes and fewer points (a few seconds)")
     p.add_argument("--model", action="append", metavar="NAME_OR_CONFIG",
                    help="also measure CPU attention at this model's shape (query heads per KV head, head size, MLA); "
-                        "repeatable; plans for that model then use it")
+                        "a name or config as `plan --model` takes; repeatable; plans for that model then use it")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_profile)
 
 
 def _add_plan(sub) -> None:
-    p = sub.add_parser("plan", help="offloaded generation: best policy (batch, micro-batch, placement, resident "
-                                    "fractions) from the hierarchical roofline model, as a table and a plot")
+    p = _command(sub, "plan", "offloaded generation: best policy (batch, micro-batch, placement, resident fractions) "
+                              "from the hierarchical roofline model, as a table and a plot")
     p.add_argument("--model", required=True,
-                   help="built-in name (mixtral-8x7b, mixtral-8x22b, dbrx, llama-3-8b), a config.json or a model "
-                        "directory")
+                   help="built-in name ({builtin_models}), or a config.json or model directory of a decoder: "
+                        "{planned_families}, or a dense Llama-style one")
     p.add_argument("--gpu-memory", type=byte_size,
                    help="GPU memory budget, e.g. 16GiB (default: the profile's GPU memory)")
-    p.add_argument("--cpu-memory", type=byte_size, help="CPU memory budget, e.g. 200GiB (default: 90%% of the profile's)")
+    p.add_argument("--cpu-memory", type=byte_size,
+                   help="CPU memory budget, e.g. 200GiB (default: 90%% of the profile's)")
     p.add_argument("--prompt-len", type=prompt_lengths, default="512",
                    help="mean prompt length, or comma-separated lengths (default 512)")
     p.add_argument("--gen-len", type=positive_int, default=64, help="tokens generated per request (default 64)")
     p.add_argument("--num-requests", type=positive_int, help="requests in the workload (caps the batch size)")
-    p.add_argument("--profile", help="profile JSON or a known name (h100-host-anchors); default: the saved profile "
+    p.add_argument("--profile", help="profile JSON or a known name ({known_profiles}); default: the saved profile "
                                      "of this host and device")
-    p.add_argument("--gpu", help="plan for this GPU on the profile's host (spec-sheet peaks): t4, l4, a100-40gb, "
-                                 "h100-pcie")
+    p.add_argument("--gpu", help="plan for this GPU on the profile's host (spec-sheet peaks): {gpus}")
     p.add_argument("--placement", choices=("any", "cgopipe"), default="any",
                    help="any: attention and experts each on the CPU or the GPU, as the HRM finds best (default); "
                         "cgopipe: what hf_scatter.offload runs (attention on the CPU, experts on the GPU)")

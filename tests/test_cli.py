@@ -1,6 +1,10 @@
 """The command line: version, environment report, and the offline demo end to end."""
 
+import argparse
+import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 
@@ -119,9 +123,56 @@ def no_work(monkeypatch):
     (["--random-layers", "0"], "--random-layers"), (["--tolerance", "nan"], "--tolerance"),
     (["--out", "/proc/hf-scatter-report.json"], "--out"), (["--plot", "/no/such/folder/plot.png"], "--plot"),
     (["--workdir", "/no/such/folder"], "--workdir"),
+    (["--tokenizer", "/no/such/folder"], "--tokenizer"), (["--include-path", "/no/such/folder"], "--include-path"),
+    (["--backends", "vanilla,banana"], "--backends"), (["--backends", "vanilla"], "--backends"),
 ])
 def test_eval_rejects_bad_options_in_one_line_before_any_model_loads(capsys, no_work, args, option):
     _one_line_error(capsys, ["eval", "--random", "tiny-mixtral", *args], "hf-scatter eval", option)
+
+
+def test_eval_refuses_model_and_random_together(capsys, no_work, tmp_path):
+    _one_line_error(capsys, ["eval", "--model", str(tmp_path), "--random", "tiny-mixtral"], "hf-scatter eval",
+                    "--random: not allowed with argument --model")
+
+
+def test_eval_outside_a_git_checkout_prints_no_git_complaint(capfd, monkeypatch, tmp_path):
+    """lm-eval asks git for the working directory's revision after every backend, with git's stderr on ours:
+    outside a checkout each run printed "fatal: not a git repository"."""
+    evaluator = pytest.importorskip("lm_eval.evaluator")
+    import lm_eval
+
+    from hf_scatter.eval.backends import Backend, LoadSettings
+    from hf_scatter.eval.runner import _run_backend
+
+    if shutil.which("git") is None:
+        pytest.skip("no git on this machine: nothing to complain")
+    loud = evaluator.get_git_commit_hash
+
+    def evaluate(**kwargs):
+        evaluator.get_git_commit_hash()  # what lm_eval.simple_evaluate asks after each backend
+        raise RuntimeError("stopped after the lookup")
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", evaluate)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))  # not in a checkout, wherever tmp is
+    monkeypatch.delenv("GIT_DIR", raising=False)
+    settings = LoadSettings(model=str(tmp_path), tokenizer=str(tmp_path), dtype="float32", device="cpu", batch_size=1)
+    with pytest.raises(RuntimeError, match="stopped after the lookup"):
+        _run_backend(Backend("fake", "fake", lambda s: object()), settings, [], None, None, lambda msg: None)
+    assert capfd.readouterr().err == ""
+    assert evaluator.get_git_commit_hash is loud, "lm-eval's own lookup is put back"
+
+
+def test_git_revision_is_quiet_outside_a_checkout(capfd, monkeypatch, tmp_path):
+    from hf_scatter.common.timing import git_revision
+
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
+    monkeypatch.delenv("GIT_DIR", raising=False)
+    assert git_revision(str(tmp_path)) is None
+    assert capfd.readouterr().err == ""
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if shutil.which("git") and os.path.isdir(os.path.join(checkout, ".git")):
+        assert re.fullmatch(r"[\w.-]+", git_revision(checkout) or "")
 
 
 def test_eval_without_a_gpu_rejects_a_cuda_device(capsys, no_work):
@@ -178,6 +229,83 @@ def test_output_paths_and_values_are_checked_before_measuring(capsys, no_work, t
     _one_line_error(capsys, argv, option)
 
 
+@pytest.mark.parametrize("argv", [
+    ["plan", "--model", "mixtral-8x7b", "--profile", "h100-host-anchors", "--gpu-memory", "16"],
+    ["plan", "--model", "mixtral-8x7b", "--profile", "h100-host-anchors", "--cpu-memory", "200"],
+    ["eval", "--random", "tiny-mixtral", "--gpu-memory", "16"],
+    ["bench", "offload", "--gpu-memory", "24"],
+    ["convert", "/no/such/src", "/no/such/dst", "--max-shard-size", "5"],
+])
+def test_a_size_without_a_unit_is_not_taken_for_bytes(capsys, no_work, argv):
+    """`--gpu-memory 16` means 16GiB: read as 16 bytes it made a plan fail for lack of memory."""
+    option, number = argv[-2:]
+    _one_line_error(capsys, argv, option, f"{number} bytes: did you mean {number}GiB?")
+
+
+def test_sizes_with_a_unit_or_of_a_mebibyte_and_more_are_taken_as_written():
+    from hf_scatter.common.argtypes import byte_size
+
+    for text in ("16GiB", "500MB", "64KiB", "2.5 GB", "17179869184", "1048576"):
+        assert byte_size(text) == text
+    with pytest.raises(argparse.ArgumentTypeError, match="65536 bytes is less than 1 MiB: write the unit"):
+        byte_size("65536")
+
+
+def _config(folder, **config) -> str:
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder / "config.json")
+
+
+def test_an_unknown_model_type_lists_the_planners_families_not_all_of_transformers(capsys, no_work, tmp_path):
+    from hf_scatter.models.spec import planned_model_types
+
+    config = _config(tmp_path, model_type="no_such_family")
+    for argv in (["plan", "--model", config, "--profile", "h100-host-anchors"], ["profile", "--model", config]):
+        err = _one_line_error(capsys, argv, f"hf-scatter {argv[0]}: error: --model", "'no_such_family'",
+                              *planned_model_types())
+        assert len(err) < 600, err  # transformers' own message lists ~500 model types
+
+
+@pytest.mark.parametrize("config, kind", [
+    (dict(model_type="bert", architectures=["BertForMaskedLM"]), "is an encoder"),
+    (dict(model_type="roberta"), "is an encoder"),
+    (dict(model_type="t5"), "is an encoder-decoder model"),
+])
+def test_plan_refuses_models_that_do_not_generate(capsys, no_work, tmp_path, config, kind):
+    """A BERT config.json was planned as a dense decoder generating tokens."""
+    _one_line_error(capsys, ["plan", "--model", _config(tmp_path, **config), "--gpu-memory", "16GiB", "--profile",
+                             "h100-host-anchors"], kind, "generation of decoders")
+
+
+def test_plan_and_profile_name_a_wrong_model_first(capsys, no_work, monkeypatch, tmp_path):
+    """Before the profile is looked for (none saved here): plan would send the user to measure one first."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    for command in ("plan", "profile"):
+        _one_line_error(capsys, [command, "--model", "gpt-5"], f"hf-scatter {command}: error: --model", "'gpt-5'")
+
+
+def test_json_that_is_no_profile_model_or_report_is_one_line(capsys, no_work, tmp_path):
+    listing = tmp_path / "list.json"
+    listing.write_text("[1, 2]")
+    (tmp_path / "other.json").write_text("{}")
+    _one_line_error(capsys, ["plan", "--model", "dbrx", "--profile", str(listing)], "--profile",
+                    "not a hardware profile")
+    _one_line_error(capsys, ["plan", "--model", str(listing), "--profile", "h100-host-anchors"], "--model",
+                    "not a model config")
+    for report in (listing, tmp_path / "other.json"):
+        _one_line_error(capsys, ["bench", "moe", "--replot", str(report)], "--replot",
+                        "not a report of `hf-scatter bench moe`")
+
+
+@pytest.mark.parametrize("argv, command", [
+    (["env"], "env"), (["demo"], "demo"), (["convert", "src", "dst"], "convert"), (["eval"], "eval"),
+    (["bench", "moe"], "bench moe"), (["profile"], "profile"), (["plan", "--model", "dbrx"], "plan"),
+])
+def test_an_unknown_option_is_reported_by_its_command(capsys, no_work, argv, command):
+    err = _one_line_error(capsys, [*argv, "--bogus"], "unrecognized arguments: --bogus")
+    assert err.startswith(f"hf-scatter {command}: error:"), err
+
+
 def test_an_existing_folder_is_not_an_output_file(capsys, no_work, tmp_path):
     _one_line_error(capsys, ["bench", "moe", "--replot", str(tmp_path / "x.json"), "--plot", str(tmp_path)],
                     "--plot", "is a directory")
@@ -222,6 +350,30 @@ def test_plan_on_a_profile_measured_without_a_gpu_names_the_ways_out(capsys, tmp
     readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
     line = next(line for line in readme.splitlines() if "hf-scatter profile &&" in line)
     assert "--profile h100-host-anchors" in line
+
+
+def _help(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--help"])
+    assert exit_.value.code == 0
+    return capsys.readouterr().out
+
+
+def _unnamed(text: str, names) -> list[str]:
+    return [n for n in names if not re.search(rf"(?<![\w-]){re.escape(n)}(?![\w-])", text)]
+
+
+def test_help_names_every_family_model_gpu_and_profile_the_commands_take(capsys, monkeypatch):
+    """Generated from the registry and the tables, so a new family or built-in shows in the help by itself."""
+    from hf_scatter.conversion.plan import supported_model_types
+    from hf_scatter.models.spec import BUILTIN_MODELS, planned_model_types
+    from hf_scatter.offload import GPU_SPECS, KNOWN_PROFILES
+
+    monkeypatch.setenv("COLUMNS", "70")  # narrow: a name must not be wrapped at its hyphen either
+    assert _unnamed(_help(capsys, []), supported_model_types()) == []
+    assert _unnamed(_help(capsys, ["convert"]), supported_model_types()) == []
+    plan = _help(capsys, ["plan"])
+    assert _unnamed(plan, [*BUILTIN_MODELS, *planned_model_types(), *GPU_SPECS, *KNOWN_PROFILES]) == []
 
 
 def test_ctrl_c_prints_one_line_and_exits_130(capsys, monkeypatch):

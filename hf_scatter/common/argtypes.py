@@ -63,12 +63,25 @@ def eval_limit(text: str) -> int | float:
     raise argparse.ArgumentTypeError(f"must be a document count >= 1 or a fraction between 0 and 1, got {text!r}")
 
 
+# A number without a unit is bytes, and no memory budget or shard size is under a mebibyte: "--gpu-memory 16" means
+# 16GiB, which read as 16 bytes drew "too small for the model" from the planner (and a shard per tensor from convert).
+_SMALLEST_BARE_NUMBER = 2**20
+_BARE_NUMBER = re.compile(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*", re.IGNORECASE)
+
+
 def byte_size(text: str) -> str:
     """Checked here, kept as written: the callers parse it again and print it in their reports."""
     try:
-        parse_bytes(text)
+        value = parse_bytes(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    bare = _BARE_NUMBER.fullmatch(text)
+    if bare and value < _SMALLEST_BARE_NUMBER:
+        number, note = bare.group(1), "(a number without a unit counts bytes)"
+        if value < 2**10:
+            raise argparse.ArgumentTypeError(f"{number} bytes: did you mean {number}GiB? {note}")
+        raise argparse.ArgumentTypeError(f"{number} bytes is less than 1 MiB: write the unit, e.g. 16GiB or 500MB "
+                                         f"{note}")
     return text
 
 

@@ -143,9 +143,16 @@ class ModelSpec:
             return cls._from_name_or_path(config, dtype_bytes)
         if isinstance(config, dict):
             from transformers import AutoConfig
+            from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
             if "model_type" not in config:
                 raise ValueError("model config dict has no 'model_type': pass a transformers config.json")
+            if config["model_type"] not in CONFIG_MAPPING:  # transformers' own error lists all its ~500 types
+                import transformers
+
+                raise ValueError(f"model_type {config['model_type']!r} is unknown to transformers "
+                                 f"{transformers.__version__} (a newer model may need a newer one); the planner reads "
+                                 f"{_described()}")
             config = AutoConfig.for_model(**config)
         model_type = getattr(config, "model_type", "")
         label = name or getattr(config, "_name_or_path", "") or model_type
@@ -154,6 +161,10 @@ class ModelSpec:
         family = families().get(model_type)
         if family is not None and family.spec is not None:
             return family.spec(config, label, dtype_bytes)
+        not_a_decoder = _not_a_decoder(config)
+        if not_a_decoder:
+            raise ValueError(f"model {label!r} (model_type {model_type!r}) is {not_a_decoder}; the planner prices "
+                             f"the generation of decoders: {_described()}")
         if getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None):
             raise ValueError(f"model_type {model_type!r} is a mixture-of-experts layout hf-scatter cannot describe "
                              f"yet (supported: {_described()})")
@@ -172,6 +183,9 @@ class ModelSpec:
                 config = json.load(f)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path} is not valid JSON ({e}): pass a transformers config.json") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"{path} holds a JSON {type(config).__name__}, not a model config: pass a transformers "
+                             "config.json")
         label = os.path.basename(os.path.dirname(os.path.abspath(path))) if path.endswith("config.json") else path
         return cls.from_config(config, name=label, dtype_bytes=dtype_bytes)
 
@@ -361,11 +375,36 @@ class ModelSpec:
                 f"{self.kv_bytes_per_token * self.layers / 1024:.0f} KiB per token")
 
 
-def _described() -> str:
-    """The configs the planner reads, for errors: the registry's families with a spec, and dense decoders."""
+def planned_model_types() -> list[str]:
+    """The registry's families whose shapes the planner reads (``Family.spec``); dense Llama-style decoders aside."""
     from .registry import families
 
-    return f"{', '.join(sorted(f for f, v in families().items() if v.spec))} and dense Llama-style decoders"
+    return sorted(f for f, v in families().items() if v.spec)
+
+
+def _described() -> str:
+    """The configs the planner reads, for errors."""
+    return f"{', '.join(planned_model_types())} and dense Llama-style decoders"
+
+
+def _not_a_decoder(config) -> str | None:
+    """What a config is instead of a decoder whose generation can be priced (None: a decoder, or a type transformers
+    does not know). An encoder is what eval scores as a masked LM: its family has a masked LM, and the config names
+    no causal-LM class and is no decoder."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                         MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+
+    model_type = getattr(config, "model_type", "")
+    if getattr(config, "is_encoder_decoder", False):
+        return "an encoder-decoder model"
+    if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in getattr(config, "architectures", None) or []):
+        return None
+    if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False):
+        return "an encoder (a masked LM, no generation)"
+    if model_type in CONFIG_MAPPING_NAMES and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return "no causal language model (transformers has no causal-LM class for it)"
+    return None
 
 
 def llama_style_spec(config, label: str, dtype_bytes: int, family: str) -> ModelSpec:
