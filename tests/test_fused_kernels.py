@@ -62,8 +62,9 @@ def _norm_inputs(device, dtype, M, N, residual=True, weight=True, bias=True, add
     return [t if t is None else t.requires_grad_(True) for t in (x, res, w, b, ab)]
 
 
-def _norm_reference(x, res, w, b, ab, eps, rms):
-    """float64 autograd of the unfused code: adds and MixtralRMSNorm's cast round to x's dtype."""
+def _norm_reference(x, res, w, b, ab, eps, rms, casting="llama"):
+    """float64 autograd of the unfused code: adds and the RMSNorm's cast round to x's dtype (MixtralRMSNorm's
+    before the weight, GptOssRMSNorm's after it)."""
     leaves = [_leaf(t) for t in (x, res, w, b, ab)]
     x64, r64, w64, b64, ab64 = leaves
     s_low, s64 = x.detach(), x64
@@ -71,7 +72,11 @@ def _norm_reference(x, res, w, b, ab, eps, rms):
         s_low, s64 = s_low + ab.detach(), _rounded(s64 + ab64, s_low + ab.detach())
     if res is not None:
         s_low, s64 = s_low + res.detach(), _rounded(s64 + r64, s_low + res.detach())
-    if rms:
+    if rms and casting == "gpt_oss":
+        n = s64 * torch.rsqrt(s64.pow(2).mean(-1, keepdim=True) + eps)
+        y = n if w64 is None else n * w64
+        y = _rounded(y, y.to(x.dtype))
+    elif rms:
         n = s64 * torch.rsqrt(s64.pow(2).mean(-1, keepdim=True) + eps)
         n = _rounded(n, n.to(x.dtype))
         y = n if w64 is None else n * w64
@@ -80,13 +85,13 @@ def _norm_reference(x, res, w, b, ab, eps, rms):
     return y, s64, leaves
 
 
-def _check_norm(device, dtype, M, N, rms, eps=1e-5, return_sum=True, **inputs):
+def _check_norm(device, dtype, M, N, rms, eps=1e-5, return_sum=True, casting="llama", **inputs):
     x, res, w, b, ab = _norm_inputs(device, dtype, M, N, **inputs)
     if rms:
         b = ab = None
     with poisoned_empty():
         if rms:
-            out = fused_add_rms_norm(x, res, w, eps=eps, return_sum=return_sum)
+            out = fused_add_rms_norm(x, res, w, eps=eps, return_sum=return_sum, casting=casting)
         else:
             out = fused_add_layer_norm(x, res, w, b, eps=eps, add_bias=ab, return_sum=return_sum)
         y, s = out if return_sum else (out, None)
@@ -96,7 +101,7 @@ def _check_norm(device, dtype, M, N, rms, eps=1e-5, return_sum=True, **inputs):
             dsum = torch.randn_like(s)
             loss = loss + (s * dsum).sum()
         loss.backward()
-    y_ref, s_ref, leaves = _norm_reference(x, res, w, b, ab, eps, rms)
+    y_ref, s_ref, leaves = _norm_reference(x, res, w, b, ab, eps, rms, casting)
     ref_loss = (y_ref * dy.double()).sum() + ((s_ref * dsum.double()).sum() if return_sum else 0)
     ref_loss.backward()
     tol = TOL[dtype]
@@ -173,6 +178,120 @@ def test_rms_norm_matches_mixtral_module(device, path):
         y, s = fused_add_rms_norm(x, res, module.weight, eps=1e-6, return_sum=True)
         _same_bits(s, x + res, path, f"sum {dtype}")
         _same_bits(y, module(x + res), path, f"y {dtype}")
+
+
+# RMSNorm in GPT-OSS's casting: (weight * normed).to(dtype), one rounding, where Llama's rounds before the weight.
+GPT_OSS_SIZES = [(100, 13), (1, 7), (6144, 2)]  # odd, one column, the chunked path under the interpreter
+
+
+@pytest.mark.parametrize("N,M", GPT_OSS_SIZES, ids=[f"N{n}xM{m}" for n, m in GPT_OSS_SIZES])
+@pytest.mark.parametrize("dtype,param_dtype", [(torch.float32,) * 2, (torch.bfloat16,) * 2,
+                                               (torch.bfloat16, torch.float32)], ids=["fp32", "bf16", "bf16-fp32w"])
+def test_add_rms_norm_gpt_oss_casting(device, dtype, param_dtype, N, M):
+    """float64 autograd of GptOssRMSNorm's order (bf16 activations with float32 weights: how GPT-OSS
+    checkpoints keep their norms): y, the sum, d(x), d(residual), d(weight)."""
+    _check_norm(device, dtype, M, N, rms=True, casting="gpt_oss", param_dtype=param_dtype)
+
+
+@pytest.mark.parametrize("parts", ["x", "x+res"])
+def test_rms_norm_gpt_oss_casting_without_weight(device, path, parts):
+    _check_norm(device, torch.bfloat16, 13, 100, rms=True, casting="gpt_oss", weight=False,
+                residual=parts == "x+res", return_sum=parts == "x+res")
+
+
+def _bf16_roundings(exact, delta, truncates):
+    """The bf16 values that fp32 values within ``delta`` of ``exact`` round to (both ends; monotone rounding
+    puts every value between them): to nearest even (torch, GPUs) or toward zero (the Triton interpreter)."""
+    def rounded(v):
+        if truncates:  # clearing the 16 low bits is exact, so the conversion after it rounds nothing
+            v = (v.view(torch.int32) & -65536).view(torch.float32)
+        return v.to(torch.bfloat16)
+
+    return rounded(exact - delta), rounded(exact + delta)
+
+
+def _check_gpt_oss_norm_parity(device, path, dtype, param_dtype, casting="gpt_oss", N=100):
+    """``fused_add_rms_norm(x, res, w, casting=...)`` against vanilla GptOssRMSNorm of ``x + res`` [2, 13, N].
+
+    Forward: the torch path runs HF's own ops, so it must equal vanilla bit for bit. The kernel sums the squares
+    in another order, so its fp32 value before the one rounding is vanilla's within delta = (N + 32) fp32 ulps
+    relative (a sum of N positive terms in any order is within (N - 1) ulps, the rest a few roundings and the
+    GPU's approximate sqrt and division); rounded to bf16 it must then be exactly what vanilla's fp32 value
+    rounds to, except where delta reaches across a rounding boundary (0.3% of the values at N = 100), and
+    there one of the two neighbours. The rounding is the device's: GPUs round to nearest even like torch, the
+    interpreter truncates (the sum too: so vanilla normalises the kernel's sum). Gradients: vanilla's autograd
+    within TOL relative to the largest value."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
+
+    module = GptOssRMSNorm(N, eps=1e-5).to(device=device, dtype=param_dtype)
+    with torch.no_grad():
+        module.weight.normal_()
+    x, res = (torch.randn(2, 13, N, device=device).to(dtype).requires_grad_(True) for _ in range(2))
+    with poisoned_empty():
+        y, s = fused_add_rms_norm(x, res, module.weight, eps=1e-5, return_sum=True, casting=casting)
+    truncates = not rounds_like_torch(dtype, x.device)
+    summed = x + res if dtype == torch.float32 else _bf16_roundings(x.float() + res.float(), 0, truncates)[0]
+    assert torch.equal(s, summed), "x + res, rounded"
+    s_v = s.detach().clone().requires_grad_(True)
+    want = module(s_v)
+    assert y.dtype == want.dtype == dtype, (y.dtype, want.dtype)
+    h = s_v.detach().float()
+    exact = module.weight.detach() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5))  # vanilla's fp32
+    assert torch.equal(exact.to(dtype), want), "vanilla's fp32 value, rounded"
+    if path == "torch":
+        assert torch.equal(y, want), "the torch path runs vanilla's ops"
+    else:
+        delta = (N + 32) * 2.0 ** -24 * exact.abs()
+        if dtype == torch.float32:
+            assert ((y - want).abs() <= delta).all(), (y - want).abs().max().item()
+        else:
+            lo, hi = _bf16_roundings(exact, delta, truncates)
+            assert ((y == lo) | (y == hi)).all(), f"{((y != lo) & (y != hi)).float().mean().item():.1%} off vanilla"
+            assert (lo != hi).float().mean().item() < 0.05, "the check must be bitwise almost everywhere"
+    dy = torch.randn_like(want)
+    (y * dy).sum().backward()
+    (want * dy).sum().backward()
+    for name, got in [("dx", x.grad), ("dresidual", res.grad)]:  # both are d(sum)
+        assert got.dtype == s_v.grad.dtype
+        assert_close(got, s_v.grad, TOL[dtype], name)
+
+
+@pytest.mark.parametrize("dtype,param_dtype", [(torch.float32,) * 2, (torch.bfloat16,) * 2,
+                                               (torch.bfloat16, torch.float32)], ids=["fp32", "bf16", "bf16-fp32w"])
+def test_rms_norm_matches_gpt_oss_module(device, path, dtype, param_dtype):
+    _check_gpt_oss_norm_parity(device, path, dtype, param_dtype)
+
+
+def test_gpt_oss_module_weight_gradient(device, path):
+    """d(weight) of GptOssRMSNorm multiplies dy by the unrounded normalised row (Llama's by the rounded one).
+    bf16 x and dy are exact in fp32, so with float32 weights vanilla rounds nothing to bf16 on the way: the
+    tolerance is the weight's dtype's (fp32 sums in another order), which the rounded row would miss by 1e-3."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
+
+    for dtype, param_dtype in [(torch.float32,) * 2, (torch.bfloat16,) * 2, (torch.bfloat16, torch.float32)]:
+        module = GptOssRMSNorm(100, eps=1e-5).to(device=device, dtype=param_dtype)
+        with torch.no_grad():
+            module.weight.normal_()
+        x = torch.randn(26, 100, device=device).to(dtype)
+        y = fused_add_rms_norm(x, None, module.weight, eps=1e-5, casting="gpt_oss")
+        dy = torch.randn_like(y)
+        (dw,) = torch.autograd.grad(y, module.weight, dy)
+        (want,) = torch.autograd.grad(module(x), module.weight, dy)
+        assert dw.dtype == want.dtype == param_dtype
+        assert_close(dw, want, TOL[param_dtype], f"dweight {dtype} {param_dtype}")
+
+
+def test_llama_casting_is_not_what_gpt_oss_gets(device, path):
+    """The mutation the parity check must catch: MixtralRMSNorm's casting in place of GptOssRMSNorm's. With
+    float32 weights its output would not even be bf16; with bf16 weights it rounds twice (about a quarter of
+    the values end one bf16 step off). In fp32 the two castings are one computation."""
+    with pytest.raises(AssertionError):
+        _check_gpt_oss_norm_parity(device, path, torch.bfloat16, torch.bfloat16, casting="llama")
+    with pytest.raises(AssertionError):
+        _check_gpt_oss_norm_parity(device, path, torch.bfloat16, torch.float32, casting="llama")
+    x, w = torch.randn(13, 100, device=device), torch.randn(100, device=device)
+    llama, gpt_oss = (fused_add_rms_norm(x, None, w, casting=c) for c in ("llama", "gpt_oss"))
+    assert torch.equal(llama, gpt_oss)
 
 
 def test_layer_norm_matches_bert_post_norm(device, path):
@@ -483,6 +602,7 @@ def _t(*shape, dtype=torch.float32):
     (lambda: fused_add_layer_norm(_t(4, 0)), "last dimension .* is empty"),
     (lambda: fused_add_rms_norm(_t(4, 8).long()), "must be float32, float16, bfloat16 or float64"),
     (lambda: fused_add_rms_norm(_t(4, 8), weight=_t(2, 4)), r"weight must have shape \(8,\)"),
+    (lambda: fused_add_rms_norm(_t(4, 8), casting="gemma"), "casting must be one of 'llama', 'gpt_oss', got 'gemma'"),
     (lambda: fused_masked_softmax(_t(2, 2, 2, 2, 2)), "1 to 4 dimensions"),
     (lambda: fused_masked_softmax(_t(2, 3, 4), _t(3, 3)), "does not broadcast"),
     (lambda: fused_masked_softmax(_t(2, 4), torch.ones(2, 4, dtype=torch.bool)), "additive float mask"),

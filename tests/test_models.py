@@ -20,7 +20,7 @@ CONFIGS = {"mixtral": tiny_mixtral_config, "dbrx": tiny_dbrx_config,
 ODD = dict(hidden=72, experts=6, top_k=3, intermediate=40)  # odd sizes, k=3 of 6 experts
 MOE_LAYERS = 2  # every tiny config has two MoE layers (DeepSeek's extra first layer is dense)
 LINEAR_ATTENTION = {"qwen3_next", "qwen3_5_moe_text"}  # hybrid stacks with gated-delta-net layers
-UNFUSED_NORMS = {"gpt_oss"} | LINEAR_ATTENTION  # RMSNorms rounding after the weight (Qwen3-Next's: 1 + weight): vanilla
+UNFUSED_NORMS = LINEAR_ATTENTION  # RMSNorms scaling by 1 + weight (Qwen3-Next's) stay vanilla
 NO_ROPE = {"dbrx", "deepseek_v3", "deepseek_v2"} | LINEAR_ATTENTION  # RoPE stays vanilla (fused: the standard and GPT-OSS forms)
 # the families whose tiny configs hold a dense gated MLP (shared experts, DeepSeek's dense first layer)
 DENSE_MLP = {"deepseek_v3", "deepseek_v2", "qwen2_moe"} | LINEAR_ATTENTION
@@ -562,3 +562,37 @@ def test_a_fused_class_subclassed_again_still_runs_the_familys_own_code():
         # the attention mask positionally (None: causal attention without padding)
         torch.testing.assert_close(layer(x, None, position_embeddings=rope),
                                    vanilla.model.layers[1](x, None, position_embeddings=rope), rtol=1e-5, atol=1e-5)
+
+
+def test_gpt_oss_norms_round_once_after_the_weight_in_bf16(device, monkeypatch):
+    """GptOssRMSNorm rounds once, after its weight; the Llama-style norms of the other families round before it.
+    In fp32 (the suite above) the two are one computation, and with weights of one they agree in bf16 too. So
+    here: bf16, random norm weights, bf16 and float32 (how GPT-OSS checkpoints load their norms), and the
+    kernels' torch path (HF's own ops): the patched model must feed its first attention and experts, and its
+    final norm return, vanilla's bits. (RoPE stays vanilla: on a GPU the fused one is Liger's, other bits.)"""
+    monkeypatch.setenv("HF_SCATTER_KERNELS", "torch")
+    vanilla = TINY_BUILDERS["gpt_oss"](**ODD).to(device=device, dtype=torch.bfloat16)
+    vanilla.set_experts_implementation("eager")
+    with torch.no_grad():
+        for layer in vanilla.model.layers:
+            layer.input_layernorm.weight.normal_()
+            layer.post_attention_layernorm.float().weight.normal_()
+        vanilla.model.norm.weight.normal_()
+    patched = hf_scatter.patch_model(copy.deepcopy(vanilla), rope=False)
+    report = hf_scatter.patch_report(patched)
+    assert report["model.norm"] == report["model.layers.0"] == report["model.layers.0.input_layernorm"] \
+        == "fused_add_norm"
+    inputs = {}
+    for name, model in (("vanilla", vanilla), ("patched", patched)):
+        layer = model.model.layers[0]
+        layer.self_attn.register_forward_pre_hook(
+            lambda m, args, kwargs, name=name: inputs.__setitem__((name, "attention"), kwargs["hidden_states"]),
+            with_kwargs=True)
+        layer.mlp.register_forward_pre_hook(lambda m, args, name=name: inputs.__setitem__((name, "mlp"), args[0]))
+        model(_ids(device))
+    for where in ("attention", "mlp"):
+        got, want = inputs["patched", where], inputs["vanilla", where]
+        assert got.dtype == want.dtype == torch.bfloat16 and torch.equal(got, want), where
+    h = torch.randn(2, 5, ODD["hidden"], device=device, dtype=torch.bfloat16)
+    got, want = patched.model.norm(h), vanilla.model.norm(h)
+    assert got.dtype == want.dtype and torch.equal(got, want)

@@ -124,6 +124,31 @@ def test_patched_bert_inference_is_packed_and_equals_vanilla_at_real_positions(h
     assert runtime.stats()["plans"] >= 1, "the calls ran packed, on planned memory"
 
 
+def test_padded_positions_are_zeros_and_patch_report_says_so(device):
+    """The one difference from vanilla a patched BERT shows: packed calls return zero hidden states at padded
+    positions (a head reads zero rows there), where vanilla computes those positions attending over the real
+    tokens at every layer, the padded work packing skips. patch_report's entry for the model says so; real
+    positions equal vanilla's, and calls on the padded forward return vanilla's values at padded positions."""
+    vanilla = tiny_bert(hidden=72, heads=4, intermediate=100, head="token-classification").to(device)
+    patched = hf_scatter.patch_model(copy.deepcopy(vanilla))
+    entry = hf_scatter.patch_report(patched)["bert"]
+    assert entry == UNPADDED and "zero hidden states at padded positions, attention_mask == 0" in entry
+    ids, mask, types = (t.to(device) for t in _batch([7, 3, 12, 1]))
+    real, pad = mask.bool(), ~mask.bool()
+    kwargs = dict(attention_mask=mask, token_type_ids=types)
+    with torch.inference_mode():
+        want, got = (m.bert(ids, **kwargs).last_hidden_state for m in (vanilla, patched))
+        want_logits, got_logits = (m(ids, **kwargs).logits for m in (vanilla, patched))
+    assert _rel(got[real], want[real]) < 1e-5 and _rel(got_logits[real], want_logits[real]) < 1e-5
+    assert (got[pad] == 0).all(), "padded positions come back as zeros"
+    assert (want[pad].abs().amax(-1) > 0.1).all(), "vanilla computes a value at every padded position"
+    assert torch.equal(got_logits[pad], patched.classifier.bias.detach().expand_as(got_logits[pad])), "head(0)"
+    padded_forward = patched.bert(ids, **kwargs).last_hidden_state  # gradients enabled: the padded forward
+    assert _rel(padded_forward[pad], want[pad]) < 1e-5
+    hf_scatter.patch_model(patched, unpadded=False)
+    assert not any("padded positions" in impl for impl in hf_scatter.patch_report(patched).values())
+
+
 def test_calls_the_packed_path_cannot_serve_exactly_take_the_padded_forward():
     vanilla = tiny_bert(hidden=72, heads=4, intermediate=100)
     patched = hf_scatter.patch_model(copy.deepcopy(vanilla))

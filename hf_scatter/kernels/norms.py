@@ -18,9 +18,12 @@ second register reduction, not a second read. The saved "mean" is ``mean(d)``, t
 first element, which the backward reads again from the saved sum.
 
 Rounding follows the unfused HF code so patched outputs match vanilla ones: every add is rounded to the
-input dtype (``x + bias``, then ``+ residual``); RMSNorm is MixtralRMSNorm's
-``weight * (x * rstd).to(dtype)`` (output dtype promoted with the weight's, as there); LayerNorm computes
-in fp32 and rounds once.
+input dtype (``x + bias``, then ``+ residual``); LayerNorm computes in fp32 and rounds once. RMSNorm has two
+castings, as transformers' families do: ``"llama"`` is MixtralRMSNorm's (Llama's, Qwen3's)
+``weight * (x * rstd).to(dtype)``, rounding twice, the output dtype promoted with the weight's;
+``"gpt_oss"`` is GptOssRMSNorm's ``(weight * (x * rstd)).to(dtype)``, the weight multiplying in fp32 and one
+rounding, to x's dtype. In bf16 they differ in the last bit of about a quarter of the outputs, so a model gets
+its own family's (the backward's d(weight) then reads the unrounded row).
 
 Backward: the forward saves fp32 ``mean``/``rstd`` per row and the sum (or ``x`` when nothing was added),
 so the backward reads each row of sum and dy once (twice for rows longer than a block). d(sum) also is d(x)
@@ -87,9 +90,9 @@ if kernels_enabled():
 
     @triton.jit
     def _normalize_store(d, mean, rstd, x_ptr, w_ptr, b_ptr, y_ptr, r64, cols, col_mask, mask, stride_y,
-                         RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
+                         ROUND_NORMED: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
         xhat = (d - mean[:, None]) * rstd[:, None]
-        if RMS:  # MixtralRMSNorm rounds the normalised row to the input dtype before the weight
+        if ROUND_NORMED:  # MixtralRMSNorm rounds the normalised row to the input dtype before the weight
             xhat = xhat.to(x_ptr.dtype.element_ty).to(tl.float32)
         y = xhat
         if HAS_W:
@@ -101,8 +104,8 @@ if kernels_enabled():
     @triton.jit
     def _add_norm_fwd_kernel(x_ptr, res_ptr, abias_ptr, w_ptr, b_ptr, y_ptr, sum_ptr, mean_ptr, rstd_ptr,
                              M, N, stride_x, stride_r, stride_y, stride_s, eps,
-                             RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_ABIAS: tl.constexpr,
-                             HAS_W: tl.constexpr, HAS_B: tl.constexpr, STORE_SUM: tl.constexpr,
+                             RMS: tl.constexpr, ROUND_NORMED: tl.constexpr, HAS_RES: tl.constexpr,
+                             HAS_ABIAS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, STORE_SUM: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_mask = rows < M
@@ -147,15 +150,15 @@ if kernels_enabled():
             tl.store(mean_ptr + rows, mean, mask=row_mask)
         tl.store(rstd_ptr + rows, rstd, mask=row_mask)
         if NUM_CHUNKS == 1:
-            _normalize_store(d, mean, rstd, x_ptr, w_ptr, b_ptr, y_ptr, r64, lanes, col_mask, mask, stride_y, RMS,
-                             HAS_W, HAS_B)
+            _normalize_store(d, mean, rstd, x_ptr, w_ptr, b_ptr, y_ptr, r64, lanes, col_mask, mask, stride_y,
+                             ROUND_NORMED, HAS_W, HAS_B)
         else:
             for c in range(NUM_CHUNKS):
                 cols = c * BLOCK_N + lanes
                 s, col_mask, mask = _sum_tile(x_ptr, res_ptr, abias_ptr, sum_ptr, r64, row_mask, cols, N, stride_x,
                                               stride_r, stride_s, HAS_RES, HAS_ABIAS, False)
                 _normalize_store(s - shift, mean, rstd, x_ptr, w_ptr, b_ptr, y_ptr, r64, cols, col_mask, mask,
-                                 stride_y, RMS, HAS_W, HAS_B)
+                                 stride_y, ROUND_NORMED, HAS_W, HAS_B)
 
     @triton.jit
     def _saved_stats(s_ptr, mean_ptr, rstd_ptr, rows, row_mask, r64, stride_s, RMS: tl.constexpr,
@@ -199,9 +202,9 @@ if kernels_enabled():
     @triton.jit
     def _add_norm_bwd_kernel(dy_ptr, s_ptr, w_ptr, mean_ptr, rstd_ptr, dsum_ptr, dx_ptr, dw_ptr, db_ptr, dab_ptr,
                              M, N, stride_dy, stride_s, stride_dsum, stride_dx,
-                             RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_DSUM: tl.constexpr, DW: tl.constexpr,
-                             DB: tl.constexpr, DAB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             NUM_CHUNKS: tl.constexpr):
+                             RMS: tl.constexpr, ROUND_NORMED: tl.constexpr, HAS_W: tl.constexpr,
+                             HAS_DSUM: tl.constexpr, DW: tl.constexpr, DB: tl.constexpr, DAB: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr):
         # Persistent programs: program p takes row blocks p, p + P, ... and owns row p of the partial-sum buffers.
         pid = tl.program_id(0)
         num_programs = tl.num_programs(0)
@@ -226,8 +229,8 @@ if kernels_enabled():
                 c2 = tl.sum(g * xhat, axis=1) / N
                 ds = _dx_store(xhat, g, c1, c2, rstd, dsum_ptr, dx_ptr, r64, lanes, mask, stride_dsum, stride_dx,
                                RMS, HAS_DSUM)
-                if DW:  # RMSNorm's weight multiplied the row rounded to the input dtype
-                    acc_dw += tl.sum(dy * (xhat.to(x_dtype).to(tl.float32) if RMS else xhat), axis=0)
+                if DW:  # a "llama" RMSNorm's weight multiplied the row rounded to the input dtype
+                    acc_dw += tl.sum(dy * (xhat.to(x_dtype).to(tl.float32) if ROUND_NORMED else xhat), axis=0)
                 if DB:
                     acc_db += tl.sum(dy, axis=0)
                 if DAB:
@@ -267,7 +270,7 @@ if kernels_enabled():
                                    RMS, HAS_DSUM)
                     # The partial rows are too long for registers: accumulate in place (zeroed by the host).
                     if DW:
-                        xw = xhat.to(x_dtype).to(tl.float32) if RMS else xhat
+                        xw = xhat.to(x_dtype).to(tl.float32) if ROUND_NORMED else xhat
                         prev = tl.load(dw_ptr + part + cols, mask=col_mask, other=0.0)
                         tl.store(dw_ptr + part + cols, prev + tl.sum(dy * xw, axis=0), mask=col_mask)
                     if DB:
@@ -326,8 +329,9 @@ def _bwd_programs(x: torch.Tensor, block_m: int, block_n: int) -> int:
 def add_norm_fwd_triton(x: torch.Tensor, residual: torch.Tensor | None, add_bias: torch.Tensor | None,
                         weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, rms: bool,
                         y: torch.Tensor, sum_out: torch.Tensor | None, mean: torch.Tensor | None,
-                        rstd: torch.Tensor) -> None:
-    """Writes y, sum_out (if given), mean (LayerNorm) and rstd for [M, N] ``x`` with contiguous rows."""
+                        rstd: torch.Tensor, weight_first: bool = False) -> None:
+    """Writes y, sum_out (if given), mean (LayerNorm) and rstd for [M, N] ``x`` with contiguous rows.
+    ``weight_first``: RMSNorm's ``"gpt_oss"`` casting (the weight multiplies before the one rounding)."""
     M, N = x.shape
     if M == 0:
         return
@@ -337,7 +341,8 @@ def add_norm_fwd_triton(x: torch.Tensor, residual: torch.Tensor | None, add_bias
         x if bias is None else bias, y, x if sum_out is None else sum_out, rstd if mean is None else mean, rstd,
         M, N, x.stride(0), 0 if residual is None else residual.stride(0), y.stride(0),
         0 if sum_out is None else sum_out.stride(0), eps,
-        RMS=rms, HAS_RES=residual is not None, HAS_ABIAS=add_bias is not None, HAS_W=weight is not None,
+        RMS=rms, ROUND_NORMED=rms and not weight_first, HAS_RES=residual is not None,
+        HAS_ABIAS=add_bias is not None, HAS_W=weight is not None,
         HAS_B=bias is not None, STORE_SUM=sum_out is not None, BLOCK_M=block_m, BLOCK_N=block_n,
         NUM_CHUNKS=chunks, num_warps=warps)
 
@@ -345,7 +350,7 @@ def add_norm_fwd_triton(x: torch.Tensor, residual: torch.Tensor | None, add_bias
 def add_norm_bwd_triton(dy: torch.Tensor, s: torch.Tensor, weight: torch.Tensor | None, mean: torch.Tensor | None,
                         rstd: torch.Tensor, dsum: torch.Tensor | None, rms: bool, dx: torch.Tensor,
                         dweight: torch.Tensor | None, dbias: torch.Tensor | None,
-                        dadd_bias: torch.Tensor | None) -> None:
+                        dadd_bias: torch.Tensor | None, weight_first: bool = False) -> None:
     """Writes dx = d(sum) and, where given, the column sums d(weight), d(bias), d(add_bias)."""
     M, N = s.shape
     block_m, block_n, chunks, warps = norm_blocks(N, backward=True)
@@ -357,9 +362,9 @@ def add_norm_bwd_triton(dy: torch.Tensor, s: torch.Tensor, weight: torch.Tensor 
     _add_norm_bwd_kernel[(programs,)](  # also for M = 0: the partial sums must be written (as zeros)
         dy, s, s if weight is None else weight, rstd if mean is None else mean, rstd, dx if dsum is None else dsum,
         dx, dw_p, db_p, dab_p, M, N, dy.stride(0), s.stride(0), 0 if dsum is None else dsum.stride(0),
-        dx.stride(0), RMS=rms, HAS_W=weight is not None, HAS_DSUM=dsum is not None, DW=dweight is not None,
-        DB=dbias is not None, DAB=dadd_bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, NUM_CHUNKS=chunks,
-        num_warps=warps)
+        dx.stride(0), RMS=rms, ROUND_NORMED=rms and not weight_first, HAS_W=weight is not None,
+        HAS_DSUM=dsum is not None, DW=dweight is not None, DB=dbias is not None, DAB=dadd_bias is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, NUM_CHUNKS=chunks, num_warps=warps)
     for out, part in zip(outs, partials):
         if out is not None:
             out.copy_(part.sum(0))
@@ -371,18 +376,24 @@ def _acc_dtype(t: torch.Tensor) -> torch.dtype:
 
 
 def add_norm_reference(x: torch.Tensor, residual: torch.Tensor | None, add_bias: torch.Tensor | None,
-                       weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, rms: bool
+                       weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, rms: bool,
+                       weight_first: bool = False
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Unfused torch in HF's order of operations: (y, sum, mean, rstd) with [M] fp32+ statistics, ``mean``
-    being that of the row less its first element, as the kernel saves it (None for RMSNorm)."""
+    being that of the row less its first element, as the kernel saves it (None for RMSNorm). ``weight_first``:
+    GptOssRMSNorm's order (MixtralRMSNorm's otherwise)."""
     s = x if add_bias is None else x + add_bias
     s = s if residual is None else s + residual
     h = s.to(_acc_dtype(s))
     if rms:
         mean = None
         rstd = torch.rsqrt(h.pow(2).mean(-1) + eps)
-        y = (h * rstd[:, None]).to(x.dtype)
-        y = y if weight is None else weight * y
+        y = h * rstd[:, None]
+        if weight_first:
+            y = (y if weight is None else weight * y).to(x.dtype)
+        else:
+            y = y.to(x.dtype)
+            y = y if weight is None else weight * y
     else:
         d = h - h[:, :1]
         mean = d.mean(-1)
@@ -395,7 +406,8 @@ def add_norm_reference(x: torch.Tensor, residual: torch.Tensor | None, add_bias:
 
 
 def add_norm_backward_reference(dy: torch.Tensor, s: torch.Tensor, weight: torch.Tensor | None,
-                                mean: torch.Tensor | None, rstd: torch.Tensor, dsum: torch.Tensor | None, rms: bool
+                                mean: torch.Tensor | None, rstd: torch.Tensor, dsum: torch.Tensor | None, rms: bool,
+                                weight_first: bool = False
                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(d(sum) in s's dtype, and fp32+ column sums d(weight), d(bias), d(add_bias)) from the saved stats."""
     acc = _acc_dtype(s)
@@ -408,7 +420,7 @@ def add_norm_backward_reference(dy: torch.Tensor, s: torch.Tensor, weight: torch
     ds = ds * rstd[:, None].to(acc)
     if dsum is not None:
         ds = ds + dsum.to(acc)
-    xw = xhat.to(s.dtype).to(acc) if rms else xhat
+    xw = xhat.to(s.dtype).to(acc) if rms and not weight_first else xhat  # what the weight multiplied
     return ds.to(s.dtype), (d * xw).sum(0), d.sum(0), ds.sum(0)
 
 
@@ -416,11 +428,12 @@ def add_norm_backward_reference(dy: torch.Tensor, s: torch.Tensor, weight: torch
 def _add_norm_fwd_impl(x: torch.Tensor, residual: Optional[torch.Tensor], add_bias: Optional[torch.Tensor],
                        weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float, rms: bool,
                        y: torch.Tensor, sum_out: Optional[torch.Tensor], mean: Optional[torch.Tensor],
-                       rstd: torch.Tensor) -> None:
+                       rstd: torch.Tensor, weight_first: bool = False) -> None:
     if triton_runs(x, "fused_add_rms_norm" if rms else "fused_add_layer_norm"):
-        add_norm_fwd_triton(x, residual, add_bias, weight, bias, eps, rms, y, sum_out, mean, rstd)
+        add_norm_fwd_triton(x, residual, add_bias, weight, bias, eps, rms, y, sum_out, mean, rstd, weight_first)
         return
-    y_ref, s_ref, mean_ref, rstd_ref = add_norm_reference(x, residual, add_bias, weight, bias, eps, rms)
+    y_ref, s_ref, mean_ref, rstd_ref = add_norm_reference(x, residual, add_bias, weight, bias, eps, rms,
+                                                          weight_first)
     y.copy_(y_ref)
     rstd.copy_(rstd_ref)
     if sum_out is not None:
@@ -435,11 +448,11 @@ _add_norm_fwd_op = mutating_op("add_norm_fwd", "y", "sum_out", "mean", "rstd")(_
 def _add_norm_bwd_impl(dy: torch.Tensor, s: torch.Tensor, weight: Optional[torch.Tensor],
                        mean: Optional[torch.Tensor], rstd: torch.Tensor, dsum: Optional[torch.Tensor], rms: bool,
                        dx: torch.Tensor, dweight: Optional[torch.Tensor], dbias: Optional[torch.Tensor],
-                       dadd_bias: Optional[torch.Tensor]) -> None:
+                       dadd_bias: Optional[torch.Tensor], weight_first: bool = False) -> None:
     if triton_runs(s, "fused_add_rms_norm" if rms else "fused_add_layer_norm"):
-        add_norm_bwd_triton(dy, s, weight, mean, rstd, dsum, rms, dx, dweight, dbias, dadd_bias)
+        add_norm_bwd_triton(dy, s, weight, mean, rstd, dsum, rms, dx, dweight, dbias, dadd_bias, weight_first)
         return
-    grads = add_norm_backward_reference(dy, s, weight, mean, rstd, dsum, rms)
+    grads = add_norm_backward_reference(dy, s, weight, mean, rstd, dsum, rms, weight_first)
     for out, grad in zip((dx, dweight, dbias, dadd_bias), grads):
         if out is not None:
             out.copy_(grad)
@@ -454,9 +467,9 @@ class _AddNorm(torch.autograd.Function):
 
     @staticmethod
     @profiled("hf_scatter::add_norm.forward")
-    def forward(ctx, x, residual, weight, bias, add_bias, eps, rms):
+    def forward(ctx, x, residual, weight, bias, add_bias, eps, rms, weight_first):
         M, N = x.shape
-        out_dtype = _norm_out_dtype(x, weight, rms)
+        out_dtype = _norm_out_dtype(x, weight, rms, weight_first)
         stat_dtype = torch.promote_types(x.dtype, torch.float32)
         has_add = residual is not None or add_bias is not None
         y = x.new_empty((M, N), dtype=out_dtype)
@@ -464,9 +477,10 @@ class _AddNorm(torch.autograd.Function):
         mean = None if rms else x.new_empty((M,), dtype=stat_dtype)
         rstd = x.new_empty((M,), dtype=stat_dtype)
         run_op(_add_norm_fwd_op, _add_norm_fwd_impl, x, residual, add_bias, weight, bias, eps, rms, y, sum_out, mean,
-               rstd)
+               rstd, weight_first)
         ctx.save_for_backward(sum_out if has_add else x, weight, mean, rstd)
         ctx.rms = rms
+        ctx.weight_first = weight_first
         ctx.out_dtype = out_dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.add_bias_dtype = None if add_bias is None else add_bias.dtype
@@ -486,8 +500,8 @@ class _AddNorm(torch.autograd.Function):
         dbias = s.new_empty((N,), dtype=ctx.bias_dtype) if need_b else None
         dadd_bias = s.new_empty((N,), dtype=ctx.add_bias_dtype) if need_ab else None
         run_op(_add_norm_bwd_op, _add_norm_bwd_impl, dy, s, weight, mean, rstd,
-               None if dsum is None else dsum.contiguous(), ctx.rms, dx, dweight, dbias, dadd_bias)
-        return dx if need_x else None, dx if need_res else None, dweight, dbias, dadd_bias, None, None
+               None if dsum is None else dsum.contiguous(), ctx.rms, dx, dweight, dbias, dadd_bias, ctx.weight_first)
+        return dx if need_x else None, dx if need_res else None, dweight, dbias, dadd_bias, None, None, None
 
 
 # ------------------------------------------------------------------------------------- validation
@@ -523,7 +537,7 @@ def _norm_result(x: torch.Tensor, outputs, has_add: bool, return_sum: bool):
 
 # ----------------------------------------------------------------------------------- public calls
 def _add_norm(op: str, x, residual, weight, bias, add_bias, eps, rms: bool, return_sum: bool, validate: bool,
-              out: torch.Tensor | None = None):
+              out: torch.Tensor | None = None, weight_first: bool = False):
     if validate:
         x2, res2 = _norm_rows(op, x, residual, weight, bias, add_bias, rms)
         eps = check_eps(op, eps)
@@ -536,15 +550,18 @@ def _add_norm(op: str, x, residual, weight, bias, add_bias, eps, rms: bool, retu
     if out is not None:
         _check_norm_out(op, out, x, weight, rms, needs_grad)
     if needs_grad:
-        outputs = _AddNorm.apply(x2, res2, weight, bias, add_bias, eps, rms)
+        outputs = _AddNorm.apply(x2, res2, weight, bias, add_bias, eps, rms, weight_first)
     else:
         outputs = _add_norm_inference(x2, res2, weight, bias, add_bias, eps, rms, return_sum and has_add,
-                                      None if out is None else out.view(x2.shape))
+                                      None if out is None else out.view(x2.shape), weight_first)
     return _norm_result(x, outputs, has_add, return_sum)
 
 
-def _norm_out_dtype(x: torch.Tensor, weight: torch.Tensor | None, rms: bool) -> torch.dtype:
-    return torch.promote_types(x.dtype, weight.dtype) if rms and weight is not None else x.dtype
+def _norm_out_dtype(x: torch.Tensor, weight: torch.Tensor | None, rms: bool, weight_first: bool = False
+                    ) -> torch.dtype:
+    """x's dtype, but promoted with the weight's where the weight multiplies last (MixtralRMSNorm)."""
+    promoted = rms and not weight_first and weight is not None
+    return torch.promote_types(x.dtype, weight.dtype) if promoted else x.dtype
 
 
 def _check_norm_out(op: str, out: torch.Tensor, x: torch.Tensor, weight, rms: bool, needs_grad: bool) -> None:
@@ -558,15 +575,16 @@ def _check_norm_out(op: str, out: torch.Tensor, x: torch.Tensor, weight, rms: bo
         fail(op, f"out must be a contiguous {tuple(x.shape)} {dtype} tensor on {x.device}, got {got}")
 
 
-def _add_norm_inference(x, residual, weight, bias, add_bias, eps, rms, keep_sum: bool, out=None):
+def _add_norm_inference(x, residual, weight, bias, add_bias, eps, rms, keep_sum: bool, out=None,
+                        weight_first: bool = False):
     """No autograd node: the pre-norm sum is written only when the caller wants it, the statistics go to
     one scratch allocation (a small call is dominated by host time, so every allocation counts)."""
     M, N = x.shape
-    y = x.new_empty((M, N), dtype=_norm_out_dtype(x, weight, rms)) if out is None else out
+    y = x.new_empty((M, N), dtype=_norm_out_dtype(x, weight, rms, weight_first)) if out is None else out
     sum_out = x.new_empty((M, N)) if keep_sum else None
     stats = x.new_empty((1 if rms else 2, M), dtype=torch.promote_types(x.dtype, torch.float32))
     run_op(_add_norm_fwd_op, _add_norm_fwd_impl, x, residual, add_bias, weight, bias, eps, rms, y, sum_out,
-           None if rms else stats[1], stats[0])
+           None if rms else stats[1], stats[0], weight_first)
     return (y, sum_out) if residual is not None or add_bias is not None else y
 
 
@@ -586,12 +604,21 @@ def fused_add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None = None, 
                      out)
 
 
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None = None, weight: torch.Tensor | None = None,
-                       eps: float = 1e-6, return_sum: bool = False, *, validate: bool = True):
-    """MixtralRMSNorm of ``x + residual`` in one read of each row, differentiable.
+RMS_CASTINGS = {"llama": False, "gpt_oss": True}  # casting -> whether the weight multiplies before the rounding
 
-    Same rounding as HF: ``weight * (s.float() * rsqrt(mean(s.float()^2) + eps)).to(s.dtype)``, so the output
-    dtype is that of ``weight * x`` (float32 weights give a float32 output). ``return_sum``: also return
-    ``s = x + residual`` (the next residual): ``(y, s)``. ``validate`` as in :func:`fused_add_layer_norm`.
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None = None, weight: torch.Tensor | None = None,
+                       eps: float = 1e-6, return_sum: bool = False, *, validate: bool = True, casting: str = "llama"):
+    """RMSNorm of ``s = x + residual`` in one read of each row, differentiable, rounded as the HF family does.
+
+    ``casting="llama"`` (MixtralRMSNorm, Llama, Qwen3): ``weight * (s.float() * rstd).to(s.dtype)``, so the
+    output dtype is that of ``weight * x`` (float32 weights give a float32 output). ``casting="gpt_oss"``
+    (GptOssRMSNorm): ``(weight * (s.float() * rstd)).to(s.dtype)``, one rounding, output in x's dtype. Here
+    ``rstd = rsqrt(mean(s.float()^2) + eps)``. ``return_sum``: also return ``s`` (the next residual):
+    ``(y, s)``. ``validate`` as in :func:`fused_add_layer_norm`.
     """
-    return _add_norm("fused_add_rms_norm", x, residual, weight, None, None, eps, True, return_sum, validate)
+    weight_first = RMS_CASTINGS.get(casting)
+    if weight_first is None:
+        fail("fused_add_rms_norm", f"casting must be one of {', '.join(map(repr, RMS_CASTINGS))}, got {casting!r}")
+    return _add_norm("fused_add_rms_norm", x, residual, weight, None, None, eps, True, return_sum, validate,
+                     weight_first=weight_first)

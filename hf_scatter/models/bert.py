@@ -9,6 +9,12 @@ transformers has no kernel-layer tag on these classes, so they are swapped in pl
   (sequence / token classification, masked LM, ...) works unchanged; ``input_ids`` and ``inputs_embeds``
   alike. Calls the packed path cannot serve exactly (training, gradients, autocast, attention or hidden-state
   outputs, caches, left padding with a pooler) and inputs vanilla rejects take transformers' own forward.
+
+The one visible difference from vanilla, so ``patch_report`` says it: packed calls return zeros as the hidden
+states of padded positions (``attention_mask == 0``; a head sees zero rows there). Vanilla's values there come
+from those positions attending over the real tokens at every layer: each padded position costs all of a real
+token's work but its key and value projections (10 of 12 parts of the linear layers), which is the padded
+work packing exists to skip (docs/bert.md has the measured cost).
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ from .class_patch import apply_swaps, restore_class, swap_class
 from .fused_norms import FUSED_ADD_NORM, add_layer_norm
 from .registry import Family, PatchOptions, register_family
 
-UNPADDED = "unpadded (packed tokens, varlen attention, planned memory, CUDA graphs)"
+UNPADDED = ("unpadded (packed tokens, varlen attention, planned memory, CUDA graphs; inference returns zero hidden "
+            "states at padded positions, attention_mask == 0, where vanilla computes values)")
 
 
 def _dense_dropout_add_norm(self, hidden_states: torch.Tensor, input_tensor: torch.Tensor) -> torch.Tensor:

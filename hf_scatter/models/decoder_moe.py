@@ -46,9 +46,15 @@ def fused_subclass(vanilla: type, impl: str, forward: Callable) -> type:
 
 
 # ------------------------------------------------------------------------------------ shared forwards
-def rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    """The Llama-style RMSNorm (``weight * normed.to(dtype)``) on the fused kernel."""
-    return rms_norm(hidden_states, None, self.weight, self.variance_epsilon)[0]
+@functools.lru_cache(maxsize=None)
+def rms_norm_forward(casting: str) -> Callable:
+    """The family's RMSNorm on the fused kernel, in its ``casting`` (``"llama"``: ``weight * normed.to(dtype)``;
+    ``"gpt_oss"``: ``(weight * normed).to(dtype)``); made once per casting."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return rms_norm(hidden_states, None, self.weight, self.variance_epsilon, casting)[0]
+
+    return forward
 
 
 @functools.lru_cache(maxsize=None)
@@ -57,11 +63,12 @@ def _signature(cls: type) -> inspect.Signature:
 
 
 @functools.lru_cache(maxsize=None)
-def decoder_layer_forward(mlp: str, scaled: bool) -> Callable:
+def decoder_layer_forward(mlp: str, scaled: bool, casting: str = "llama") -> Callable:
     """The decoder layer with its post-attention residual add and RMSNorm in one kernel. ``mlp``: the MoE
-    block's attribute; ``scaled``: both branches are multiplied by ``residual_multiplier`` (Granite-MoE). A
-    block returning ``(hidden, router scores)`` (GPT-OSS) has its scores dropped, as the vanilla layer does.
-    Made once per (mlp, scaled): every patch call asks for it."""
+    block's attribute; ``scaled``: both branches are multiplied by ``residual_multiplier`` (Granite-MoE);
+    ``casting``: the RMSNorm's (:func:`rms_norm_forward`). A block returning ``(hidden, router scores)``
+    (GPT-OSS) has its scores dropped, as the vanilla layer does. Made once per arguments: every patch call
+    asks for it."""
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if args:  # the vanilla layers take everything after hidden_states by keyword; bind a positional call
@@ -74,7 +81,7 @@ def decoder_layer_forward(mlp: str, scaled: bool) -> Callable:
         hidden_states, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
         if scaled:
             hidden_states = hidden_states * self.residual_multiplier
-        hidden_states, residual = add_rms_norm(hidden_states, residual, self.post_attention_layernorm)
+        hidden_states, residual = add_rms_norm(hidden_states, residual, self.post_attention_layernorm, casting)
         hidden_states = getattr(self, mlp)(hidden_states)
         if isinstance(hidden_states, tuple):
             hidden_states = hidden_states[0]
@@ -114,9 +121,9 @@ def never_random(block: nn.Module) -> bool:
 class DecoderFamily:
     """A Llama-style MoE family: its transformers classes and how its pieces are fused.
 
-    ``norm`` is None where the family's RMSNorm rounds differently from the kernel (GPT-OSS multiplies
-    the weight before rounding): its norms and decoder layers then stay vanilla. ``moe_block`` is the
-    class of the MoE block the decoder layer holds at ``mlp`` (layers holding a dense MLP are left out of
+    ``norm`` is its RMSNorm class, rounding as ``norm_casting`` says (``"llama"``, or ``"gpt_oss"``: the
+    weight multiplied before the rounding); None keeps its norms and decoder layers vanilla. ``moe_block`` is
+    the class of the MoE block the decoder layer holds at ``mlp`` (layers holding a dense MLP are left out of
     ``moe_graphs``); ``graphs`` is False where the block returns more than its hidden states."""
 
     model_type: str
@@ -126,6 +133,7 @@ class DecoderFamily:
     router: type
     router_forward: Callable
     norm: type | None
+    norm_casting: str = "llama"
     mlp: str = "mlp"
     scaled_residual: bool = False
     graphs: bool = True
@@ -138,8 +146,9 @@ class DecoderFamily:
 def _swaps(family: DecoderFamily, options: PatchOptions) -> list:
     swaps = [(family.router, fused_subclass(family.router, ROUTER_TOPK, family.router_forward), options.router)]
     if family.norm is not None:
-        layer = decoder_layer_forward(family.mlp, family.scaled_residual)
-        swaps += [(family.norm, fused_subclass(family.norm, FUSED_ADD_NORM, rms_norm_forward), options.norms),
+        layer = decoder_layer_forward(family.mlp, family.scaled_residual, family.norm_casting)
+        norm = rms_norm_forward(family.norm_casting)
+        swaps += [(family.norm, fused_subclass(family.norm, FUSED_ADD_NORM, norm), options.norms),
                   (family.decoder_layer, fused_subclass(family.decoder_layer, FUSED_ADD_NORM, layer), options.norms)]
     if family.dense_mlp is not None:
         swaps.append((family.dense_mlp, fused_subclass(family.dense_mlp, FUSED_SWIGLU, swiglu_mlp_forward),

@@ -36,17 +36,19 @@ def _module_call(x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module
     return norm(summed), summed
 
 
-def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
-    """``(RMSNorm(x + residual), x + residual)`` as MixtralRMSNorm computes it."""
+def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+             casting: str = "llama"):
+    """``(RMSNorm(x + residual), x + residual)`` as MixtralRMSNorm computes it (``casting="gpt_oss"``: as
+    GptOssRMSNorm, the weight multiplied before the rounding; ``kernels.norms.fused_add_rms_norm``)."""
     x, residual = _promote(x, residual)
-    return fused_add_rms_norm(x, residual, weight, eps=eps, return_sum=True)
+    return fused_add_rms_norm(x, residual, weight, eps=eps, return_sum=True, casting=casting)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module):
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module, casting: str = "llama"):
     """:func:`rms_norm` with the weight and eps of the MixtralRMSNorm-like module ``norm``."""
     x, residual = _promote(x, residual)
     return _module_call(x, residual, norm) or fused_add_rms_norm(
-        x, residual, norm.weight, eps=norm.variance_epsilon, return_sum=True, validate=False)
+        x, residual, norm.weight, eps=norm.variance_epsilon, return_sum=True, validate=False, casting=casting)
 
 
 def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, norm: nn.LayerNorm, return_sum: bool = True):

@@ -1,9 +1,10 @@
 """GPT-OSS: top-k of the router logits, then a softmax over the kept (the selection kernel), experts on the
 ``"scattermoe"`` backend (its biased, interleaved, clamped experts run fused). Attention sinks are untouched.
 
-Its RMSNorm multiplies by its weight before rounding to the activations' dtype, which the fused norm kernel
-does not do: its norms and decoder layers stay vanilla. Its MoE block returns the router scores with the
-hidden states, so it is not graphed (``moe_graphs``).
+Its RMSNorm multiplies by its weight before rounding to the activations' dtype (Llama-style norms round
+first): its norms, and the post-attention add + norm of its decoder layers, run the fused kernel in that
+casting (``norm_casting="gpt_oss"``). Its MoE block returns the router scores with the hidden states, so it
+is not graphed (``moe_graphs``).
 
 Offloaded generation splits its layer like the Llama-style families, plus its biases (q/k/v, o, router and
 both expert projections), its attention sinks and sliding-window layers (``layer_types``), and its half-width
@@ -53,6 +54,7 @@ class GptOssPipelineAdapter(LlamaStylePipelineAdapter):
 
     model_type = "gpt_oss"
     column_dims = {"gate_up": 2, "gate_up_bias": 2, "down": 2}  # [E, 2, I, H], [E, 2, I], [E, H, I]
+    norm_casting = "gpt_oss"
 
     def __init__(self, model: nn.Module):
         super().__init__(model)
@@ -80,13 +82,6 @@ class GptOssPipelineAdapter(LlamaStylePipelineAdapter):
                 "gate_up_bias": bias.view(E, two_i // 2, 2).transpose(1, 2),  # [E, 2, I]
                 "down": experts.down_proj.transpose(1, 2)}  # [E, H, I]
 
-    def _norm(self, x, residual, weight, eps, return_sum=False):
-        """GptOssRMSNorm: the weight multiplies in float32, before the rounding to the activations' dtype."""
-        s = x if residual is None else x + residual
-        h = s.float()
-        y = (weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))).to(s.dtype)
-        return (y, s) if return_sum else y
-
     def _select(self, logits):
         return router_select(logits, self.dims.top_k, gpt_oss_selection())
 
@@ -99,6 +94,7 @@ class GptOssPipelineAdapter(LlamaStylePipelineAdapter):
 
 GPT_OSS = register_decoder_family(DecoderFamily(
     model_type="gpt_oss", pretrained=gpt_oss.GptOssPreTrainedModel, decoder_layer=gpt_oss.GptOssDecoderLayer,
-    moe_block=gpt_oss.GptOssMLP, router=gpt_oss.GptOssTopKRouter, router_forward=gpt_oss_router_forward, norm=None,
-    graphs=False, attention=gpt_oss.GptOssAttention, rope_full_head=True),
+    moe_block=gpt_oss.GptOssMLP, router=gpt_oss.GptOssTopKRouter, router_forward=gpt_oss_router_forward,
+    norm=gpt_oss.GptOssRMSNorm, norm_casting="gpt_oss", graphs=False, attention=gpt_oss.GptOssAttention,
+    rope_full_head=True),
     pipeline_adapter=GptOssPipelineAdapter, spec=functools.partial(llama_style_spec, family="gpt_oss"))

@@ -269,6 +269,7 @@ class LlamaStylePipelineAdapter(PipelineAdapter):
 
     gates_in_logits_dtype = False
     column_dims = {"gate_up": 2, "down": 2}  # gate_up as [E, 2, I, H] ([gate; up]), down [E, H, I]
+    norm_casting = "llama"  # its RMSNorm's rounding (kernels.norms.fused_add_rms_norm)
 
     def _dims(self, c) -> Dims:
         return Dims.of(c, getattr(c, "max_position_embeddings", None), getattr(c, "sliding_window", None))
@@ -330,8 +331,9 @@ class LlamaStylePipelineAdapter(PipelineAdapter):
         return self._norm(o, x, w["post_norm"], self._eps[1], return_sum=True)
 
     def _norm(self, x, residual, weight, eps, return_sum=False):
-        """The family's RMSNorm of ``x + residual`` (with the sum when ``return_sum``)."""
-        return fused_add_rms_norm(x, residual, weight, eps=eps, return_sum=return_sum, validate=False)
+        """The family's RMSNorm of ``x + residual`` (with the sum when ``return_sum``), in its casting."""
+        return fused_add_rms_norm(x, residual, weight, eps=eps, return_sum=return_sum, validate=False,
+                                  casting=self.norm_casting)
 
     def _select(self, logits):
         """float32 softmax, top-k, renormalised to sum 1 (Mixtral: float32 gates; Qwen-style routers renormalise

@@ -1,8 +1,9 @@
 """The patched ``BertModel.forward`` for inference: pack, run the packed runtime, hand back HF's outputs.
 
-``last_hidden_state`` comes back padded ([B, S, H], zeros at padded positions: vanilla BERT fills those
-with values nobody should read), ``pooler_output`` as [B, H]. Callers that want the packed rows use
-:func:`packed_outputs` (or :class:`~hf_scatter.turbo.encoder.Encoder` for lists of requests).
+``last_hidden_state`` comes back padded ([B, S, H]), ``pooler_output`` as [B, H]. Padded positions hold
+zeros where vanilla BERT computes them (each attends over its row's real tokens at every layer: the padded
+work packing skips), the one difference from vanilla, which ``patch_report`` states. Callers that want the
+packed rows use :func:`packed_outputs` (or :class:`~hf_scatter.turbo.encoder.Encoder` for lists of requests).
 """
 
 from __future__ import annotations
