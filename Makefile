@@ -3,7 +3,7 @@ SHELL := /bin/bash
 VENV ?= .venv
 STAMP := $(VENV)/.hf-scatter-installed
 
-.PHONY: demo test install clean
+.PHONY: demo test install clean lock test-latest
 
 demo: $(STAMP)
 	$(VENV)/bin/hf-scatter demo
@@ -22,10 +22,20 @@ test-transformers: $(STAMP)
 
 install: $(STAMP)
 
-# Re-runs only when the dependencies or the set-up script change.
-$(STAMP): pyproject.toml scripts/setup-env.sh
+# Re-runs only when the dependencies, their pinned versions or the set-up script change.
+$(STAMP): pyproject.toml .ci/constraints.txt scripts/setup-env.sh
 	./scripts/setup-env.sh $(VENV)
 	@touch $@
 
+# The suite against the newest release of every dependency, in a fresh venv of its own (.venv-latest), the
+# pins left alone: run by hand before a release and now and then (docs/development.md).
+test-latest:
+	rm -rf .venv-latest
+	HF_SCATTER_UNPINNED=1 $(MAKE) test VENV=.venv-latest
+
+# Refresh .ci/constraints.txt to the newest releases, written only once the whole suite has passed with them.
+lock: test-latest
+	./scripts/write-lock.sh .venv-latest .ci/constraints.txt
+
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache
+	rm -rf $(VENV) .venv-latest build dist *.egg-info .pytest_cache

@@ -2,10 +2,13 @@
 # Creates (or refreshes) the project's virtual environment and installs hf-scatter into it.
 #  - GPU machine whose python already has a CUDA torch: reuse that torch (no download, works offline).
 #  - GPU machine without torch: default PyPI torch (a CUDA build).
-#  - CPU machine: torch==2.13.0, the CPU build, so no CUDA wheels are ever pulled.
+#  - CPU machine: torch==2.13.0, the CPU build, so no CUDA wheels are ever pulled, and every other package at
+#    the version .ci/constraints.txt pins (the test environment that last passed; `make lock` refreshes it).
+#    HF_SCATTER_UNPINNED=1 takes the newest releases instead (`make test-latest`).
 set -euo pipefail
 venv=${1:-.venv}
 python=${PYTHON:-python3}
+constraints="$(cd "$(dirname "$0")/.." && pwd)/.ci/constraints.txt"
 
 has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
 host_has_cuda_torch() { "$python" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; }
@@ -20,12 +23,15 @@ if has_gpu && host_has_cuda_torch; then
     venv_site=$("$vpy" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
     echo "$host_site" > "$venv_site/_hf_scatter_host_site.pth"
     pip_flags+=(--no-build-isolation)
-elif ! "$vpy" -c 'import torch' >/dev/null 2>&1; then
-    if has_gpu; then
-        "$vpy" -m pip install "${pip_flags[@]}" torch
-    else
-        "$vpy" -m pip install "${pip_flags[@]}" "torch==${HF_SCATTER_CPU_TORCH:-2.13.0}"
+elif has_gpu; then
+    "$vpy" -c 'import torch' >/dev/null 2>&1 || "$vpy" -m pip install "${pip_flags[@]}" torch
+else
+    if [ -z "${HF_SCATTER_UNPINNED:-}${HF_SCATTER_CPU_TORCH:-}" ]; then  # another torch: its own dependency set
+        # also inside pip's isolated build environment (setuptools, wheel), through the environment variable
+        export PIP_CONSTRAINT="$constraints"
+        pip_flags+=(--constraint "$constraints")
     fi
+    "$vpy" -m pip install "${pip_flags[@]}" "torch==${HF_SCATTER_CPU_TORCH:-2.13.0}"
 fi
 
 "$vpy" -m pip install "${pip_flags[@]}" -e ".[dev]"
