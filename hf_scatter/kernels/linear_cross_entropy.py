@@ -57,8 +57,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             dz = (dz * (valid[:, None] * scale)).to(h.dtype)  # what the unfused backward hands the LM head
             if dh is not None:
                 dh[rows] = dz @ weight
-            if dw is not None:
-                dw += dz.t().float() @ h[rows].float()
+            if dw is not None:  # the product in the activations' dtype (tensor cores), as the unfused backward
+                dw += (dz.t() @ h[rows]).float()  # makes it; summed over the chunks in float32
         ctx.save_for_backward(dh, dw)
         ctx.weight_dtype = weight.dtype
         return total
