@@ -178,6 +178,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             report = suite.run(**flags)
         except BenchUnavailable as e:
             raise UsageError(str(e)) from None
+        if report is None:  # a rank other than 0 of a distributed run: rank 0 alone writes and prints
+            return 0
     if args.out:
         write_json(args.out, report, default=float)
     if args.plot:

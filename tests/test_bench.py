@@ -1,11 +1,18 @@
-"""Benchmarks: re-rendering saved results works anywhere; a tiny training-step run works on the GPU."""
+"""Benchmarks: re-rendering saved results works anywhere; a tiny training-step run works on the GPU, and on the
+CPU under each distributed engine with 2 processes (gloo)."""
 
 import dataclasses
+import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from hf_scatter.cli import main
 
@@ -84,7 +91,7 @@ def test_bench_train_fsdp_refuses_variants_that_cannot_run_sharded():
     from hf_scatter.bench import train
 
     for impl in ("mixtral-liger", "mixtral-hf-scatter-graphs"):
-        with pytest.raises(ValueError, match="--fsdp: .*leave them out of --configs"):
+        with pytest.raises(ValueError, match="--engine fsdp2: .*leave them out of --configs"):
             train.run(["mixtral-grouped_mm", impl], cfg=train.SMOKE, fsdp=True)
 
 
@@ -190,4 +197,277 @@ def test_plots_and_results_are_written_whole_or_not_at_all(tmp_path, monkeypatch
     write_json(result, {"a": 1})
     with pytest.raises(TypeError):
         write_json(result, {"a": object()})
-    assert result.read_text() == '{\n "a": 1\n}' and sorted(p.name for p in tmp_path.iterdir()) == ["plot.png", "r.json"]
+    assert result.read_text() == '{\n "a": 1\n}'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plot.png", "r.json"]
+
+
+# --- bench train under the distributed engines: 2 CPU processes (gloo), the smoke shape ---------------------------
+
+VARIANTS = ["qwen3_moe-grouped_mm", "qwen3_moe-hf-scatter"]  # transformers' default and the patch
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+
+
+def _engines_worker(rank: int, init_file: str, baseline: str, out: str) -> None:
+    """Every engine in turn in one pair of processes (starting them is most of the cost)."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", DS_ACCELERATOR="cpu")
+    if HAS_DEEPSPEED:
+        import deepspeed.ops
+
+        # DeepSpeed's shared-memory all-reduce for CPU would be compiled at start-up (half a minute): gloo does it.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    from hf_scatter.bench import train
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        found = {}
+        for engine in ("fsdp2", "ep") + (("zero3",) if HAS_DEEPSPEED else ()):
+            found[engine] = train.run(VARIANTS, shape="smoke", device="cpu", engine=engine, warmup=1, steps=1,
+                                      baseline=baseline if engine == "fsdp2" else None,
+                                      comm_profile=engine == "fsdp2")  # once: on the CPU it finds no GPU kernels
+        try:
+            train.run(VARIANTS, shape="smoke", device="cpu")
+        except ValueError as error:
+            found["none"] = str(error)
+        with open(f"{out}.{rank}", "w") as f:
+            json.dump(found, f)  # the reports are JSON: that is how --out writes them
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def engine_runs(tmp_path_factory):
+    """(one unwrapped process's report, each rank's reports of the 2-process runs under each engine)."""
+    from hf_scatter.bench import train
+    from hf_scatter.common.atomic_files import write_json
+
+    tmp = tmp_path_factory.mktemp("engines")
+    with pytest.MonkeyPatch.context() as env:
+        # What is at stake is the engines' set-up and the ranks' numbers, not the kernels (tested elsewhere): the
+        # patch's torch reference path, not the Triton interpreter; the CPU and gloo, also on a GPU machine.
+        env.setenv("HF_SCATTER_KERNELS", "torch")
+        env.setenv("CUDA_VISIBLE_DEVICES", "")
+        reference = train.run(VARIANTS, shape="smoke", device="cpu", warmup=1, steps=2)
+        write_json(tmp / "baseline.json", reference, default=float)
+        mp.start_processes(_engines_worker, args=(str(tmp / "init"), str(tmp / "baseline.json"), str(tmp / "r")),
+                           nprocs=2, start_method="spawn", join=True)
+    return reference, [json.loads((tmp / f"r.{rank}").read_text()) for rank in range(2)]
+
+
+def _check_ranks(report: dict, engine: str) -> None:
+    """Both ranks' numbers are in rank 0's report, the per-variant figures are computed from them, and the
+    patched model's first-step loss is the vanilla one's on every rank."""
+    from hf_scatter.bench import train
+
+    assert (report["engine"], report["world"], report["rows_per_rank"]) == (engine, 2, train.SMOKE.batch)
+    shared = report["shared_batch"]
+    for impl in VARIANTS:
+        r = report["results"][impl]
+        ranks = r["ranks"]
+        assert [x["rank"] for x in ranks] == [0, 1] and (r["engine"], r["world"]) == (engine, 2)
+        for x in ranks:
+            assert x["tokens"] == train.SMOKE.tokens / (2 if shared else 1)
+            assert x["tokens_per_s"] == pytest.approx(x["tokens"] / (x["step_ms_median"] / 1e3))
+            assert x["peak_gib"] is None and x["comm_ms"] == "not measured"  # no GPU: no memory, no GPU kernels
+        assert r["tokens_per_s"] == pytest.approx((ranks[0]["tokens_per_s"] + ranks[1]["tokens_per_s"]) / 2)
+        assert r["step_ms_median"] == max(x["step_ms_median"] for x in ranks)
+        assert r["first_step_loss"] == pytest.approx((ranks[0]["first_step_loss"] + ranks[1]["first_step_loss"]) / 2)
+        assert r["model_flops_per_step"] == pytest.approx(sum(x["model_flops"] for x in ranks))
+    for rank in range(2):  # patched vs vanilla on the same rows: float32, so within rounding
+        losses = [report["results"][impl]["ranks"][rank]["first_step_loss"] for impl in VARIANTS]
+        assert losses[1] == pytest.approx(losses[0], rel=1e-4), rank
+    table = train.to_markdown(report)
+    assert all(f"| {impl} | {engine} | 2 | {train.SMOKE.batch} |" in table for impl in VARIANTS), table
+
+
+def test_bench_train_under_fsdp2_on_two_processes(engine_runs, tmp_path, capsys):
+    """Each rank trains on its own rows (their first losses differ), rank 0's model is the unwrapped one (its
+    first loss is one process's on the same rows), only rank 0 returns the report, the efficiency against the
+    one-process --baseline is the per-GPU tokens/s over the baseline's, and the saved report re-renders."""
+    reference, ranks = engine_runs
+    report = ranks[0]["fsdp2"]
+    assert ranks[1]["fsdp2"] is None
+    _check_ranks(report, "fsdp2")
+    assert report["fsdp"] is True and report["fsdp2"] == {"reshard_after_forward": True, "reduce_dtype": "float32",
+                                                          "prefetch": "none"}
+    for impl in VARIANTS:
+        r, base = report["results"][impl], reference["results"][impl]
+        assert r["ranks"][0]["first_step_loss"] == pytest.approx(base["first_step_loss"], rel=1e-5)
+        assert r["ranks"][1]["first_step_loss"] != pytest.approx(base["first_step_loss"], rel=1e-3)
+        assert r["efficiency"] == pytest.approx(r["tokens_per_s"] / base["tokens_per_s"])
+    assert report["baseline"]["path"].endswith("baseline.json")
+    (tmp_path / "r.json").write_text(json.dumps(report))
+    assert main(["bench", "train", "--replot", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png")]) == 0
+    assert "| scaling efficiency |" in capsys.readouterr().out
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_train_under_expert_parallelism_on_two_processes(engine_runs):
+    report = engine_runs[1][0]["ep"]
+    assert engine_runs[1][1]["ep"] is None
+    _check_ranks(report, "ep")
+    assert report["distributed_config"]["ep_size"] == 2
+    assert all("efficiency" not in r for r in report["results"].values())  # no --baseline: none invented
+
+
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="DeepSpeed is not installed (pip install -e '.[dev]')")
+def test_bench_train_under_deepspeed_zero3_on_two_processes(engine_runs):
+    reference, ranks = engine_runs
+    report = ranks[0]["zero3"]
+    assert ranks[1]["zero3"] is None
+    _check_ranks(report, "zero3")
+    assert report["deepspeed_config"]["zero_optimization"] == {"stage": 3}
+
+
+def test_bench_train_refuses_an_unwrapped_run_on_several_processes(engine_runs):
+    assert all("--engine none runs one unwrapped process, but this run has 2" in ranks["none"]
+               for ranks in engine_runs[1])
+
+
+def test_bench_train_per_variant_figures_from_synthetic_ranks():
+    """Means over the ranks for throughput and model TFLOP/s, the largest rank for step time, memory and
+    communication, the mean loss; a rank without GPU kernels makes the variant's communication unmeasured."""
+    from hf_scatter.bench.engines import aggregate
+
+    def rank(i, tokens_per_s, step_ms, peak, reserved, loss, comm):
+        return {"rank": i, "tokens": 4096, "tokens_per_s": tokens_per_s, "tflops": tokens_per_s / 1e3,
+                "model_flops": 1e12, "step_ms_median": step_ms, "step_ms_all": [step_ms], "peak_gib": peak,
+                "peak_reserved_gib": reserved, "first_step_loss": loss, "comm_ms": comm}
+
+    comm = [{"nccl_ms": 10.0, "compute_ms": 90.0, "exposed_comm_ms": 2.0},
+            {"nccl_ms": 12.0, "compute_ms": 80.0, "exposed_comm_ms": 1.0}]
+    ranks = [rank(0, 40000.0, 102.4, 30.0, 34.0, 2.0, comm[0]), rank(1, 30000.0, 136.5, 32.0, 33.0, 3.0, comm[1])]
+    r = aggregate(ranks)
+    assert (r["tokens_per_s"], r["tokens_per_s_all_gpus"], r["tflops_per_gpu"]) == (35000.0, 70000.0, 35.0)
+    assert (r["step_ms_median"], r["peak_gib"], r["peak_reserved_gib"]) == (136.5, 32.0, 34.0)
+    assert (r["first_step_loss"], r["model_flops_per_step"], r["ranks"]) == (2.5, 2e12, ranks)
+    assert r["comm_ms"] == {"nccl_ms": 12.0, "compute_ms": 90.0, "exposed_comm_ms": 2.0}
+    ranks[1]["comm_ms"] = "not measured"
+    assert aggregate(ranks)["comm_ms"] == "not measured"
+
+
+def test_comm_split_counts_communication_no_kernel_overlaps():
+    """NCCL kernels 0-10 and 20-30 us, compute on two streams 5-15 and 8-25: 20 us of NCCL, 20 of compute
+    (5-25), and 10 exposed (0-5 and 25-30), per step over 2 steps: in ms."""
+    from hf_scatter.bench.engines import comm_split
+
+    kernels = [("ncclDevKernel_AllGather_RING_LL", 0.0, 10.0), ("ncclKernel_ReduceScatter", 20.0, 30.0),
+               ("sm90_xmma_gemm", 5.0, 15.0), ("triton_scatter2scatter", 8.0, 25.0)]
+    assert comm_split(kernels, steps=2) == pytest.approx({"nccl_ms": 0.01, "compute_ms": 0.01,
+                                                          "exposed_comm_ms": 0.005})
+    assert comm_split([], steps=2) == "not measured"
+
+
+def test_model_flops_of_qwen3_30b_a3b_by_hand():
+    """Qwen3-30B-A3B (d 2048, 32 query heads and 4 KV heads of 128, 128 experts of 768, top 8, vocabulary
+    151,936, 48 layers) at 4096 tokens: per token and layer, Q K V O projections 2048 x (4096 + 2 x 512) +
+    4096 x 2048, the causal half of QK^T and PV 4096 x 4096, the 8 experts' SwiGLU 3 x 2048 x 8 x 768, the router
+    2048 x 128; the LM head 2048 x 151,936; 6 FLOPs per multiply-add and token for forward and backward."""
+    from hf_scatter.bench.train import model_flops
+    from hf_scatter.models.spec import ModelSpec
+
+    attention = 2048 * (4096 + 2 * 512) + 4096 * 2048 + 4096 * 4096
+    experts, router = 3 * 2048 * 8 * 768, 2048 * 128
+    per_token = 48 * (attention + experts + router) + 2048 * 151936
+    spec = ModelSpec.from_config("qwen3-30b-a3b")
+    assert model_flops(spec, seq=4096, sequences=2) == 6 * per_token * 4096 * 2
+    # Megatron-LM's count is the same but the router: 23.0 GFLOP per token, what NeMo AutoModel's published
+    # 277 TFLOP/s at 12,040 tokens/s per GPU works out to
+    megatron = model_flops(spec, 4096) - 6 * 48 * router * 4096
+    assert megatron / 4096 == pytest.approx(277e12 / 12040, rel=2e-3)
+
+
+def test_model_flops_of_deepseek_v2_lite_by_hand():
+    """DeepSeek-V2-Lite: MLA (16 heads, no query low rank, latent 512, rotary 64, nope and value 128), a dense
+    first layer of 10,944, 26 MoE layers of 6 of 64 experts of 1408 plus 2 shared, vocabulary 102,400."""
+    from hf_scatter.bench.train import model_flops
+    from hf_scatter.models.spec import ModelSpec
+
+    s = 2048
+    attention = (2048 * 16 * 192 + 2048 * (512 + 64) + 512 * 16 * (128 + 128) + 16 * 128 * 2048
+                 + s / 2 * 16 * (192 + 128))
+    moe = 3 * 2048 * (6 * 1408 + 2 * 1408) + 2048 * 64
+    per_token = 27 * attention + 26 * moe + 3 * 2048 * 10944 + 2048 * 102400
+    assert model_flops(ModelSpec.from_config("deepseek-v2-lite"), seq=s) == pytest.approx(6 * per_token * s)
+
+
+def test_bench_train_shapes_are_the_published_models_with_the_layers_asked():
+    from hf_scatter.bench import train
+
+    qwen = train.published_shape("qwen3-30b-a3b", layers=8)
+    assert (qwen.hidden, qwen.heads, qwen.kv_heads, qwen.head_dim, qwen.vocab, qwen.layers) == (
+        2048, 32, 4, 128, 151936, 8)
+    config = train._hf_config("qwen3_moe", qwen)
+    assert (config.head_dim, config.num_attention_heads, config.num_hidden_layers, config.num_experts) == (
+        128, 32, 8, 128)
+    assert train.published_shape("deepseek-v2-lite").layers == 27  # the full model
+    plan = train._plan(shape="gpt-oss-120b", layers=4, batch=8)
+    assert plan.impls == ["gpt_oss-grouped_mm", "gpt_oss-hf-scatter"]
+    assert {(s.layers, s.experts, s.batch, s.preset) for s in plan.shapes.values()} == {(4, 128, 8, "gpt-oss-120b")}
+
+
+@pytest.mark.parametrize("flags, env, message", [
+    (dict(shape="qwen3-31b"), {}, "unknown --shape 'qwen3-31b'"),
+    (dict(shape="qwen3-30b-a3b", impls=["mixtral-hf-scatter"]), {}, "for --shape qwen3-30b-a3b (a qwen3_moe model)"),
+    (dict(engine="none"), {"WORLD_SIZE": "2", "RANK": "0"}, "--engine none runs one unwrapped process"),
+    (dict(engine="ep", impls=["mixtral-hf-scatter"]), {}, "--engine ep runs under torchrun"),
+    (dict(engine="ep", shape="smoke", impls=["qwen3_moe-hf-scatter"]), {"WORLD_SIZE": "3", "RANK": "0"},
+     "qwen3_moe-hf-scatter has 4 experts, which 3 processes cannot split evenly"),
+    (dict(engine="ep", shape="smoke", impls=["dbrx-hf-scatter"]), {"WORLD_SIZE": "2", "RANK": "0"},
+     "no expert-parallel plan for dbrx-hf-scatter"),
+    (dict(engine="ep", fsdp=True), {}, "--fsdp is --engine fsdp2"),
+    (dict(engine="zero3", impls=["mixtral-hf-scatter-graphs"]), {}, "leave them out of --configs"),
+    (dict(prefetch="next"), {}, "they go with --engine fsdp2"),
+])
+def test_bench_train_refuses_what_cannot_run_before_building_anything(flags, env, message, monkeypatch):
+    from hf_scatter.bench import train
+
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(train, "build_model", None)  # nothing may be built
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        train.run(**flags)
+
+
+def test_bench_train_zero3_without_deepspeed_is_refused(monkeypatch, capsys):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else
+                        find_spec(name, *a))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    try:
+        rc = main(["bench", "train", "--engine", "zero3", "--shape", "smoke"])
+    except SystemExit as exit_:
+        rc = exit_.code
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.splitlines() == [err]
+    assert "--engine zero3 needs deepspeed (pip install deepspeed)" in err
+
+
+def test_bench_train_baseline_of_another_run_is_refused(tmp_path):
+    from hf_scatter.bench import train
+
+    report = {"world": 2, "engine": "fsdp2", "results": {}}
+    (tmp_path / "b.json").write_text(json.dumps(report))
+    with pytest.raises(ValueError, match="the reference is one unwrapped process"):
+        train.check_flags(shape="smoke", baseline=str(tmp_path / "b.json"))
+    report = {"config": dataclasses.asdict(train.SMOKE), "results": {"qwen3_moe-hf-scatter": {"tokens_per_s": 1.0}}}
+    (tmp_path / "b.json").write_text(json.dumps(report))
+    train.check_flags(shape="smoke", impls=["qwen3_moe-hf-scatter"], baseline=str(tmp_path / "b.json"))
+    with pytest.raises(ValueError, match="qwen3_moe ran at another shape or batch there"):
+        train.check_flags(shape="smoke", impls=["qwen3_moe-hf-scatter"], batch=3, baseline=str(tmp_path / "b.json"))
+
+
+def test_bench_train_cli_under_torchrun_writes_and_prints_on_rank_0_only(tmp_path):
+    """The real command under ``torchrun --nproc_per_node 2`` on the CPU: one table on stdout, one report with
+    both ranks' numbers, nothing else written."""
+    out = tmp_path / "r.json"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", HF_SCATTER_KERNELS="torch", OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "hf_scatter.cli",
+         "bench", "train", "--engine", "fsdp2", "--shape", "smoke", "--configs", *VARIANTS, "--steps", "2",
+         "--no-comm-profile", "--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("| variant | engine |") == 1, done.stdout
+    report = json.loads(out.read_text())
+    assert [x["rank"] for x in report["results"][VARIANTS[1]]["ranks"]] == [0, 1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]

@@ -302,6 +302,63 @@ def test_graphs_of_a_model_sharded_after_patching_turn_off_with_one_warning(tmp_
     assert not found["captured"] and all(loss == loss for loss in found["losses"])
 
 
+def _library_under_fsdp2_worker(rank: int, init_file: str, out: str) -> None:
+    """FSDP2 world size 1, a fine-grained shape at the library grouped GEMM's batch (1,024 rows per expert):
+    peak memory and how often the library ran, with the library on and then off (HF_SCATTER_GROUPED_MM=0)."""
+    import os
+
+    import hf_scatter.moe.swiglu_experts as swiglu_experts
+    from hf_scatter.bench.train import TrainConfig, build_model
+
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=1)
+    cfg = TrainConfig(hidden=1024, intermediate=512, experts=16, top_k=4, layers=4, heads=8, kv_heads=4, batch=2,
+                      seq=2048)
+    calls, library_rows = [], swiglu_experts.grouped_mm_rows
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return library_rows(*args, **kwargs)
+
+    swiglu_experts.grouped_mm_rows = counted
+    found = {}
+    try:
+        for switch in ("", "0"):
+            os.environ["HF_SCATTER_GROUPED_MM"] = switch
+            model = build_model("qwen3_moe-hf-scatter", cfg, torch.device("cuda"), torch.bfloat16, fsdp=True)
+            ids = torch.randint(cfg.vocab, (cfg.batch, cfg.seq), device="cuda")
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+            for step in range(3):
+                if step == 1:
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                    calls.clear()
+                model(input_ids=ids, labels=ids).loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            found[switch or "on"] = {"peak": torch.cuda.max_memory_allocated(), "library_calls": len(calls)}
+            del model, opt
+            torch.cuda.empty_cache()
+        torch.save(found, out)
+    finally:
+        swiglu_experts.grouped_mm_rows = library_rows
+        os.environ.pop("HF_SCATTER_GROUPED_MM", None)
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_library_grouped_gemm_under_fsdp2_holds_no_extra_weight_copy(tmp_path):
+    """Under FSDP2 (world size 1) the library grouped GEMM path keeps the peak of the path without it (within
+    2%): gathered expert weights are neither copied nor kept alive past their layer."""
+    out = str(tmp_path / "found.pt")
+    mp.start_processes(_library_under_fsdp2_worker, args=(str(tmp_path / "init"), out), nprocs=1,
+                       start_method="spawn", join=True)
+    found = torch.load(out)
+    assert found["on"]["library_calls"] > 0, "the shape must take the library path, or nothing is tested"
+    assert found["0"]["library_calls"] == 0
+    assert found["on"]["peak"] <= 1.02 * found["0"]["peak"], found
+
+
 def _expert_parallel_config():
     """(transformers' ``DistributedConfig`` splitting the experts across the ranks, whether the ranks share one
     batch). Recent releases take ``ep_size`` (here with FSDP2 over the same ranks, each rank its own rows, the

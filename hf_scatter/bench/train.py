@@ -1,16 +1,19 @@
-"""`hf-scatter bench train`: whole training steps of ~1-2B MoE models of each family hf-scatter patches.
+"""`hf-scatter bench train`: whole training steps of MoE models of each family hf-scatter patches, on one GPU or
+on several under torchrun.
 
 Mixtral and DBRX at the ScatterMoE paper's 1.5B configuration; Qwen3-MoE, GPT-OSS and DeepSeek-V3 at the
-real families' proportions (:data:`FAMILY_SHAPES`). Vanilla (transformers' grouped_mm / eager experts),
+real families' proportions (:data:`FAMILY_SHAPES`); or, with ``--shape``, a published model's own dimensions
+(:data:`SHAPES`) with ``--layers`` of its layers. Vanilla (transformers' grouped_mm / eager experts),
 Liger-Kernel's patch for the family (``apply_liger_kernel_to_<family>``, its defaults: RMSNorm, RoPE,
-SwiGLU / fused experts, fused linear cross-entropy) and hf-scatter's patch, in one process, from one seed
-and on the same random tokens. Reports tokens/s (median step), peak memory (weights, gradients and optimizer
-states included) and the first-step loss (patched must equal vanilla within bf16 noise), plus a
-per-category GPU time breakdown of one step.
+SwiGLU / fused experts, fused linear cross-entropy) and hf-scatter's patch, in one process group, from one seed
+and on the same random tokens. Reports tokens/s (median step), model TFLOP/s (:func:`model_flops`), peak memory
+(weights, gradients and optimizer states included) and the first-step loss (patched must equal vanilla within
+bf16 noise), plus a per-category GPU time breakdown of one unwrapped step.
 
-``--fsdp`` runs every variant under PyTorch FSDP2 with world size 1 (``fully_shard`` per decoder layer and
-on the model, after the patch; bf16 parameters, float32 gradient reduction): what the sharding wrapper
-costs each variant, measured on one GPU, next to the same command without it.
+``--engine`` runs every variant under a distributed engine (:mod:`.engines`): PyTorch FSDP2 (``--fsdp`` is its
+old name), transformers' expert parallelism or DeepSpeed ZeRO-3, at the world size torchrun gives. Each rank
+measures its own steps (and, with the profiler, its communication); rank 0 gathers them, reports the
+per-GPU figures and alone prints and writes.
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import json
 import os
 import statistics
+import time
 from typing import Callable
 
 import torch
@@ -28,7 +33,9 @@ from ..common.argtypes import positive_int
 from ..common.atomic_files import save_figure
 from ..common.markdown import markdown_table
 from ..common.timing import run_header
-from .availability import check_names, require_cuda
+from ..models.spec import BUILTIN_MODELS, ModelSpec, builtin_config
+from . import engines
+from .availability import require_cuda
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,9 +48,11 @@ class TrainConfig:
     heads: int = 16
     kv_heads: int = 8
     vocab: int = 32000
-    batch: int = 4
+    batch: int = 4  # sequences per step, on each rank
     seq: int = 2048
     shared_experts: int = 0  # DeepSeek's shared experts (each of the routed experts' size)
+    head_dim: int | None = None  # None: hidden // heads (the family shapes); the published shapes have their own
+    preset: str | None = None  # a published model (:data:`SHAPES`) whose config the model is built from
 
     @property
     def tokens(self) -> int:
@@ -72,18 +81,46 @@ IMPLS = ("mixtral-grouped_mm", "mixtral-eager", "mixtral-liger", "mixtral-hf-sca
 # "-liger": Liger-Kernel's patch for the family with its defaults
 _VARIANT_OPTIONS = {"experts": {"norms": False, "router": False}, "graphs": {"moe_graphs": True},
                     "layer-graphs": {"layer_graphs": True}}
+BASELINES = {"mixtral": "mixtral-grouped_mm", "dbrx": "dbrx-eager", "qwen3_moe": "qwen3_moe-grouped_mm",
+             "gpt_oss": "gpt_oss-grouped_mm", "deepseek_v3": "deepseek_v3-grouped_mm",
+             "deepseek_v2": "deepseek_v2-grouped_mm"}
+# The published models of models.spec whose family has variants here, by family: ``--shape NAME``
+_FAMILY_OF_CONFIG = {"MixtralConfig": "mixtral", "DbrxConfig": "dbrx", "Qwen3MoeConfig": "qwen3_moe",
+                     "GptOssConfig": "gpt_oss", "DeepseekV3Config": "deepseek_v3", "DeepseekV2Config": "deepseek_v2"}
+SHAPES = {name: _FAMILY_OF_CONFIG[cls] for name, (cls, _) in BUILTIN_MODELS.items() if cls in _FAMILY_OF_CONFIG}
+_CHOICES = ("grouped_mm", "eager", "liger", "hf-scatter", "hf-scatter-experts", "hf-scatter-graphs",
+            "hf-scatter-layer-graphs")  # what a --shape family's variants may be
+
+
+def published_shape(name: str, layers: int | None = None) -> TrainConfig:
+    """The dimensions of published model ``name`` (:data:`SHAPES`, from ``models.spec``'s configs) with ``layers``
+    of its layers (default: all of them); the model is built from that config itself."""
+    spec = ModelSpec.from_config(builtin_config(name, **({"num_hidden_layers": layers} if layers else {})))
+    if spec.dense_layers == spec.layers:
+        raise ValueError(f"--shape {name}: its first {spec.dense_layers} layers hold dense MLPs, no experts: give "
+                         f"--layers more than that")
+    mla = spec.is_mla  # its spec prices the absorbed form (one latent head): the heads as trained instead
+    return TrainConfig(hidden=spec.hidden, intermediate=spec.intermediate, experts=spec.experts, top_k=spec.top_k,
+                       layers=spec.layers, heads=spec.heads, kv_heads=spec.heads if mla else spec.kv_heads,
+                       head_dim=spec.qk_nope_dim + spec.qk_rope_dim if mla else spec.head_dim, vocab=spec.vocab,
+                       shared_experts=spec.shared_intermediate // spec.intermediate, preset=name)
 
 
 def _hf_config(family: str, cfg: TrainConfig):
     import transformers
 
+    if cfg.preset:
+        return builtin_config(cfg.preset, num_hidden_layers=cfg.layers)
     common = dict(vocab_size=cfg.vocab, hidden_size=cfg.hidden, num_hidden_layers=cfg.layers,
                   num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads, max_position_embeddings=cfg.seq)
-    head_dim = cfg.hidden // cfg.heads
+    head_dim = cfg.head_dim or cfg.hidden // cfg.heads
     if family == "mixtral":
         return transformers.MixtralConfig(**common, intermediate_size=cfg.intermediate, num_local_experts=cfg.experts,
-                                          num_experts_per_tok=cfg.top_k)
+                                          num_experts_per_tok=cfg.top_k, head_dim=head_dim)
     if family == "dbrx":
+        if head_dim * cfg.heads != cfg.hidden:
+            raise ValueError(f"DBRX's heads are hidden / heads wide: head_dim {head_dim} with {cfg.heads} heads of "
+                             f"{cfg.hidden}")
         return transformers.DbrxConfig(
             d_model=cfg.hidden, n_heads=cfg.heads, n_layers=cfg.layers, max_seq_len=cfg.seq, vocab_size=cfg.vocab,
             attn_config={"kv_n_heads": cfg.kv_heads, "rope_theta": 10000.0, "clip_qkv": 8.0},
@@ -105,7 +142,39 @@ def _hf_config(family: str, cfg: TrainConfig):
             first_k_dense_replace=1, q_lora_rank=cfg.hidden * 3 // 8, kv_lora_rank=cfg.hidden // 8,
             qk_rope_head_dim=head_dim // 2, qk_nope_head_dim=head_dim, v_head_dim=head_dim,
             routed_scaling_factor=2.5, norm_topk_prob=True)
-    raise ValueError(f"unknown family {family!r}; choose from {', '.join(FAMILY_SHAPES)}")
+    raise ValueError(f"unknown family {family!r}; choose from {', '.join(FAMILY_SHAPES)} (or a --shape)")
+
+
+def model_flops(spec: ModelSpec, seq: int, sequences: float = 1) -> float:
+    """Model FLOPs of one training step (forward and backward) on ``sequences`` sequences of ``seq`` tokens,
+    counted the way Megatron-LM's ``num_floating_point_operations`` counts an MoE model, plus the router:
+
+        step    = 3 x forward                      (backward: input and weight gradients, a forward's worth each)
+        forward = 2 x tokens x (L x attention + MoE layers x (3 d (k f + f_shared) + d E)
+                                + dense layers x 3 d f_dense + d V)
+        attention = d (q + 2 kv) + q d + q s       (q = heads x head_dim, kv = kv_heads x head_dim; QK^T and PV
+                                                    over the causal half: 2 x q x s / 2)
+        MLA attention = q projection (through q_lora_rank where it has one) + d (r_kv + rope) + r_kv heads
+                        (nope + v) + heads v d + s/2 x heads (nope + rope + v)
+
+    d hidden, f an expert's intermediate size, k experts per token, f_shared the shared experts' total width, E
+    routed experts, V vocabulary, s = ``seq``; every matrix product of the active parameters counted as 2 FLOPs
+    per multiply-add. Megatron-LM counts the same but for the router's d E and, under MLA, the widths of its
+    low-rank norms (element-wise, no products); neither counts GPT-OSS's sliding windows (full causal attention
+    on every layer) nor the embedding lookup."""
+    d = spec.hidden
+    if spec.is_mla:
+        qk = spec.qk_nope_dim + spec.qk_rope_dim
+        query = spec.q_lora_rank * (d + spec.heads * qk) if spec.q_lora_rank else d * spec.heads * qk
+        latent = d * (spec.kv_lora_rank + spec.qk_rope_dim) + spec.kv_lora_rank * spec.heads * (
+            spec.qk_nope_dim + spec.v_head_dim)
+        attention = query + latent + spec.heads * spec.v_head_dim * d + seq / 2 * spec.heads * (qk + spec.v_head_dim)
+    else:
+        attention = d * (spec.q_dim + 2 * spec.kv_dim) + spec.q_dim * d + spec.q_dim * seq
+    moe = 3 * d * (spec.top_k * spec.intermediate + spec.shared_intermediate) + d * spec.experts
+    per_token = (spec.layers * attention + (spec.layers - spec.dense_layers) * moe
+                 + spec.dense_layers * 3 * d * spec.dense_intermediate + d * spec.vocab)
+    return 6 * per_token * seq * sequences
 
 
 @contextlib.contextmanager
@@ -136,66 +205,53 @@ def family_shape(impl: str, cfg: TrainConfig | None, batch: int | None = None) -
 
 
 def build_model(impl: str, cfg: TrainConfig, device: torch.device, dtype: torch.dtype, seed: int = 0,
-                fsdp: bool = False):
+                fsdp: bool = False, distributed_config=None):
     """The model an implementation name stands for, initialised from ``seed`` (same weights per family);
-    ``fsdp``: wrapped by FSDP2 after patching (a process group must exist)."""
+    ``fsdp``: wrapped by FSDP2 after patching (a process group must exist); ``distributed_config``: built
+    expert-parallel by transformers, patched at construction (its weights initialised by transformers)."""
     from transformers import AutoModelForCausalLM
 
     from .. import patch_model
 
     family, choice = impl.split("-", 1)
     config = _hf_config(family, cfg)
+    options = _VARIANT_OPTIONS.get(choice.removeprefix("hf-scatter").removeprefix("-"), {})
     patched = choice.startswith("hf-scatter")
     kwargs = {"experts_implementation": choice} if family != "dbrx" and choice in ("grouped_mm", "eager") else {}
     torch.manual_seed(seed)
+    if distributed_config is not None:
+        return _expert_parallel_model(config, dtype, distributed_config, options if patched else None, kwargs).train()
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
     if patched:
-        patch_model(model, **_VARIANT_OPTIONS.get(choice.removeprefix("hf-scatter").removeprefix("-"), {}))
+        patch_model(model, **options)
     if fsdp:
-        _fully_shard(model)
+        engines.fully_shard_layers(model, torch.bfloat16)
     return model.train()
 
 
-def _fully_shard(model) -> None:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+def _expert_parallel_model(config, dtype: torch.dtype, distributed_config, patch: dict | None, kwargs: dict):
+    """transformers builds the model already split (``from_pretrained`` with ``distributed_config`` is where it
+    does), from no checkpoint: it initialises every weight itself, each rank its own part. The patch goes on
+    the classes it builds from, as for any expert-parallel load."""
+    import transformers
 
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    base = model.base_model
-    for layer in getattr(base, "layers", None) or base.blocks:  # DBRX: transformer.blocks
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+    from .. import patch_transformers, unpatch_transformers
 
-
-@contextlib.contextmanager
-def _process_group(on: bool):
-    """A one-process NCCL group for ``--fsdp`` (unless the caller made one, e.g. under torchrun)."""
-    import torch.distributed as dist
-
-    if not on or dist.is_initialized():
-        yield
-        return
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:  # the group's file store lives as long as the group
-        dist.init_process_group("nccl", init_method=f"file://{tmp}/init", rank=0, world_size=1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # its load report would list every weight as missing, per rank
+    if patch is not None:
+        patch_transformers(**patch)
+    try:
+        return transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].from_pretrained(
+            None, config=config, state_dict={}, dtype=dtype, distributed_config=distributed_config, **kwargs)
+    finally:
+        unpatch_transformers()
+        transformers.logging.set_verbosity(verbosity)
 
 
-def _step_fn(model, ids: torch.Tensor) -> tuple[Callable[[], torch.Tensor], torch.optim.Optimizer]:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=ids.is_cuda)
-
-    def step() -> torch.Tensor:
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return step, opt
+_process_group = engines.process_group  # scripts/probe_train_host_time.py's names
+_step_fn = engines.adamw_step
 
 
 def _categories(model) -> dict[str, list[torch.nn.Module]]:
@@ -257,106 +313,314 @@ def time_breakdown(model, step: Callable[[], torch.Tensor]) -> dict[str, float]:
 
 
 def measure(impl: str, cfg: TrainConfig, ids: torch.Tensor, warmup: int, steps: int, breakdown: bool,
-            dtype=torch.bfloat16, fsdp: bool = False) -> dict:
+            dtype=torch.bfloat16, fsdp: bool = False, setup: engines.Setup | None = None, comm_profile: bool = False,
+            shared_by: int = 1) -> dict:
+    """This rank's numbers for ``impl`` under ``setup`` (default: unwrapped, or FSDP2 where ``fsdp``): the model
+    built, wrapped, trained ``warmup`` + ``steps`` steps, let go. ``shared_by``: ranks this batch is shared by
+    (its tokens and FLOPs count once over them)."""
+    setup = setup or engines.Setup("fsdp2" if fsdp else "none")
+    cuda = ids.is_cuda
     gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    model = build_model(impl, cfg, ids.device, dtype, fsdp=fsdp)
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     family, choice = impl.split("-", 1)
-    with liger_patched(family, model) if choice == "liger" else contextlib.nullcontext():
-        result = _timed_steps(impl, model, cfg, ids, warmup, steps, breakdown)
-    del model
+    sequences = cfg.batch / shared_by
+    flops = model_flops(ModelSpec.from_config(_hf_config(family, cfg)), cfg.seq, sequences)
+    with contextlib.ExitStack() as stack:
+        def build(distributed_config=None):
+            model = build_model(impl, cfg, ids.device, dtype, distributed_config=distributed_config)
+            if choice == "liger":
+                stack.enter_context(liger_patched(family, model))
+            return model
+
+        model, step = stack.enter_context(engines.trained(setup, build, ids, dtype))
+        result = _timed_steps(impl, model, step, warmup, steps, breakdown, cuda)
+        result["comm_ms"] = engines.profile_comm(step, cuda) if comm_profile else engines.NOT_MEASURED
+        del model, step
+    result["tokens"] = sequences * cfg.seq
+    result["model_flops"] = flops
+    result["tokens_per_s"] = result["tokens"] / (result["step_ms_median"] / 1e3)
+    result["tflops"] = flops / (result["step_ms_median"] / 1e3) / 1e12
     return result
 
 
-def _timed_steps(impl: str, model, cfg: TrainConfig, ids: torch.Tensor, warmup: int, steps: int,
-                 breakdown: bool) -> dict:
-    step, opt = _step_fn(model, ids)
+def _timed_steps(impl: str, model, step: Callable[[], torch.Tensor], warmup: int, steps: int, breakdown: bool,
+                 cuda: bool) -> dict:
     first_loss = step().item()
     for _ in range(warmup - 1):
         step()
-    times = []
-    for _ in range(steps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        step()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    result = {"first_step_loss": first_loss, "step_ms_median": statistics.median(times),
-              "step_ms_all": times, "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+    times = [_step_ms(step, cuda) for _ in range(steps)]
+    result = {"first_step_loss": first_loss, "step_ms_median": statistics.median(times), "step_ms_all": times,
+              "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
               # graph replays allocate nothing: their pool shows in reserved memory, not in allocated
-              "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30}
-    result["tokens_per_s"] = cfg.tokens / (result["step_ms_median"] / 1e3)
-    if breakdown and not impl.endswith("-graphs"):  # hooks send graphed blocks eager: that is the eager step
+              "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else None}
+    if breakdown and cuda and not impl.endswith("-graphs"):  # hooks send graphed blocks eager: the eager step
         try:
             result["breakdown_ms"] = time_breakdown(model, step)
         except RuntimeError as error:  # a family whose modules refuse full backward hooks: report, go on
             result["breakdown_error"] = str(error)
-    del opt, step
     return result
 
 
-NEEDS_GPU = True
+def _step_ms(step: Callable[[], torch.Tensor], cuda: bool) -> float:
+    """One step's time: CUDA events on the GPU, the wall clock on the CPU."""
+    if not cuda:
+        begin = time.perf_counter()
+        step()
+        return (time.perf_counter() - begin) * 1e3
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    step()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b)
+
+
+# run() checks for the GPU itself: the smoke shape (``--shape smoke``) runs on the CPU where there is none
+NEEDS_GPU = False
 
 
 def add_arguments(parser) -> None:
     """Flags of ``hf-scatter bench train``, named after :func:`run`'s arguments."""
-    parser.add_argument("--configs", dest="impls", nargs="*", metavar="IMPL", default=list(IMPLS),
-                        help=f"subset of {', '.join(IMPLS)} (default: all)")
+    parser.add_argument("--configs", dest="impls", nargs="*", metavar="IMPL",
+                        help=f"subset of {', '.join(IMPLS)} (default: all); with --shape, variants of its family "
+                             f"(default: the family's transformers default and hf-scatter)")
     parser.add_argument("--steps", type=positive_int, default=10, help="timed steps after 3 warm-up steps")
     parser.add_argument("--no-breakdown", dest="breakdown", action="store_false",
                         help="skip the per-category time breakdown")
     parser.add_argument("--liger-autotune", choices=("on", "off"), default="on",
                         help="Liger's fused-MoE autotuner in the -liger variants (its default: on)")
     parser.add_argument("--batch", type=positive_int,
-                        help="sequences per step for every variant (default: each family's shape, 4 of 2048 tokens)")
-    parser.add_argument("--fsdp", action="store_true",
-                        help="every variant under FSDP2 with world size 1 (fully_shard per decoder layer, after the "
-                             "patch); no time breakdown")
+                        help="sequences per step on each rank, every variant (default: the shape's, 4)")
+    parser.add_argument("--shape", choices=("smoke", *SHAPES), metavar="NAME",
+                        help=f"a published model's dimensions instead of the families' ~1-2B ones: "
+                             f"{', '.join(SHAPES)}; or smoke, a tiny model that checks a launch (on the CPU where "
+                             f"there is no GPU)")
+    parser.add_argument("--layers", type=positive_int, help="decoder layers (default: the shape's)")
+    parser.add_argument("--seq", type=positive_int, help="tokens per sequence (default: the shape's, 2048)")
+    parser.add_argument("--engine", choices=engines.ENGINES,
+                        help="none (one unwrapped process, the default), fsdp2, ep (transformers' expert "
+                             "parallelism) or zero3 (DeepSpeed through accelerate); under torchrun, all its processes")
+    parser.add_argument("--fsdp", action="store_true", help="the same as --engine fsdp2")
+    parser.add_argument("--baseline", metavar="JSON",
+                        help="report of an unwrapped one-process run of the same shape and batch: scaling "
+                             "efficiency = tokens/s per GPU / its tokens/s")
+    parser.add_argument("--no-comm-profile", dest="comm_profile", action="store_false",
+                        help="skip the profiled steps that split GPU time into NCCL and compute")
+    parser.add_argument("--reshard-after-forward", choices=("auto", "true", "false"), default="auto",
+                        help="fsdp2: free each layer's gathered parameters after forward (auto: true, "
+                             "fully_shard's default)")
+    parser.add_argument("--reduce-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="fsdp2: dtype of the gradient reduce-scatter")
+    parser.add_argument("--prefetch", choices=("none", "next"), default="none",
+                        help="fsdp2: next = each layer gathers the next one's parameters in forward and the "
+                             "previous one's in backward explicitly (torchtitan's schedule)")
 
 
-def run(impls=IMPLS, cfg: TrainConfig | None = None, warmup: int = 3, steps: int = 10,
-        breakdown: bool = True, liger_autotune: str = "on", fsdp: bool = False, batch: int | None = None) -> dict:
-    """``cfg``: one shape for every implementation (the smoke test); None runs each family at its
-    :data:`FAMILY_SHAPES` entry. ``batch``: sequences per step instead of the shape's."""
-    check_names("implementation", impls, IMPLS)
-    if fsdp and any(impl.endswith("-liger") or impl.endswith("-graphs") for impl in impls):
-        raise ValueError("--fsdp: the -liger variants patch after construction and the -graphs variants do not run "
-                         "under a sharding engine; leave them out of --configs")
-    require_cuda()
-    os.environ.setdefault("LIGER_FUSED_MOE_AUTOTUNE", "1" if liger_autotune == "on" else "0")  # read at import
-    families = dict.fromkeys(impl.split("-", 1)[0] for impl in impls)
-    configs = {family: dataclasses.asdict(family_shape(family, cfg, batch)) for family in families}
-    report = {**run_header(), "config": next(iter(configs.values())), "configs": configs, "warmup": warmup,
-              "steps": steps, "liger_autotune": liger_autotune, "fsdp": fsdp, "results": {}}
-    with _process_group(fsdp):
-        for impl in impls:
-            _run_one(report, impl, family_shape(impl, cfg, batch), warmup, steps, breakdown and not fsdp, fsdp)
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    impls: list[str]
+    shapes: dict[str, TrainConfig]  # each variant's
+    setup: engines.Setup
+    device: str
+    baseline: dict | None
+
+
+def check_flags(**flags) -> None:
+    """Refuses, before any model is built, what cannot run: unknown variants or shape, variants of another
+    family than the shape's, an engine the world size or the shape cannot take, FSDP2 knobs without FSDP2, a
+    --baseline of another run. Raises ValueError."""
+    _plan(**flags)
+
+
+def _plan(impls=None, cfg: TrainConfig | None = None, engine: str | None = None, fsdp: bool = False,
+          shape: str | None = None, layers: int | None = None, batch: int | None = None, seq: int | None = None,
+          baseline: str | None = None, reshard_after_forward: str = "auto", reduce_dtype: str = "float32",
+          prefetch: str = "none", device: str | None = None, **_) -> _Plan:
+    if fsdp and engine not in (None, "fsdp2"):
+        raise ValueError(f"--fsdp is --engine fsdp2: it does not go with --engine {engine}")
+    engine = engine or ("fsdp2" if fsdp else "none")
+    if engine not in engines.ENGINES:
+        raise ValueError(f"unknown --engine {engine!r}; choose from {', '.join(engines.ENGINES)}")
+    if shape is not None and shape != "smoke" and shape not in SHAPES:
+        raise ValueError(f"unknown --shape {shape!r}; choose from smoke, {', '.join(SHAPES)}")
+    if shape is not None:
+        cfg = SMOKE if shape == "smoke" else published_shape(shape, layers)
+    family = SHAPES.get(shape)
+    if not impls:  # under an engine, every variant that runs under one
+        impls = [BASELINES[family], f"{family}-hf-scatter"] if family else [
+            impl for impl in IMPLS if engine == "none" or not impl.endswith(("-liger", "-graphs"))]
+    known = [f"{family}-{c}" for c in _CHOICES if (family, c) != ("dbrx", "grouped_mm")] if family else IMPLS
+    unknown = sorted(set(impls) - set(known))
+    if unknown:
+        raise ValueError(f"unknown implementation(s) {', '.join(unknown)}"
+                         + (f" for --shape {shape} (a {family} model)" if family else "")
+                         + f"; choose from {', '.join(known)}")
+    shapes = {}
+    for impl in impls:
+        found = family_shape(impl, cfg, batch)
+        shapes[impl] = dataclasses.replace(found, layers=layers or found.layers, seq=seq or found.seq)
+    world = engines.world_size()
+    setup = engines.Setup(engine, world, _fsdp2_options(engine, reshard_after_forward, reduce_dtype, prefetch))
+    _check_engine(setup, shapes)
+    device = device or ("cpu" if shape == "smoke" and not torch.cuda.is_available() else "cuda")
+    return _Plan(impls, shapes, setup, device, _read_baseline(baseline, shapes) if baseline else None)
+
+
+def _fsdp2_options(engine: str, reshard_after_forward: str, reduce_dtype: str, prefetch: str) -> engines.Fsdp2Options:
+    """``auto`` reshards after forward at every world size: ``fully_shard``'s default (and torchtitan's without
+    pipeline parallelism), so a run at world size 1 differs from one on N GPUs by the communication only."""
+    if engine != "fsdp2" and (reshard_after_forward, reduce_dtype, prefetch) != ("auto", "float32", "none"):
+        raise ValueError("--reshard-after-forward, --reduce-dtype and --prefetch set up FSDP2: they go with "
+                         "--engine fsdp2")
+    return engines.Fsdp2Options(reshard_after_forward=reshard_after_forward != "false", reduce_dtype=reduce_dtype,
+                                prefetch=prefetch)
+
+
+def _check_engine(setup: engines.Setup, shapes: dict[str, TrainConfig]) -> None:
+    engine, world = setup.engine, setup.world
+    if engine == "none":
+        if world > 1:
+            raise ValueError(f"--engine none runs one unwrapped process, but this run has {world}: under torchrun "
+                             f"pick --engine fsdp2, ep or zero3")
+        return
+    if any(impl.endswith("-liger") or impl.endswith("-graphs") for impl in shapes):
+        raise ValueError(f"--engine {engine}: the -liger variants patch after construction and the -graphs "
+                         f"variants do not run under a sharding engine; leave them out of --configs")
+    if engine in ("ep", "zero3") and not (engines.under_torchrun() or torch.distributed.is_initialized()):
+        raise ValueError(f"--engine {engine} runs under torchrun: torchrun --nproc_per_node N -m hf_scatter.cli "
+                         f"bench train --engine {engine} ...")
+    if engine == "zero3":
+        import importlib.util
+
+        missing = [name for name in ("deepspeed", "accelerate") if importlib.util.find_spec(name) is None]
+        if missing:
+            raise ValueError(f"--engine zero3 needs {' and '.join(missing)} (pip install {' '.join(missing)})")
+    if engine == "ep":
+        if world < 2:
+            raise ValueError("--engine ep splits the experts over 2 or more processes; this run has 1")
+        for impl, shape in shapes.items():
+            config = _hf_config(impl.split("-", 1)[0], shape)
+            if hasattr(config, "base_model_ep_plan") and not config.base_model_ep_plan:
+                raise ValueError(f"--engine ep: transformers has no expert-parallel plan for {impl}'s family")
+            if shape.experts % world:
+                raise ValueError(f"--engine ep: {impl} has {shape.experts} experts, which {world} processes "
+                                 f"cannot split evenly")
+
+
+def _read_baseline(path: str, shapes: dict[str, TrainConfig]) -> dict:
+    """The ``--baseline`` report: one unwrapped process at the same shape and rows per GPU as this run."""
+    try:
+        with open(path) as f:
+            report = json.load(f)
+        configs = report.get("configs") or {}
+        world, engine = report.get("world", 1), report.get("engine", "fsdp2" if report.get("fsdp") else "none")
+        results = report["results"]
+    except OSError as e:
+        raise ValueError(f"--baseline {path}: {e.strerror.lower()}") from None
+    except (ValueError, KeyError, AttributeError) as e:
+        raise ValueError(f"--baseline {path}: not a report of `hf-scatter bench train` ({e})") from None
+    if (engine, world) != ("none", 1):
+        raise ValueError(f"--baseline {path}: the reference is one unwrapped process (--engine none), not "
+                         f"{engine} on {world}")
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    for impl, shape in shapes.items():
+        family = impl.split("-", 1)[0]
+        saved = configs.get(family, report.get("config")) if impl in results else None
+        if saved is not None and TrainConfig(**{k: v for k, v in saved.items() if k in fields}) != shape:
+            raise ValueError(f"--baseline {path}: {family} ran at another shape or batch there ({saved}) than "
+                             f"here ({dataclasses.asdict(shape)})")
     return report
 
 
-def _run_one(report: dict, impl: str, shape: TrainConfig, warmup: int, steps: int, breakdown: bool,
-             fsdp: bool) -> None:
-    ids = torch.randint(shape.vocab, (shape.batch, shape.seq), generator=torch.Generator().manual_seed(0)).cuda()
+def run(impls=None, cfg: TrainConfig | None = None, warmup: int = 3, steps: int = 10, breakdown: bool = True,
+        liger_autotune: str = "on", fsdp: bool = False, batch: int | None = None, engine: str | None = None,
+        shape: str | None = None, layers: int | None = None, seq: int | None = None, baseline: str | None = None,
+        comm_profile: bool = True, reshard_after_forward: str = "auto", reduce_dtype: str = "float32",
+        prefetch: str = "none", device: str | None = None) -> dict | None:
+    """``cfg``: one shape for every implementation (the smoke test); None runs each family at its
+    :data:`FAMILY_SHAPES` entry, ``shape`` a published model's (or the smoke shape). ``batch``: sequences per
+    step and rank instead of the shape's. ``device``: cuda, or cpu for the smoke shape where no GPU is (the
+    tests' gloo runs). Returns the report on rank 0, None on the other ranks (rank 0 alone writes and prints)."""
+    plan = _plan(impls, cfg, engine, fsdp, shape, layers, batch, seq, baseline, reshard_after_forward, reduce_dtype,
+                 prefetch, device)
+    if plan.device == "cuda":
+        require_cuda()
+    os.environ.setdefault("LIGER_FUSED_MOE_AUTOTUNE", "1" if liger_autotune == "on" else "0")  # read at import
+    setup, cuda = plan.setup, plan.device == "cuda"
+    families = {impl.split("-", 1)[0]: dataclasses.asdict(s) for impl, s in plan.shapes.items()}
+    rows = next(iter(plan.shapes.values())).batch
+    with engines.process_group(setup.engine != "none", plan.device):
+        me = engines.rank()
+        report = {**run_header(), "dtype": "bfloat16" if cuda else "float32", "config": next(iter(families.values())),
+                  "configs": families, "shape": shape, "warmup": warmup, "steps": steps,
+                  "liger_autotune": liger_autotune, "fsdp": setup.engine == "fsdp2", **setup.describe(rows, cuda),
+                  "rows_per_rank": rows, "comm_profile": comm_profile, "flops": "Megatron-LM's count plus the "
+                  "router (model_flops in hf_scatter/bench/train.py, docs/distributed.md)", "results": {}}
+        if plan.baseline:
+            report["baseline"] = {key: plan.baseline.get(key) for key in ("device", "date", "host")} | {
+                "path": baseline}
+        for impl in plan.impls:
+            _run_one(report, impl, plan, warmup, steps, breakdown and setup.engine == "none", comm_profile, me)
+    return report if me == 0 else None
+
+
+def _run_one(report: dict, impl: str, plan: _Plan, warmup: int, steps: int, breakdown: bool, comm_profile: bool,
+             me: int) -> None:
+    shape, setup = plan.shapes[impl], plan.setup
+    shared = setup.shared_batch
+    data = torch.Generator().manual_seed(0 if shared else me)  # each rank its own rows, unless they share them
+    ids = torch.randint(shape.vocab, (shape.batch, shape.seq), generator=data).to(
+        torch.device("cuda", torch.cuda.current_device()) if plan.device == "cuda" else "cpu")
+    dtype = torch.bfloat16 if ids.is_cuda else torch.float32
     try:
-        r = measure(impl, shape, ids, warmup, steps, breakdown, fsdp=fsdp)
+        mine = measure(impl, shape, ids, warmup, steps, breakdown, dtype, setup=setup, comm_profile=comm_profile,
+                       shared_by=setup.world if shared else 1)
     except torch.cuda.OutOfMemoryError:  # a peer that cannot run this batch: said in the report, the rest go on
+        if setup.world > 1:  # the other ranks wait in a collective: stop them all
+            raise
         report.setdefault("out_of_memory", {})[impl] = f"out of memory at batch {shape.batch}x{shape.seq}"
         print(f"  {impl:20s} out of memory at batch {shape.batch}x{shape.seq}", flush=True)
         gc.collect()
         torch.cuda.empty_cache()
         return
+    ranks = engines.gather({"rank": me, **{k: v for k, v in mine.items() if not k.startswith("breakdown")}})
+    if me != 0:
+        return
+    r = {"engine": setup.engine, "world": setup.world, "rows_per_rank": shape.batch, **engines.aggregate(ranks),
+         **{k: v for k, v in mine.items() if k.startswith("breakdown")}}
+    base = (plan.baseline or {}).get("results", {}).get(impl)
+    if base:
+        r["efficiency"] = r["tokens_per_s"] / base["tokens_per_s"]
     report["results"][impl] = r
-    print(f"  {impl:20s} {r['tokens_per_s'] / 1e3:8.1f}k tok/s  peak {r['peak_gib']:.1f} GiB  "
+    peak = f"peak {r['peak_gib']:.1f} GiB  " if r["peak_gib"] is not None else ""
+    print(f"  {impl:20s} {r['tokens_per_s'] / 1e3:8.1f}k tok/s per GPU  {r['tflops_per_gpu']:.1f} TFLOP/s  {peak}"
           f"first loss {r['first_step_loss']:.4f}", flush=True)
 
 
-BASELINES = {"mixtral": "mixtral-grouped_mm", "dbrx": "dbrx-eager", "qwen3_moe": "qwen3_moe-grouped_mm",
-             "gpt_oss": "gpt_oss-grouped_mm", "deepseek_v3": "deepseek_v3-grouped_mm"}
+def _gib(value) -> str:
+    return f"{value:.1f}" if value is not None else "n/a"
 
 
 def to_markdown(report: dict) -> str:
+    res = report["results"]
+    table = _engine_table(report) if "engine" in report else _one_gpu_table(report)
+    parts = [table] + [f"\n{impl}: {why}" for impl, why in report.get("out_of_memory", {}).items()]
+    if report.get("shared_batch"):
+        parts.append(f"\nThe {report['world']} ranks share one batch (transformers' expert parallelism on the "
+                     f"tensor-parallel group): its tokens are counted once, split over the ranks.")
+    for impl, r in res.items():
+        if "breakdown_ms" in r:
+            b = r["breakdown_ms"]
+            total = b["step (hooked)"]
+            parts.append(f"\n{impl}: one hooked step, GPU ms (share)\n\n" + markdown_table(
+                ["category", "ms", "share"], [[k, f"{v:.1f}", f"{v / total:.0%}"] for k, v in b.items()]))
+    return "\n".join(parts)
+
+
+def _one_gpu_table(report: dict) -> str:
+    """Reports from before --engine: one process, ratios against each family's baseline."""
     res = report["results"]
     rows = []
     for impl, r in res.items():
@@ -369,16 +633,29 @@ def to_markdown(report: dict) -> str:
         rows.append([impl, f"{r['tokens_per_s'] / 1e3:.1f}k", f"{r['step_ms_median']:.1f}", f"{r['peak_gib']:.1f}",
                      speedup, mem, f"{reserved:.1f}" if reserved else "", reserved_ratio,
                      f"{r['first_step_loss']:.4f}"])
-    table = markdown_table(["implementation", "tokens/s", "step ms", "peak GiB", "vs family baseline",
-                            "peak vs baseline", "peak reserved GiB", "reserved vs baseline", "first-step loss"], rows)
-    parts = [table] + [f"\n{impl}: {why}" for impl, why in report.get("out_of_memory", {}).items()]
+    return markdown_table(["implementation", "tokens/s", "step ms", "peak GiB", "vs family baseline",
+                           "peak vs baseline", "peak reserved GiB", "reserved vs baseline", "first-step loss"], rows)
+
+
+def _engine_table(report: dict) -> str:
+    """One row per variant: per-GPU throughput and model TFLOP/s (means over the ranks), the scaling efficiency
+    against --baseline, peak memory and communication of the largest rank."""
+    res = report["results"]
+    efficiency = any("efficiency" in r for r in res.values())
+    rows = []
     for impl, r in res.items():
-        if "breakdown_ms" in r:
-            b = r["breakdown_ms"]
-            total = b["step (hooked)"]
-            parts.append(f"\n{impl}: one hooked step, GPU ms (share)\n\n" + markdown_table(
-                ["category", "ms", "share"], [[k, f"{v:.1f}", f"{v / total:.0%}"] for k, v in b.items()]))
-    return "\n".join(parts)
+        base = res.get(BASELINES[impl.split("-")[0]])
+        comm = r["comm_ms"]
+        rows.append([impl, r["engine"], r["world"], r["rows_per_rank"], f"{r['tokens_per_s'] / 1e3:.1f}k",
+                     f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "", f"{r['tflops_per_gpu']:.1f}"]
+                    + ([f"{r['efficiency']:.0%}" if "efficiency" in r else ""] if efficiency else [])
+                    + [f"{_gib(r['peak_gib'])} / {_gib(r['peak_reserved_gib'])}", f"{r['step_ms_median']:.1f}",
+                       comm if isinstance(comm, str) else f"{comm['nccl_ms']:.1f} / {comm['exposed_comm_ms']:.1f}",
+                       f"{r['first_step_loss']:.4f}"])
+    return markdown_table(["variant", "engine", "world", "rows/rank", "tokens/s per GPU", "vs family default",
+                           "model TFLOP/s per GPU"] + (["scaling efficiency"] if efficiency else [])
+                          + ["peak GiB per GPU (allocated / reserved)", "step ms",
+                             "NCCL / exposed comm ms per step", "first-step loss"], rows)
 
 
 def summary_table(report: dict) -> str:
@@ -444,7 +721,7 @@ def host_time_table(report: dict) -> str:
 
 
 def plot(report: dict, path: str) -> None:
-    """Tokens/s and peak memory per implementation, as a PNG."""
+    """Tokens/s (per GPU, under an engine) and peak memory per implementation, as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -455,23 +732,27 @@ def plot(report: dict, path: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     colors = ["tab:orange" if "hf-scatter" in n else "tab:gray" for n in names]
     axes[0].barh(names, [res[n]["tokens_per_s"] / 1e3 for n in names], color=colors)
-    axes[0].set_xlabel("k tokens/s (higher is better)")
-    reserved = [res[n].get("peak_reserved_gib", 0.0) for n in names]
+    axes[0].set_xlabel(f"k tokens/s{' per GPU' if 'engine' in report else ''} (higher is better)")
+    reserved = [res[n].get("peak_reserved_gib") or 0.0 for n in names]
     if any(reserved):  # graph replays allocate nothing: their pool only shows in reserved memory
         axes[1].barh(names, reserved, color="none", edgecolor="black", hatch="//", label="reserved")
-    axes[1].barh(names, [res[n]["peak_gib"] for n in names], color=colors, label="allocated")
-    axes[1].set_xlabel("peak GiB (lower is better)")
+    axes[1].barh(names, [res[n]["peak_gib"] or 0.0 for n in names], color=colors, label="allocated")
+    axes[1].set_xlabel("peak GiB (lower is better)" if any(res[n]["peak_gib"] for n in names) else
+                       "peak GiB: not measured on the CPU")
     if any(reserved):
         axes[1].legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
     for ax in axes:
         ax.invert_yaxis()
     configs = report.get("configs") or {"": report["config"]}
+    where = report["device"] if report.get("world", 1) == 1 else f"{report['world']} x {report['device']}"
+    engine = f", {report['engine']}" if report.get("engine", "none") != "none" else ""
     if len(configs) == 1:
         c = next(iter(configs.values()))
-        fig.suptitle(f"Training step, {c['layers']}-layer MoE (d {c['hidden']}, d_expert {c['intermediate']}, E "
-                     f"{c['experts']}, k {c['top_k']}), batch {c['batch']}x{c['seq']}, bf16 AdamW, {report['device']}")
+        name = f"{c['preset']}'s dimensions, {c['layers']} layers" if c.get("preset") else f"{c['layers']}-layer MoE"
+        fig.suptitle(f"Training step, {name} (d {c['hidden']}, d_expert {c['intermediate']}, E {c['experts']}, k "
+                     f"{c['top_k']}), batch {c['batch']}x{c['seq']}{engine}, "
+                     f"{report.get('dtype', 'bfloat16').replace('bfloat16', 'bf16')} AdamW, {where}")
     else:
-        fig.suptitle(f"Training step of each family at its own ~1-2B shape, bf16 AdamW, {report['device']}")
+        fig.suptitle(f"Training step of each family at its own ~1-2B shape{engine}, bf16 AdamW, {where}")
     fig.tight_layout()
     save_figure(fig, path)
-
