@@ -34,6 +34,25 @@ def test_bench_replot_renders_table_and_png_from_saved_json(suite, saved, tmp_pa
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_multi_gpu_table_and_plot_from_the_saved_rows(tmp_path):
+    """The docs' multi-GPU table: one line per row (shape, engine, GPUs), hf-scatter against the family default of
+    that row, and the scaling plot, from the file scripts/bench-train-multi-gpu.sh writes."""
+    from hf_scatter.bench.train import plot_scaling, scaling_table
+
+    combined = json.loads((RESULTS / "train-multi-gpu-h100.json").read_text())
+    lines = [line for line in scaling_table(combined).splitlines() if line.startswith("| ")][1:]  # no header
+    assert len(lines) == len(combined["rows"])
+    for line, report in zip(lines, combined["rows"]):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        res = report["results"]
+        ours = next(r for k, r in res.items() if k.endswith("-hf-scatter"))
+        default = next(r for k, r in res.items() if not k.endswith("-hf-scatter"))
+        assert cells[1:3] == [report["engine"], str(report["world"])]
+        assert cells[6] == f"{ours['tokens_per_s'] / default['tokens_per_s']:.2f}x"
+    plot_scaling(combined, str(tmp_path / "scaling.png"))
+    assert (tmp_path / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_call_costs_table_shows_host_gpu_time_and_launches_of_decode_calls():
     from hf_scatter.bench.moe import call_costs_table
 

@@ -694,6 +694,81 @@ def peers_table(report: dict) -> str:
                            "peak GiB (allocated / reserved)", "default's", "Liger's"], rows)
 
 
+def combine_rows(reports: list[dict], command: str) -> dict:
+    """One file for a multi-GPU table: the reports of its rows (one torchrun each), and the command that made them."""
+    return {"command": command, "rows": reports}
+
+
+def _row_name(report: dict) -> str:
+    c = report["config"]
+    return f"{c.get('preset') or 'family shape'}, {c['layers']} layers"
+
+
+def scaling_table(combined: dict) -> str:
+    """Rows of :func:`combine_rows`, one line per (shape, engine, GPUs): the family's transformers default and
+    hf-scatter side by side; tokens/s per GPU (higher is better) and their ratio, model TFLOP/s per GPU, scaling
+    efficiency against the unwrapped one-GPU run, peak allocated memory per GPU (max over ranks) and the
+    communication no computation hid (exposed NCCL time, max over ranks), default / hf-scatter."""
+    lines = []
+    for report in combined["rows"]:
+        res = report["results"]
+        ours = next(r for impl, r in res.items() if impl.split("-", 1)[1] == "hf-scatter")
+        default = next(r for impl, r in res.items() if BASELINES[impl.split("-")[0]] == impl)
+        exposed = [r["comm_ms"]["exposed_comm_ms"] if isinstance(r["comm_ms"], dict) else None
+                   for r in (default, ours)]
+        eff = [r.get("efficiency") for r in (default, ours)]
+        lines.append([_row_name(report), report["engine"], report["world"], report["rows_per_rank"],
+                      f"{default['tokens_per_s'] / 1e3:.1f}k", f"{ours['tokens_per_s'] / 1e3:.1f}k",
+                      f"{ours['tokens_per_s'] / default['tokens_per_s']:.2f}x",
+                      f"{default['tflops_per_gpu']:.0f} / {ours['tflops_per_gpu']:.0f}",
+                      " / ".join("" if e is None else f"{e:.0%}" for e in eff) if any(e is not None for e in eff)
+                      else "",
+                      f"{_gib(default['peak_gib'])} / {_gib(ours['peak_gib'])}",
+                      " / ".join("n/a" if e is None else f"{e:.0f}" for e in exposed)])
+    return markdown_table(["model layers", "engine", "GPUs", "rows per GPU", "default tok/s per GPU",
+                           "hf-scatter tok/s per GPU", "hf-scatter vs default", "TFLOP/s per GPU (default / ours)",
+                           "scaling efficiency (default / ours)", "peak GiB per GPU (default / ours)",
+                           "exposed comm ms per step (default / ours)"], lines)
+
+
+def plot_scaling(combined: dict, path: str) -> None:
+    """Tokens/s per GPU against the GPU count, one panel per shape: each engine's default (grey) and hf-scatter
+    (orange) line; the unwrapped one-GPU run as a dotted level."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = list(dict.fromkeys(_row_name(r) for r in combined["rows"]))
+    fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4), squeeze=False)
+    styles = {"fsdp2": "-o", "ep": "--s", "zero3": ":^"}
+    for ax, shape in zip(axes[0], shapes):
+        rows = [r for r in combined["rows"] if _row_name(r) == shape]
+        for report in (r for r in rows if r["engine"] == "none"):
+            for impl, r in report["results"].items():
+                ours = "hf-scatter" in impl
+                ax.axhline(r["tokens_per_s"] / 1e3, color="tab:orange" if ours else "tab:gray", linestyle=":",
+                           label=f"{'hf-scatter' if ours else 'default'}, unwrapped")
+        for engine in dict.fromkeys(r["engine"] for r in rows if r["engine"] != "none"):
+            series = sorted((r for r in rows if r["engine"] == engine), key=lambda r: r["world"])
+            for ours in (False, True):
+                pick = [next(v for k, v in r["results"].items() if ("hf-scatter" in k) == ours) for r in series]
+                ax.plot([r["world"] for r in series], [p["tokens_per_s"] / 1e3 for p in pick], styles.get(engine, "-"),
+                        color="tab:orange" if ours else "tab:gray",
+                        label=f"{'hf-scatter' if ours else 'default'}, {engine}")
+        ax.set_xticks(sorted({r["world"] for r in rows}))
+        ax.set_xlabel("GPUs")
+        ax.set_ylabel("k tokens/s per GPU (higher is better)")
+        ax.set_title(shape, fontsize=10)
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=7)
+    first = combined["rows"][0]
+    fig.suptitle(f"Training step, {first['config']['batch']} x {first['config']['seq']} tokens per GPU, bf16 AdamW, "
+                 f"{first['device']}", fontsize=10)
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
 _BREAKDOWN_ROWS = (("experts forward", ("experts fwd",)), ("experts backward", ("experts bwd",)),
                    ("attention forward", ("attention fwd",)),
                    ("attention backward (as far as the hooks see it)", ("attention bwd",)),

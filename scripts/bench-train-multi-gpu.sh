@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The multi-GPU training table of docs/distributed.md on one host of 4 GPUs: one torchrun per row (every variant
+# of a row in that process group), rows on disjoint GPUs run side by side. Reports go to $OUT (default
+# /tmp/hf-scatter-out): train-<shape>-<engine>-<N>gpu.json, each row's log beside it.
+# Usage (repository root, GPU host): scripts/bench-train-multi-gpu.sh [PHASE ...]   (default: every phase)
+#   phases: one (unwrapped and FSDP2 on one GPU), two (FSDP2 on 2), four (FSDP2 on 4), ep (expert parallelism)
+set -uo pipefail
+out=${OUT:-/tmp/hf-scatter-out}
+mkdir -p "$out"
+export PYTHONPATH=${PYTHONPATH:-$PWD} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+for pkg in conversion eval; do [ -e hf_scatter/$pkg ] || ln -s ../$pkg hf_scatter/$pkg; done
+QWEN=(--shape qwen3-30b-a3b --layers 8 --batch 4)
+MIXTRAL=(--shape mixtral-8x7b --layers 4 --batch 4)
+row() {  # row NAME GPUS ENGINE SHAPE_ARGS... : one torchrun on the listed GPUs
+    local name=$1 gpus=$2 engine=$3; shift 3
+    local n; n=$(awk -F, '{print NF}' <<<"$gpus")
+    local base=()
+    [ "$engine" != none ] && [ -f "$out/train-$name-none-1gpu.json" ] && base=(--baseline "$out/train-$name-none-1gpu.json")
+    local port=$((29500 + ${gpus:0:1} * 10 + n))  # rows side by side hold disjoint GPUs: their own ports
+    CUDA_VISIBLE_DEVICES=$gpus timeout 560 python3 -m torch.distributed.run --nproc_per_node "$n" \
+        --master_port "$port" -m hf_scatter.cli bench train --engine "$engine" --no-breakdown "$@" "${base[@]}" \
+        --out "$out/train-$name-$engine-${n}gpu.json" >"$out/train-$name-$engine-${n}gpu.log" 2>&1
+    echo "row $name $engine ${n}gpu exit $?"
+}
+
+phase_one() {
+    row qwen3 0 none "${QWEN[@]}" & row mixtral 1 none "${MIXTRAL[@]}" & wait
+    row qwen3 2 fsdp2 "${QWEN[@]}" & row mixtral 3 fsdp2 "${MIXTRAL[@]}" & wait
+}
+phase_two() { row qwen3 0,1 fsdp2 "${QWEN[@]}" & row mixtral 2,3 fsdp2 "${MIXTRAL[@]}" & wait; }
+phase_four() { row qwen3 0,1,2,3 fsdp2 "${QWEN[@]}"; row mixtral 0,1,2,3 fsdp2 "${MIXTRAL[@]}"; }
+phase_ep() { row qwen3 0,1,2,3 ep "${QWEN[@]}"; row qwen3 0,1 ep "${QWEN[@]}" & row mixtral 2,3 ep "${MIXTRAL[@]}" & wait; }
+
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpus.txt"
+for phase in "${@:-one two four ep}"; do
+    for p in $phase; do "phase_$p"; done
+done
+
+# every row's report in one file, in the table's order, with its plot: docs/results/train-multi-gpu-h100.json
+python3 - "$out" <<'PY'
+import json, os, sys
+from hf_scatter.bench.train import combine_rows, plot_scaling, scaling_table
+out = sys.argv[1]
+order = [f"{m}-{e}-{n}gpu" for m in ("qwen3", "mixtral") for e, n in
+         (("none", 1), ("fsdp2", 1), ("fsdp2", 2), ("fsdp2", 4), ("ep", 2), ("ep", 4))]
+rows = [json.load(open(f"{out}/train-{o}.json")) for o in order if os.path.exists(f"{out}/train-{o}.json")]
+combined = combine_rows(rows, "scripts/bench-train-multi-gpu.sh")
+with open(f"{out}/train-multi-gpu.json", "w") as f:
+    json.dump(combined, f, indent=1)
+plot_scaling(combined, f"{out}/train-multi-gpu.png")
+print(scaling_table(combined))
+PY
