@@ -27,8 +27,9 @@ $(STAMP): pyproject.toml .ci/constraints.txt scripts/setup-env.sh
 	./scripts/setup-env.sh $(VENV)
 	@touch $@
 
-# The suite against the newest release of every dependency, in a fresh venv of its own (.venv-latest), the
-# pins left alone: run by hand before a release and now and then (docs/development.md).
+# The suite against the newest release of every dependency but torch (the CPU build this machine provides; PyPI's
+# newer torch wheels are CUDA builds), in a fresh venv of its own (.venv-latest), the pins left alone: run by hand
+# before a release and now and then (docs/development.md).
 test-latest:
 	rm -rf .venv-latest
 	HF_SCATTER_UNPINNED=1 $(MAKE) test VENV=.venv-latest

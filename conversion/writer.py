@@ -446,7 +446,10 @@ def convert(src: str, dst: str, to: str = TO_SCATTER, dtype=None, max_shard_size
         check_folder(dst)
         target = os.path.abspath(dst)
         try:
-            os.makedirs(os.path.dirname(target), exist_ok=True)
+            if not os.path.isdir(os.path.dirname(target)):  # nothing is next to DST yet: check the input before
+                build_plan(src, dst, to=to, dtype=dtype, max_shard_size=max_shard_size,  # a folder is made
+                           hf_naming=hf_naming, overwrite=overwrite)
+                os.makedirs(os.path.dirname(target), exist_ok=True)
             with _exclusive(target):  # before the leftovers and the plan: both look at what is next to DST
                 _remove_leftovers(dst)
                 plan = build_plan(src, dst, to=to, dtype=dtype, max_shard_size=max_shard_size, hf_naming=hf_naming,

@@ -182,7 +182,10 @@ def _model_dtype(dtype: str, config: dict) -> str:
     return dtype if dtype != "auto" else str(config.get("dtype") or config.get("torch_dtype") or "float32")
 
 
-def _run_backend(backend, settings: LoadSettings, tasks: list[str], manager, limit, log) -> BackendRun:
+def _run_backend(backend, settings: LoadSettings, tasks: list[str], manager, limit, log,
+                 count_tokens: bool = False) -> BackendRun:
+    """``backend`` through lm-eval; ``count_tokens``: the reference's requests also carry their token counts
+    (the tokenizer is every backend's, so once is enough)."""
     import lm_eval
 
     log(f"[{backend.name}] loading {settings.model} ({settings.dtype}, {settings.device})")
@@ -196,8 +199,8 @@ def _run_backend(backend, settings: LoadSettings, tasks: list[str], manager, lim
         results = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit,
                                           log_samples=True, bootstrap_iters=0, batch_size=settings.batch_size)
     seconds = time.perf_counter() - loaded
-    run = from_lm_eval(backend.name, backend.label, seconds, results, tasks,
-                       scored_tokens=lambda output_type, arguments: scored_tokens(lm, output_type, arguments))
+    counter = (lambda output_type, arguments: scored_tokens(lm, output_type, arguments)) if count_tokens else None
+    run = from_lm_eval(backend.name, backend.label, seconds, results, tasks, scored_tokens=counter)
     run.extra = {"load_s": loaded - start, "eval_s": seconds,
                  "patch_report": sorted(set(getattr(lm, "patch_report", {}).values()))}
     log(f"[{backend.name}] evaluated in {seconds:.1f} s")
@@ -215,8 +218,8 @@ def run_parity(model: str, tasks: list[str] | None = None, backends: list[str] |
     """Evaluate ``model`` (a local checkpoint directory) with each backend and compare them.
 
     Returns the report (``passed``, ``failures``, per-metric and per-request rows); raises
-    :class:`ParityError` for bad input, before any model loads (an architecture hf-scatter cannot patch
-    shows when the patched backend loads).
+    :class:`ParityError` for bad input, an architecture a backend cannot run included, before any model
+    loads.
     """
     log = (lambda msg: None) if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     lm_eval_version = _check_lm_eval()
@@ -248,7 +251,8 @@ def run_parity(model: str, tasks: list[str] | None = None, backends: list[str] |
     with offline(), _quiet_bundled_task_hints():
         _check_tokenizer(tokenizer_dir, encoder)
         leaves, manager, skipped = resolve_tasks(tasks or [SUITE], include_path or [], builtin_tasks, encoder)
-        runs = [_run_backend(b, settings, leaves, manager, limit, log) for b in chosen]
+        runs = [_run_backend(b, settings, leaves, manager, limit, log, count_tokens=i == 0)
+                for i, b in enumerate(chosen)]
     from hf_scatter.common.timing import run_header
 
     report = {**run_header(), "dtype": model_dtype, "scoring_dtype": scoring_dtype, "lm_eval": lm_eval_version,

@@ -48,8 +48,12 @@ def _family_patch(root: nn.Module):
         return family.patch
     if any(is_interface_experts(m) for m in root.modules()):
         return patch_interface_experts
-    raise ValueError(f"hf_scatter: model_type {model_type!r} ({type(root).__name__}) is not supported. Supported: "
-                     f"{', '.join(supported_model_types())}, and {_GENERIC}.")
+    raise _unsupported(f"{model_type!r} ({type(root).__name__})")
+
+
+def _unsupported(what: str) -> ValueError:
+    return ValueError(f"hf_scatter: model_type {what} is not supported. Supported: "
+                      f"{', '.join(supported_model_types())}, and {_GENERIC}.")
 
 
 def check_supported(config) -> None:
@@ -61,15 +65,13 @@ def check_supported(config) -> None:
     model_type = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
     if model_type in families():
         return
-    unsupported = ValueError(f"hf_scatter: model_type {model_type!r} is not supported. Supported: "
-                             f"{', '.join(supported_model_types())}, and {_GENERIC}.")
     try:
         if isinstance(config, dict):
             config = AutoConfig.for_model(**config)
         with torch.device("meta"):  # the modules only: whether its experts use transformers' ExpertsInterface
             root = AutoModel.from_config(config)
     except (ValueError, KeyError, TypeError):  # a model type transformers does not know either
-        raise unsupported from None
+        raise _unsupported(repr(model_type)) from None
     _family_patch(root)
 
 

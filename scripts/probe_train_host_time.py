@@ -9,19 +9,20 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from hf_scatter.bench.train import _process_group, _step_fn, build_model, family_shape
+from hf_scatter.bench.engines import adamw_step, process_group
+from hf_scatter.bench.train import build_model, family_shape
 
 impls = sys.argv[1:] or ["mixtral-grouped_mm", "mixtral-hf-scatter-experts", "mixtral-hf-scatter", "mixtral-hf-scatter-graphs",
                          "dbrx-hf-scatter"]
 out = {}
 fsdp = bool(os.environ.get("FSDP"))
-group = _process_group(fsdp)
+group = process_group(fsdp)
 group.__enter__()
 for impl in impls:
     cfg = family_shape(impl, None)
     ids = torch.randint(cfg.vocab, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(0)).cuda()
     model = build_model(impl, cfg, ids.device, torch.bfloat16, fsdp=fsdp)
-    step, opt = _step_fn(model, ids)
+    step, opt = adamw_step(model, ids)
     for _ in range(3):
         step()
     torch.cuda.synchronize()

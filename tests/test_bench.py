@@ -1,12 +1,13 @@
 """Benchmarks: re-rendering saved results works anywhere; a tiny training-step run works on the GPU, and on the
 CPU under each distributed engine with 2 processes (gloo)."""
 
+import contextlib
 import dataclasses
 import importlib.util
+import io
 import json
 import os
-import subprocess
-import sys
+import socket
 from pathlib import Path
 
 import pytest
@@ -226,9 +227,11 @@ VARIANTS = ["qwen3_moe-grouped_mm", "qwen3_moe-hf-scatter"]  # transformers' def
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 
 
-def _engines_worker(rank: int, init_file: str, baseline: str, out: str) -> None:
-    """Every engine in turn in one pair of processes (starting them is most of the cost)."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", DS_ACCELERATOR="cpu")
+def _engines_worker(rank: int, init_file: str, baseline: str, out: str, port: int) -> None:
+    """Every engine in turn in one pair of processes (starting them is most of the cost): first the command line
+    as torchrun starts it (its environment, no process group yet: the command makes it), then each engine's run."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", DS_ACCELERATOR="cpu",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if HAS_DEEPSPEED:
         import deepspeed.ops
 
@@ -236,13 +239,17 @@ def _engines_worker(rank: int, init_file: str, baseline: str, out: str) -> None:
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     from hf_scatter.bench import train
 
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = main(["bench", "train", "--engine", "fsdp2", "--shape", "smoke", "--configs", *VARIANTS, "--steps",
+                     "1", "--no-comm-profile", "--out", f"{out}.cli.json"])
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
-        found = {}
+        found = {"cli": {"code": code, "printed": printed.getvalue()}}
         for engine in ("fsdp2", "ep") + (("zero3",) if HAS_DEEPSPEED else ()):
             found[engine] = train.run(VARIANTS, shape="smoke", device="cpu", engine=engine, warmup=1, steps=1,
                                       baseline=baseline if engine == "fsdp2" else None,
-                                      comm_profile=engine == "fsdp2")  # once: on the CPU it finds no GPU kernels
+                                      comm_profile=engine == "fsdp2")  # asked once: on the CPU, "not measured"
         try:
             train.run(VARIANTS, shape="smoke", device="cpu")
         except ValueError as error:
@@ -267,9 +274,15 @@ def engine_runs(tmp_path_factory):
         env.setenv("CUDA_VISIBLE_DEVICES", "")
         reference = train.run(VARIANTS, shape="smoke", device="cpu", warmup=1, steps=2)
         write_json(tmp / "baseline.json", reference, default=float)
-        mp.start_processes(_engines_worker, args=(str(tmp / "init"), str(tmp / "baseline.json"), str(tmp / "r")),
+        with socket.socket() as free:  # the command line's rendezvous, as torchrun's MASTER_PORT
+            free.bind(("127.0.0.1", 0))
+            port = free.getsockname()[1]
+        mp.start_processes(_engines_worker, args=(str(tmp / "init"), str(tmp / "baseline.json"), str(tmp / "r"), port),
                            nprocs=2, start_method="spawn", join=True)
-    return reference, [json.loads((tmp / f"r.{rank}").read_text()) for rank in range(2)]
+    ranks = [json.loads((tmp / f"r.{rank}").read_text()) for rank in range(2)]
+    ranks[0]["cli"]["report"] = json.loads((tmp / "r.cli.json").read_text())
+    ranks[0]["cli"]["files"] = sorted(p.name for p in tmp.iterdir() if p.name.startswith("r.cli"))
+    return reference, ranks
 
 
 def _check_ranks(report: dict, engine: str) -> None:
@@ -476,17 +489,11 @@ def test_bench_train_baseline_of_another_run_is_refused(tmp_path):
         train.check_flags(shape="smoke", impls=["qwen3_moe-hf-scatter"], batch=3, baseline=str(tmp_path / "b.json"))
 
 
-def test_bench_train_cli_under_torchrun_writes_and_prints_on_rank_0_only(tmp_path):
-    """The real command under ``torchrun --nproc_per_node 2`` on the CPU: one table on stdout, one report with
-    both ranks' numbers, nothing else written."""
-    out = tmp_path / "r.json"
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", HF_SCATTER_KERNELS="torch", OMP_NUM_THREADS="1")
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "hf_scatter.cli",
-         "bench", "train", "--engine", "fsdp2", "--shape", "smoke", "--configs", *VARIANTS, "--steps", "2",
-         "--no-comm-profile", "--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("| variant | engine |") == 1, done.stdout
-    report = json.loads(out.read_text())
-    assert [x["rank"] for x in report["results"][VARIANTS[1]]["ranks"]] == [0, 1]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]
+def test_bench_train_command_under_torchrun_writes_and_prints_on_rank_0_only(engine_runs):
+    """The real command in torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT, no group yet): rank 0
+    prints one table and writes one report holding both ranks' numbers; rank 1 prints and writes nothing."""
+    cli = [rank["cli"] for rank in engine_runs[1]]
+    assert [c["code"] for c in cli] == [0, 0]
+    assert cli[0]["printed"].count("| variant | engine |") == 1 and cli[1]["printed"] == ""
+    assert cli[0]["files"] == ["r.cli.json"]
+    assert [x["rank"] for x in cli[0]["report"]["results"][VARIANTS[1]]["ranks"]] == [0, 1]

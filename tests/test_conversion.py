@@ -794,6 +794,20 @@ def test_a_family_without_experts_is_refused_before_its_tensors_are_read(tmp_pat
     assert "bert" not in err.split("supports", 1)[1] and not (tmp_path / "out").exists()
 
 
+def test_refused_input_into_new_folders_creates_none_of_them(tmp_path, capsys):
+    """The folders DST needs are made only once the input is known good: a refusal leaves the tree as it was."""
+    src = tmp_path / "src"
+    _checkpoint("mixtral", src)
+    _edit_config(src, model_type="llama")
+    assert cli_main(["convert", str(src), str(tmp_path / "new" / "deeper" / "ckpt"), "--no-progress"]) == 2
+    assert "unknown architecture" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+    _checkpoint("mixtral", tmp_path / "good")
+    assert cli_main(["convert", str(tmp_path / "good"), str(tmp_path / "new" / "deeper" / "ckpt"),
+                     "--no-progress"]) == 0
+    assert (tmp_path / "new" / "deeper" / "ckpt" / "config.json").is_file()
+
+
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
 def test_bad_input_names_file_and_tensor_exits_nonzero_and_leaves_no_dst(case, tmp_path, capsys):
     src, dst = tmp_path / "src", tmp_path / "hfs"

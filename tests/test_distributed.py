@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import hf_scatter
+from hf_scatter.bench.engines import expert_parallel_config
 from hf_scatter.models.training_graphs import graphs_of
 from hf_scatter.models.sharding import FSDP2, ZERO3, sharded_by
 from hf_scatter.tiny import DECODER_FAMILIES, TINY_BUILDERS
@@ -359,20 +360,6 @@ def test_library_grouped_gemm_under_fsdp2_holds_no_extra_weight_copy(tmp_path):
     assert found["on"]["peak"] <= 1.02 * found["0"]["peak"], found
 
 
-def _expert_parallel_config():
-    """(transformers' ``DistributedConfig`` splitting the experts across the ranks, whether the ranks share one
-    batch). Recent releases take ``ep_size`` (here with FSDP2 over the same ranks, each rank its own rows, the
-    tokens exchanged all-to-all); earlier 5.x releases ``enable_expert_parallel`` on the tensor-parallel group,
-    whose ranks share one batch and mask the routes to other ranks' experts."""
-    import dataclasses
-
-    from transformers.distributed import DistributedConfig
-
-    if "ep_size" in {f.name for f in dataclasses.fields(DistributedConfig)}:
-        return DistributedConfig(ep_size=WORLD, fsdp_size=WORLD), False
-    return DistributedConfig(enable_expert_parallel=True, tp_size=WORLD, fsdp_size=1), True
-
-
 def _expert_parallel_worker(rank: int, root: str, init_file: str, out: str,
                             families: tuple = ENGINE_FAMILIES) -> None:
     from transformers import AutoModelForCausalLM
@@ -382,7 +369,7 @@ def _expert_parallel_worker(rank: int, root: str, init_file: str, out: str,
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD))  # what transformers reads
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
-        config, shared_batch = _expert_parallel_config()
+        config, shared_batch = expert_parallel_config(WORLD)  # what bench train's ep engine builds
         found = {}
         for family in families:  # one pair of processes for both
             hf_scatter.patch_transformers()

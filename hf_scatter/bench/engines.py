@@ -17,6 +17,8 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from ..common.intervals import length, overlap, union
+
 ENGINES = ("none", "fsdp2", "ep", "zero3")
 NOT_MEASURED = "not measured"
 
@@ -238,56 +240,30 @@ def aggregate(ranks: list[dict]) -> dict:
             "ranks": ranks}
 
 
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[list[float]] = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return [(a, b) for a, b in merged]
-
-
-def _length(intervals: list[tuple[float, float]]) -> float:
-    return sum(b - a for a, b in intervals)
-
-
-def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
-    """Time two sorted unions of disjoint intervals share."""
-    i = j = 0
-    shared = 0.0
-    while i < len(a) and j < len(b):
-        shared += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return shared
-
-
 def comm_split(kernels: list[tuple[str, float, float]], steps: int) -> dict | str:
     """GPU time per step (ms) of the NCCL kernels (name with "nccl"), of every other kernel, and of the
     communication no other kernel overlaps, from (name, start us, end us) of the GPU's kernels over ``steps``
     steps: each as the union of its intervals, so kernels on several streams count once."""
     if not kernels:
         return NOT_MEASURED
-    comm = _union([(a, b) for name, a, b in kernels if "nccl" in name.lower()])
-    compute = _union([(a, b) for name, a, b in kernels if "nccl" not in name.lower()])
-    return {"nccl_ms": _length(comm) / steps / 1e3, "compute_ms": _length(compute) / steps / 1e3,
-            "exposed_comm_ms": (_length(comm) - _overlap(comm, compute)) / steps / 1e3}
+    comm = union([(a, b) for name, a, b in kernels if "nccl" in name.lower()])
+    compute = union([(a, b) for name, a, b in kernels if "nccl" not in name.lower()])
+    return {"nccl_ms": length(comm) / steps / 1e3, "compute_ms": length(compute) / steps / 1e3,
+            "exposed_comm_ms": (length(comm) - overlap(comm, compute)) / steps / 1e3}
 
 
 def profile_comm(step: Callable[[], torch.Tensor], cuda: bool, steps: int = 2) -> dict | str:
     """:func:`comm_split` of ``steps`` steps under ``torch.profiler``. On the CPU (gloo) there are no GPU
-    kernels to read: "not measured"."""
+    kernels to read: "not measured", without running the steps."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+    if not cuda:
+        return NOT_MEASURED
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
-        if cuda:
-            torch.cuda.synchronize()
+        torch.cuda.synchronize()
     kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
                if e.device_type == DeviceType.CUDA]
     return comm_split(kernels, steps)

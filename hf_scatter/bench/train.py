@@ -250,10 +250,6 @@ def _expert_parallel_model(config, dtype: torch.dtype, distributed_config, patch
         transformers.logging.set_verbosity(verbosity)
 
 
-_process_group = engines.process_group  # scripts/probe_train_host_time.py's names
-_step_fn = engines.adamw_step
-
-
 def _categories(model) -> dict[str, list[torch.nn.Module]]:
     groups: dict[str, list[torch.nn.Module]] = {"attention": [], "experts": [], "router": [], "norms": [],
                                                 "lm_head": []}
@@ -313,12 +309,12 @@ def time_breakdown(model, step: Callable[[], torch.Tensor]) -> dict[str, float]:
 
 
 def measure(impl: str, cfg: TrainConfig, ids: torch.Tensor, warmup: int, steps: int, breakdown: bool,
-            dtype=torch.bfloat16, fsdp: bool = False, setup: engines.Setup | None = None, comm_profile: bool = False,
+            dtype=torch.bfloat16, setup: engines.Setup | None = None, comm_profile: bool = False,
             shared_by: int = 1) -> dict:
-    """This rank's numbers for ``impl`` under ``setup`` (default: unwrapped, or FSDP2 where ``fsdp``): the model
-    built, wrapped, trained ``warmup`` + ``steps`` steps, let go. ``shared_by``: ranks this batch is shared by
-    (its tokens and FLOPs count once over them)."""
-    setup = setup or engines.Setup("fsdp2" if fsdp else "none")
+    """This rank's numbers for ``impl`` under ``setup`` (default: unwrapped): the model built, wrapped, trained
+    ``warmup`` + ``steps`` steps, let go. ``shared_by``: ranks this batch is shared by (its tokens and FLOPs
+    count once over them)."""
+    setup = setup or engines.Setup("none")
     cuda = ids.is_cuda
     gc.collect()
     if cuda:
@@ -704,6 +700,13 @@ def _row_name(report: dict) -> str:
     return f"{c.get('preset') or 'family shape'}, {c['layers']} layers"
 
 
+def _default_and_ours(report: dict) -> tuple[dict, dict]:
+    """A row's family default (``BASELINES``) and plain hf-scatter variant."""
+    res = report["results"]
+    return (next(r for impl, r in res.items() if BASELINES[impl.split("-")[0]] == impl),
+            next(r for impl, r in res.items() if impl.split("-", 1)[1] == "hf-scatter"))
+
+
 def scaling_table(combined: dict) -> str:
     """Rows of :func:`combine_rows`, one line per (shape, engine, GPUs): the family's transformers default and
     hf-scatter side by side; tokens/s per GPU (higher is better) and their ratio, model TFLOP/s per GPU, scaling
@@ -711,9 +714,7 @@ def scaling_table(combined: dict) -> str:
     communication no computation hid (exposed NCCL time, max over ranks), default / hf-scatter."""
     lines = []
     for report in combined["rows"]:
-        res = report["results"]
-        ours = next(r for impl, r in res.items() if impl.split("-", 1)[1] == "hf-scatter")
-        default = next(r for impl, r in res.items() if BASELINES[impl.split("-")[0]] == impl)
+        default, ours = _default_and_ours(report)
         exposed = [r["comm_ms"]["exposed_comm_ms"] if isinstance(r["comm_ms"], dict) else None
                    for r in (default, ours)]
         eff = [r.get("efficiency") for r in (default, ours)]
@@ -745,14 +746,13 @@ def plot_scaling(combined: dict, path: str) -> None:
     for ax, shape in zip(axes[0], shapes):
         rows = [r for r in combined["rows"] if _row_name(r) == shape]
         for report in (r for r in rows if r["engine"] == "none"):
-            for impl, r in report["results"].items():
-                ours = "hf-scatter" in impl
+            for ours, r in enumerate(_default_and_ours(report)):
                 ax.axhline(r["tokens_per_s"] / 1e3, color="tab:orange" if ours else "tab:gray", linestyle=":",
                            label=f"{'hf-scatter' if ours else 'default'}, unwrapped")
         for engine in dict.fromkeys(r["engine"] for r in rows if r["engine"] != "none"):
             series = sorted((r for r in rows if r["engine"] == engine), key=lambda r: r["world"])
-            for ours in (False, True):
-                pick = [next(v for k, v in r["results"].items() if ("hf-scatter" in k) == ours) for r in series]
+            for ours in (0, 1):
+                pick = [_default_and_ours(r)[ours] for r in series]
                 ax.plot([r["world"] for r in series], [p["tokens_per_s"] / 1e3 for p in pick], styles.get(engine, "-"),
                         color="tab:orange" if ours else "tab:gray",
                         label=f"{'hf-scatter' if ours else 'default'}, {engine}")

@@ -13,6 +13,7 @@ import threading
 import time
 
 from ...common.atomic_files import write_json
+from ...common.intervals import length, overlap, union
 
 LANES = ("GPU compute", "CPU attention", "H2D hidden", "D2H qkv", "H2D weights", "H2D routed experts")
 ROLE_LANES = {"compute": "GPU compute", "h2d": "H2D hidden", "d2h": "D2H qkv", "weights": "H2D weights",
@@ -92,41 +93,13 @@ class Tracer:
         how much of that compute ran under a transfer (in a link-bound run the second is the telling one:
         the link cannot be hidden behind less compute than it takes, but the compute can hide under it)."""
         spans = self.spans()
-        busy = {lane: _union([(s, e) for la, _, s, e in spans if la == lane]) for lane in LANES}
-        weights = _union(busy["H2D weights"] + busy["H2D routed experts"])
-        compute = _union(busy["GPU compute"] + busy["CPU attention"])
-        hidden = _overlap(weights, compute)
-        total, computing = _length(weights), _length(compute)
-        return {"busy_s": {lane: _length(iv) for lane, iv in busy.items()},
+        busy = {lane: union([(s, e) for la, _, s, e in spans if la == lane]) for lane in LANES}
+        weights = union(busy["H2D weights"] + busy["H2D routed experts"])
+        compute = union(busy["GPU compute"] + busy["CPU attention"])
+        hidden = overlap(weights, compute)
+        total, computing = length(weights), length(compute)
+        return {"busy_s": {lane: length(iv) for lane, iv in busy.items()},
                 "weight_transfer_s": total, "weight_transfer_overlapped_s": hidden,
                 "weight_transfer_overlap": hidden / total if total else None,
                 "compute_s": computing, "compute_under_transfer": hidden / computing if computing else None,
                 "span_s": (max(e for *_, e in spans) - min(s for _, _, s, _ in spans)) if spans else 0.0}
-
-
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[list[float]] = []
-    for start, end in sorted(intervals):
-        if out and start <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], end)
-        else:
-            out.append([start, end])
-    return [(s, e) for s, e in out]
-
-
-def _length(intervals) -> float:
-    return sum(e - s for s, e in intervals)
-
-
-def _overlap(a, b) -> float:
-    """Length of the intersection of two sorted, disjoint interval lists."""
-    i = j = 0
-    total = 0.0
-    while i < len(a) and j < len(b):
-        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        total += max(0.0, hi - lo)
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
