@@ -134,9 +134,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 _BENCH_OPTIONS = ("out", "plot", "replot")  # every suite's; the rest of a bench command's flags are the suite's
 
 
-def _read_report(path: str, suite, name: str) -> dict:
-    """A saved report of ``suite``, rendered once here: another suite's report (or any other JSON) is refused in
-    one line instead of a traceback from the table or the plot."""
+def _read_report(path: str, suite, name: str) -> tuple[dict, str]:
+    """A saved report of ``suite`` and its table, rendered here once: another suite's report (or any other JSON)
+    is refused in one line instead of a traceback from the table or the plot."""
     import json
 
     try:
@@ -147,11 +147,11 @@ def _read_report(path: str, suite, name: str) -> dict:
     except ValueError as e:
         raise UsageError(f"--replot {path}: not a JSON report ({e})") from None
     try:
-        suite.to_markdown(report)
+        table = suite.to_markdown(report)
     except (KeyError, IndexError, TypeError, AttributeError) as e:
         raise UsageError(f"--replot {path}: not a report of `hf-scatter bench {name}` ({type(e).__name__}: {e})") \
             from None
-    return report
+    return report, table
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -162,8 +162,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "suite", "func", *_BENCH_OPTIONS)}
     _check_outputs(out=args.out, plot=args.plot, trace=flags.get("trace"))
     _check_workdir(flags.get("workdir"))
+    table = None
     if args.replot:
-        report = _read_report(args.replot, suite, args.suite)
+        report, table = _read_report(args.replot, suite, args.suite)
     else:
         if flags.get("profile"):
             _load_profile(flags["profile"])
@@ -184,7 +185,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         write_json(args.out, report, default=float)
     if args.plot:
         suite.plot(report, args.plot)
-    print(suite.to_markdown(report))
+    print(table if table is not None else suite.to_markdown(report))
     return 0
 
 
