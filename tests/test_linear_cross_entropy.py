@@ -1,5 +1,6 @@
 """The fused LM head + cross-entropy against float64 autograd of transformers' unfused loss: odd sizes, chunk
-boundaries, ignored labels, ``num_items_in_batch``, a logit scale, bf16; Liger's path on the GPU."""
+boundaries, ignored labels, ``num_items_in_batch``, a logit scale, bf16; the per-row kernel against float64
+on fresh inputs with poisoned outputs; Liger's path on the GPU."""
 
 import pytest
 import torch
@@ -42,14 +43,84 @@ def _check(h, w, y, tol, use_liger, **kw):
 @pytest.mark.parametrize("N,H,V", [(2, 8, 5), (37, 24, 101), (300, 16, 64)])
 @pytest.mark.parametrize("kw", [{}, {"num_items_in_batch": torch.tensor(23)}, {"scale": 0.5}],
                          ids=["mean", "items", "scale"])
-def test_reference_matches_unfused_float64(monkeypatch, N, H, V, kw):
-    monkeypatch.setattr(lce, "CHUNK_ROWS", 64)  # several chunks, the last one partial
+def test_chunked_loss_matches_unfused_float64(monkeypatch, N, H, V, kw):
+    monkeypatch.setattr(lce, "chunk_rows", lambda vocab, dtype: 64)  # several chunks, the last one partial
     _check(*_case(N, H, V, torch.float32, "cpu"), 1e-5, False, **kw)
 
 
-def test_reference_bf16_rounds_like_the_unfused_loss(monkeypatch):
-    monkeypatch.setattr(lce, "CHUNK_ROWS", 32)
+def test_chunked_loss_in_bf16_rounds_like_the_unfused_loss(monkeypatch):
+    monkeypatch.setattr(lce, "chunk_rows", lambda vocab, dtype: 32)
     _check(*_case(100, 32, 77, torch.bfloat16, "cpu"), 2e-2, False)
+
+
+def test_one_chunk_and_no_head_gradient_give_the_same_loss(monkeypatch):
+    """A single chunk makes the head's gradient in one GEMM, several sum it in float32: the same values;
+    a frozen head (LoRA) makes none."""
+    h, w, y = _case(50, 16, 33, torch.float32, "cpu")
+    one = linear_cross_entropy(h, w, y)
+    one.backward()
+    dh_one, dw_one = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    monkeypatch.setattr(lce, "chunk_rows", lambda vocab, dtype: 16)
+    linear_cross_entropy(h, w, y).backward()
+    torch.testing.assert_close(h.grad, dh_one, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(w.grad, dw_one, rtol=1e-5, atol=1e-6)
+    h.grad = None
+    frozen = linear_cross_entropy(h, w.detach(), y)
+    frozen.backward()
+    torch.testing.assert_close(frozen, one)
+    torch.testing.assert_close(h.grad, dh_one, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("vocab,dtype", [(151936, torch.bfloat16), (32000, torch.bfloat16), (7, torch.float32),
+                                         (10 ** 9, torch.float32)])
+def test_a_chunk_of_logits_stays_within_its_budget(vocab, dtype):
+    rows = lce.chunk_rows(vocab, dtype)
+    assert rows & (rows - 1) == 0 and rows >= 16
+    assert rows == 16 or rows * vocab * dtype.itemsize <= lce.CHUNK_BYTES < 2 * rows * vocab * dtype.itemsize
+
+
+def _rows_reference(z, y, scale):
+    """float64: each row's loss and ``(softmax - onehot) * scale``, 0 where the label is ignored."""
+    x = z.double() * scale
+    valid = y != -100
+    lse = torch.logsumexp(x, -1)
+    loss = torch.where(valid, lse - x.gather(1, torch.where(valid, y, 0)[:, None])[:, 0], 0.0)
+    grad = torch.softmax(x, -1) - F.one_hot(torch.where(valid, y, 0), z.shape[1]).double()
+    return loss, grad * valid[:, None] * scale
+
+
+@pytest.mark.parametrize("n,V", [(0, 9), (1, 1), (7, 4099), (33, 257)])
+@pytest.mark.parametrize("scale", [1.0, 0.37])
+def test_row_kernel_matches_float64(n, V, scale):
+    """The per-row kernel (the Triton interpreter on the CPU) on fresh logits, some rows ignored, a
+    vocabulary crossing its block, the loss buffer poisoned: float32 results within float32 rounding of the
+    exact ones (the log-sum-exp of V terms: a few ulps of its magnitude)."""
+    for seed in range(2):
+        g = torch.Generator().manual_seed(seed + 100 * n + V)
+        z = torch.randn(n, V, generator=g) * 4
+        y = torch.randint(V, (n,), generator=g)
+        y[::3] = -100
+        want_loss, want_grad = _rows_reference(z, y, scale)
+        loss = torch.full((n,), float("nan"))
+        lce._cross_entropy_rows_impl(z, y, -100, scale, loss)
+        bound = 64 * torch.finfo(torch.float32).eps
+        assert ((loss.double() - want_loss).abs() <= bound * (want_loss.abs() + 4 * scale + 1)).all()
+        assert ((z.double() - want_grad).abs() <= bound * scale).all()
+
+
+def test_row_kernel_in_bf16_rounds_each_gradient_once():
+    """bf16 logits: each gradient is the exact one rounded to bf16 (at most one bf16 ulp away)."""
+    g = torch.Generator().manual_seed(7)
+    z = (torch.randn(9, 300, generator=g) * 3).bfloat16()
+    y = torch.randint(300, (9,), generator=g)
+    y[4] = -100
+    want_loss, want_grad = _rows_reference(z, y, 1.0)
+    loss = torch.full((9,), float("nan"))
+    lce._cross_entropy_rows_impl(z, y, -100, 1.0, loss)
+    ulp = 2.0 ** -7 * want_grad.abs() + 2.0 ** -133
+    assert ((z.double() - want_grad).abs() <= ulp).all()
+    assert ((loss.double() - want_loss).abs() <= 1e-5 * (want_loss.abs() + 1)).all()
 
 
 def test_only_ignored_labels_give_nan_like_torch():
@@ -65,6 +136,20 @@ def test_only_ignored_labels_give_nan_like_torch():
 def test_liger_path_matches_unfused(kw):
     pytest.importorskip("liger_kernel")
     _check(*_case(2049, 256, 3001, torch.bfloat16, "cuda"), 2e-2, True, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kw", [{}, {"num_items_in_batch": torch.tensor(1000)}, {"scale": 0.5}],
+                         ids=["mean", "items", "scale"])
+def test_chunked_loss_matches_unfused_on_the_gpu(monkeypatch, kw):
+    monkeypatch.setattr(lce, "chunk_rows", lambda vocab, dtype: 512)
+    _check(*_case(2049, 256, 5003, torch.bfloat16, "cuda"), 2e-2, False, **kw)
+
+
+def test_liger_asked_for_without_liger_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(lce, "liger_available", lambda: False)
+    with pytest.raises(ValueError, match="use_liger=True needs liger-kernel"):
+        linear_cross_entropy(*_case(4, 8, 5, torch.float32, "cpu"), use_liger=True)
 
 
 @pytest.mark.parametrize("call,match", [

@@ -10,12 +10,13 @@ import hf_scatter
 from hf_scatter.kernels.backend import kernel_path
 from hf_scatter.tiny import tiny_mixtral
 
-# What a patched Mixtral's forward + backward runs: routing, the SwiGLU experts as one autograd function and
-# their kernels, the fused add + RMSNorm and the fused router.
+# What a patched Mixtral's training step runs: routing, the SwiGLU experts as one autograd function and
+# their kernels, the fused add + RMSNorm, the fused router and the fused loss's per-row kernel.
 MIXTRAL_NAMES = {
     "flatten_sort_count", "swiglu_experts.forward", "swiglu_experts.backward", "scatter2scatter", "group",
     "groupxty", "gate_mix", "scatter2scatter_swiglu", "swiglu_grad_gemm", "add_norm.forward", "add_norm.backward",
     "add_norm_fwd", "add_norm_bwd", "router_topk.forward", "router_topk.backward", "router_topk",
+    "cross_entropy_rows",
 }
 # The other public calls: ParallelLinear, the SwiGLU autograd functions, the masked softmax, varlen attention.
 OTHER_NAMES = {
@@ -28,6 +29,7 @@ OTHER_NAMES = {
 
 def _mixtral_step(device):
     model = hf_scatter.patch_model(tiny_mixtral(hidden=40, intermediate=56, layers=1, experts=4, top_k=2).to(device))
+    model.train()  # the fused loss runs in training only
     ids = torch.randint(3, 300, (1, 7), device=device, generator=torch.Generator(device).manual_seed(0))
     model(ids, labels=ids).loss.backward()
 
@@ -84,8 +86,9 @@ def test_every_op_is_named_under_the_profiler(device, kernel_choice):
 def test_names_match_the_registered_ops():
     """The eager ranges carry the custom ops' own names: a compiled trace (which runs the ops) reads the same."""
     from hf_scatter.kernels import custom_ops as ops
-    from hf_scatter.kernels import (gating, group, groupxty, norms, router, scatter2scatter,  # noqa: F401
-                                    softmax, swiglu, swiglu_grad_gemm, varlen_attention)  # (they register their ops)
+    from hf_scatter.kernels import (gating, group, groupxty, linear_cross_entropy, norms, router,  # noqa: F401
+                                    scatter2scatter, softmax, swiglu, swiglu_grad_gemm,
+                                    varlen_attention)  # (they register their ops)
 
     assert len(ops._profile_names) >= 13
     for op, name in ops._profile_names.items():

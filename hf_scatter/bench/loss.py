@@ -6,7 +6,8 @@ cross-entropy: at 8192 tokens and a 32k vocabulary that is 0.5 GB of bf16 logits
 more in the backward. The fused libraries never hold [tokens, vocab]: Liger-Kernel's
 ``LigerFusedLinearCrossEntropyLoss`` (chunks of tokens, the gradient computed in the forward) and Apple's
 ``cut-cross-entropy`` (blockwise log-sum-exp; by default it skips gradient blocks whose softmax is below
-bf16 resolution, ``filter_eps``; ``cce-exact`` turns that off). Reports fwd+bwd time, peak extra memory and
+bf16 resolution, ``filter_eps``; ``cce-exact`` turns that off), and hf-scatter's own (chunks of tokens, one
+Triton program per row, nothing read back on the host). Reports fwd+bwd time, peak extra memory and
 the loss and gradient error against a float32 reference.
 """
 
@@ -35,7 +36,7 @@ CONFIGS = {
     "mixtral-1.5b": LossConfig(8192, 1024, 32000),  # bench train's batch 4 x 2048 at d 1024
     "qwen3-30b-a3b": LossConfig(8192, 2048, 151936),  # Qwen3's vocabulary
 }
-IMPLS = ("torch", "liger", "cce", "cce-exact")
+IMPLS = ("torch", "hf-scatter", "liger", "cce", "cce-exact")
 NEEDS_GPU = True
 
 
@@ -44,7 +45,9 @@ def _torch_loss(h, w, y):
 
 
 def _implementations() -> dict[str, Callable | str]:
-    table: dict[str, Callable | str] = {"torch": _torch_loss}
+    from ..kernels.linear_cross_entropy import linear_cross_entropy
+
+    table: dict[str, Callable | str] = {"torch": _torch_loss, "hf-scatter": linear_cross_entropy}
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
