@@ -65,6 +65,46 @@ def test_swiglu_experts_backward_frees_its_activations_and_refuses_a_second_pass
         y.sum().backward()
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["swiglu-experts", "parallel-linear-chain"])
+def test_experts_keep_no_view_of_a_weight_that_zero3_frees_and_gathers_again(device, fused):
+    """DeepSpeed ZeRO-3 frees a gathered parameter after forward by giving it new, empty data and gathers it
+    again before backward. The experts' saved tensors must then hold nothing of the freed weight (a saved
+    transposed view would keep every layer's whole weight alive until backward) and the backward must read
+    the weight gathered again: the same gradients as without the swap."""
+    from hf_scatter.moe.mlp import expert_mlp, glu_activation
+
+    mlp = GLUMLP(5, 24, 20).to(device)
+    x = torch.randn(13, 24, device=device, requires_grad=True)
+    idx, gates = _routing(13, 2, 5, device)
+    act = glu_activation(F.silu) if fused else (lambda h: F.silu(h.chunk(2, -1)[0]) * h.chunk(2, -1)[1])  # one node / a chain
+
+    def run(swap: bool):
+        mlp.zero_grad(set_to_none=True)
+        y = expert_mlp(x, (mlp.gate_up_proj.transpose(1, 2),), mlp.down_proj.transpose(1, 2), idx, gates, act)
+        if swap:
+            gathered = {p: p.data for p in mlp.parameters()}
+            for p in mlp.parameters():
+                p.data = torch.empty(0, device=device, dtype=p.dtype)  # released, as ZeRO-3 does
+            nodes, seen = [y.grad_fn], []
+            while nodes:  # every saved tensor of the graph, in every node
+                node = nodes.pop()
+                if node is None or node in seen:
+                    continue
+                seen.append(node)
+                for t in getattr(node, "saved_tensors", ()) or ():
+                    if t is not None and t.numel():
+                        assert all(t.untyped_storage().data_ptr() != g.untyped_storage().data_ptr()
+                                   for g in gathered.values()), "a saved tensor holds a released weight"
+                nodes.extend(n for n, _ in node.next_functions)
+            for p in mlp.parameters():
+                p.data = gathered[p].clone()  # gathered again into new memory before backward
+        y.backward(torch.ones_like(y))
+        return [p.grad.clone() for p in mlp.parameters()]
+
+    for got, want in zip(run(True), run(False)):
+        torch.testing.assert_close(got, want)
+
+
 def test_swiglu_experts_without_gradients_make_no_autograd_node_and_the_same_output(device):
     """Generation (no_grad, or nothing requiring grad) runs the forward without an autograd node (its host time
     is a decode step's to spare) and gives bit-for-bit the training path's output."""

@@ -30,7 +30,8 @@ from ..kernels.library_gemm import grouped_mm_applies, grouped_mm_rows, grouped_
 from ..kernels.scatter2scatter import scatter2scatter_swiglu, scatter2scatter_unchecked
 from ..kernels.swiglu import SILU, GateForm
 from ..kernels.swiglu_grad_gemm import swiglu_grad_gemm_unchecked
-from .parallel_linear import autocast_operands, dw_operand, expert_weight_grad, grouped_copy_pays, with_bias_term
+from .parallel_linear import (autocast_operands, dw_operand, expert_weight_grad, grouped_copy_pays, saved_weight,
+                              weight_to_save, with_bias_term)
 from .routing import slot_positions
 
 
@@ -76,7 +77,8 @@ class _SwiGLUExperts(torch.autograd.Function):
         y, gate_up = _forward(x, w_in, w_out, gates, b_in, b_out, form, k, routing)
         ctx.k, ctx.form = k, form
         ctx.consumed = False
-        ctx.save_for_backward(x, w_in, w_out, gates, b_in, b_out, gate_up, *routing)  # h: recomputed
+        (w_in_kept, ctx.w_in_transposed), (w_out_kept, ctx.w_out_transposed) = map(weight_to_save, (w_in, w_out))
+        ctx.save_for_backward(x, w_in_kept, w_out_kept, gates, b_in, b_out, gate_up, *routing)  # h: recomputed
         return y
 
     @staticmethod
@@ -87,6 +89,7 @@ class _SwiGLUExperts(torch.autograd.Function):
                                "their activations (run the forward again rather than retain_graph=True)")
         ctx.consumed = True
         x, w_in, w_out, gates, b_in, b_out, gate_up, sorted_expert_idxs, idx, expert_offsets = ctx.saved_tensors
+        w_in, w_out = saved_weight(w_in, ctx.w_in_transposed), saved_weight(w_out, ctx.w_out_transposed)
         routing = (sorted_expert_idxs, idx, expert_offsets)
         k, form = ctx.k, ctx.form
         need_x, need_w_in, need_w_out, need_g, need_b_in, need_b_out = ctx.needs_input_grad[:6]
