@@ -3,7 +3,10 @@
 # of a row in that process group), rows on disjoint GPUs run side by side. Reports go to $OUT (default
 # /tmp/hf-scatter-out): train-<shape>-<engine>-<N>gpu.json, each row's log beside it.
 # Usage (repository root, GPU host): scripts/bench-train-multi-gpu.sh [PHASE ...]   (default: every phase)
-#   phases: one (unwrapped and FSDP2 on one GPU), two (FSDP2 on 2), four (FSDP2 on 4), ep (expert parallelism)
+#   phases: one (unwrapped and FSDP2 on one GPU), two (FSDP2 on 2), four (FSDP2 on 4), ep (expert parallelism),
+#   zero3 (DeepSpeed ZeRO-3 on 4 GPUs: on 2 its float32 weights and Adam states, 8 bytes per parameter per GPU,
+#   leave too little room even at 2 rows per GPU; needs deepspeed and accelerate), tuned (FSDP2 on 4 with bf16 gradient reduction, explicit prefetch and the
+#   parameters kept gathered from forward to backward)
 set -uo pipefail
 out=${OUT:-/tmp/hf-scatter-out}
 mkdir -p "$out"
@@ -15,7 +18,8 @@ row() {  # row NAME GPUS ENGINE SHAPE_ARGS... : one torchrun on the listed GPUs
     local name=$1 gpus=$2 engine=$3; shift 3
     local n; n=$(awk -F, '{print NF}' <<<"$gpus")
     local base=()
-    [ "$engine" != none ] && [ -f "$out/train-$name-none-1gpu.json" ] && base=(--baseline "$out/train-$name-none-1gpu.json")
+    [ "$engine" != none ] && [ -f "$out/train-${name%-*}-none-1gpu.json" ] &&
+        base=(--baseline "$out/train-${name%-*}-none-1gpu.json")
     local port=$((29500 + ${gpus:0:1} * 10 + n))  # rows side by side hold disjoint GPUs: their own ports
     CUDA_VISIBLE_DEVICES=$gpus timeout 560 python3 -m torch.distributed.run --nproc_per_node "$n" \
         --master_port "$port" -m hf_scatter.cli bench train --engine "$engine" --no-breakdown "$@" "${base[@]}" \
@@ -29,6 +33,10 @@ phase_one() {
 }
 phase_two() { row qwen3 0,1 fsdp2 "${QWEN[@]}" & row mixtral 2,3 fsdp2 "${MIXTRAL[@]}" & wait; }
 phase_four() { row qwen3 0,1,2,3 fsdp2 "${QWEN[@]}"; row mixtral 0,1,2,3 fsdp2 "${MIXTRAL[@]}"; }
+phase_zero3() { row qwen3 0,1,2,3 zero3 "${QWEN[@]}"; row mixtral 0,1,2,3 zero3 "${MIXTRAL[@]}"; }
+phase_tuned() {
+    row qwen3-tuned 0,1,2,3 fsdp2 "${QWEN[@]}" --reduce-dtype bfloat16 --prefetch next --reshard-after-forward false
+}
 phase_ep() { row qwen3 0,1,2,3 ep "${QWEN[@]}"; row qwen3 0,1 ep "${QWEN[@]}" & row mixtral 2,3 ep "${MIXTRAL[@]}" & wait; }
 
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpus.txt"
@@ -42,7 +50,8 @@ import json, os, sys
 from hf_scatter.bench.train import combine_rows, plot_scaling, scaling_table
 out = sys.argv[1]
 order = [f"{m}-{e}-{n}gpu" for m in ("qwen3", "mixtral") for e, n in
-         (("none", 1), ("fsdp2", 1), ("fsdp2", 2), ("fsdp2", 4), ("ep", 2), ("ep", 4))]
+         (("none", 1), ("fsdp2", 1), ("fsdp2", 2), ("fsdp2", 4), ("tuned-fsdp2", 4), ("ep", 2), ("ep", 4),
+          ("zero3", 4))]
 rows = [json.load(open(f"{out}/train-{o}.json")) for o in order if os.path.exists(f"{out}/train-{o}.json")]
 combined = combine_rows(rows, "scripts/bench-train-multi-gpu.sh")
 with open(f"{out}/train-multi-gpu.json", "w") as f:

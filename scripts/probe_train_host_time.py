@@ -1,6 +1,9 @@
 """Is a training step of a bench-train model (each family at its own shape) host-bound? Host time to issue one step against its GPU
 time, per implementation, and the host-side hot spots of the patched step (GPU; torch profiler). PYPROFILE=1 adds
-cProfile's Python view; FSDP=1 wraps every model in FSDP2 with world size 1, as ``bench train --fsdp`` does."""
+cProfile's Python view; FSDP=1 wraps every model in FSDP2 with world size 1, as ``bench train --fsdp`` does
+(RESHARD=0: parameters kept gathered from forward to backward; PREFETCH=next; REDUCE=bfloat16). LIGER=1: the
+patched loss through Liger-Kernel's fused linear cross-entropy instead of hf-scatter's own. SHAPE=qwen3-30b-a3b LAYERS=8 BATCH=4:
+a published model's dimensions instead of the family shapes."""
 import json
 import os
 import sys
@@ -9,19 +12,32 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from hf_scatter.bench import engines
 from hf_scatter.bench.engines import adamw_step, process_group
-from hf_scatter.bench.train import build_model, family_shape
+from hf_scatter.bench.train import build_model, family_shape, published_shape
 
 impls = sys.argv[1:] or ["mixtral-grouped_mm", "mixtral-hf-scatter-experts", "mixtral-hf-scatter", "mixtral-hf-scatter-graphs",
                          "dbrx-hf-scatter"]
 out = {}
 fsdp = bool(os.environ.get("FSDP"))
+options = engines.Fsdp2Options(reshard_after_forward=os.environ.get("RESHARD", "1") != "0",
+                               prefetch=os.environ.get("PREFETCH", "none"),
+                               reduce_dtype=os.environ.get("REDUCE", "float32"))
+if os.environ.get("LIGER"):
+    import functools
+
+    import hf_scatter.models.fused_loss as fused_loss
+    fused_loss.linear_cross_entropy = functools.partial(fused_loss.linear_cross_entropy, use_liger=True)
+shape = published_shape(os.environ["SHAPE"], int(os.environ.get("LAYERS", 0)) or None) if os.environ.get("SHAPE") else None
+batch = int(os.environ["BATCH"]) if os.environ.get("BATCH") else None
 group = process_group(fsdp)
 group.__enter__()
 for impl in impls:
-    cfg = family_shape(impl, None)
+    cfg = family_shape(impl, shape, batch)
     ids = torch.randint(cfg.vocab, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(0)).cuda()
-    model = build_model(impl, cfg, ids.device, torch.bfloat16, fsdp=fsdp)
+    model = build_model(impl, cfg, ids.device, torch.bfloat16)
+    if fsdp:
+        engines.fully_shard_layers(model, torch.bfloat16, options)
     step, opt = adamw_step(model, ids)
     for _ in range(3):
         step()
@@ -73,4 +89,4 @@ for impl in impls:
     torch.cuda.empty_cache()
 group.__exit__(None, None, None)
 if os.environ.get("OUT"):
-    json.dump(out, open(os.environ["OUT"] + "/train-host.json", "w"), indent=1)
+    json.dump(out, open(os.environ["OUT"] + f"/train-host{os.environ.get('TAG', '')}.json", "w"), indent=1)

@@ -36,8 +36,9 @@ def test_bench_replot_renders_table_and_png_from_saved_json(suite, saved, tmp_pa
 
 
 def test_multi_gpu_table_and_plot_from_the_saved_rows(tmp_path):
-    """The docs' multi-GPU table: one line per row (shape, engine, GPUs), hf-scatter against the family default of
-    that row, and the scaling plot, from the file scripts/bench-train-multi-gpu.sh writes."""
+    """The docs' multi-GPU table: one line per row (shape, engine and the FSDP2 settings it changed, GPUs),
+    hf-scatter against the family default of that row, and the scaling plot, from the file
+    scripts/bench-train-multi-gpu.sh writes."""
     from hf_scatter.bench.train import plot_scaling, scaling_table
 
     combined = json.loads((RESULTS / "train-multi-gpu-h100.json").read_text())
@@ -48,7 +49,10 @@ def test_multi_gpu_table_and_plot_from_the_saved_rows(tmp_path):
         res = report["results"]
         ours = next(r for k, r in res.items() if k.endswith("-hf-scatter"))
         default = next(r for k, r in res.items() if not k.endswith("-hf-scatter"))
-        assert cells[1:3] == [report["engine"], str(report["world"])]
+        assert [cells[1].split(" (")[0], cells[2]] == [report["engine"], str(report["world"])]
+        options = report.get("fsdp2") or {}  # a row that changed FSDP2's settings names them
+        assert ("bf16 reduce" in cells[1]) == (options.get("reduce_dtype") == "bfloat16")
+        assert ("kept after forward" in cells[1]) == (options.get("reshard_after_forward") is False)
         assert cells[6] == f"{ours['tokens_per_s'] / default['tokens_per_s']:.2f}x"
     plot_scaling(combined, str(tmp_path / "scaling.png"))
     assert (tmp_path / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -700,6 +700,18 @@ def _row_name(report: dict) -> str:
     return f"{c.get('preset') or 'family shape'}, {c['layers']} layers"
 
 
+def _engine_label(report: dict, short: bool = False) -> str:
+    """The engine's name, with the FSDP2 settings a row changed from the defaults (``--reduce-dtype`` etc.);
+    ``short`` (a plot's legend): only that some changed."""
+    options = report.get("fsdp2") or {}
+    changed = [text for text, on in (("bf16 reduce", options.get("reduce_dtype") == "bfloat16"),
+                                     ("prefetch next", options.get("prefetch") == "next"),
+                                     ("kept after forward", options.get("reshard_after_forward") is False)) if on]
+    if not changed:
+        return report["engine"]
+    return f"{report['engine']}, tuned" if short else f"{report['engine']} ({', '.join(changed)})"
+
+
 def _default_and_ours(report: dict) -> tuple[dict, dict]:
     """A row's family default (``BASELINES``) and plain hf-scatter variant."""
     res = report["results"]
@@ -718,7 +730,7 @@ def scaling_table(combined: dict) -> str:
         exposed = [r["comm_ms"]["exposed_comm_ms"] if isinstance(r["comm_ms"], dict) else None
                    for r in (default, ours)]
         eff = [r.get("efficiency") for r in (default, ours)]
-        lines.append([_row_name(report), report["engine"], report["world"], report["rows_per_rank"],
+        lines.append([_row_name(report), _engine_label(report), report["world"], report["rows_per_rank"],
                       f"{default['tokens_per_s'] / 1e3:.1f}k", f"{ours['tokens_per_s'] / 1e3:.1f}k",
                       f"{ours['tokens_per_s'] / default['tokens_per_s']:.2f}x",
                       f"{default['tflops_per_gpu']:.0f} / {ours['tflops_per_gpu']:.0f}",
@@ -741,7 +753,7 @@ def plot_scaling(combined: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     shapes = list(dict.fromkeys(_row_name(r) for r in combined["rows"]))
-    fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 5.5), squeeze=False)
     styles = {"fsdp2": "-o", "ep": "--s", "zero3": ":^"}
     for ax, shape in zip(axes[0], shapes):
         rows = [r for r in combined["rows"] if _row_name(r) == shape]
@@ -749,11 +761,12 @@ def plot_scaling(combined: dict, path: str) -> None:
             for ours, r in enumerate(_default_and_ours(report)):
                 ax.axhline(r["tokens_per_s"] / 1e3, color="tab:orange" if ours else "tab:gray", linestyle=":",
                            label=f"{'hf-scatter' if ours else 'default'}, unwrapped")
-        for engine in dict.fromkeys(r["engine"] for r in rows if r["engine"] != "none"):
-            series = sorted((r for r in rows if r["engine"] == engine), key=lambda r: r["world"])
+        for engine in dict.fromkeys(_engine_label(r, short=True) for r in rows if r["engine"] != "none"):
+            series = sorted((r for r in rows if _engine_label(r, short=True) == engine), key=lambda r: r["world"])
             for ours in (0, 1):
                 pick = [_default_and_ours(r)[ours] for r in series]
-                ax.plot([r["world"] for r in series], [p["tokens_per_s"] / 1e3 for p in pick], styles.get(engine, "-"),
+                ax.plot([r["world"] for r in series], [p["tokens_per_s"] / 1e3 for p in pick],
+                        styles.get(engine, ":x"),
                         color="tab:orange" if ours else "tab:gray",
                         label=f"{'hf-scatter' if ours else 'default'}, {engine}")
         ax.set_xticks(sorted({r["world"] for r in rows}))
@@ -761,7 +774,7 @@ def plot_scaling(combined: dict, path: str) -> None:
         ax.set_ylabel("k tokens/s per GPU (higher is better)")
         ax.set_title(shape, fontsize=10)
         ax.set_ylim(bottom=0)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)  # below: never over a point
     first = combined["rows"][0]
     fig.suptitle(f"Training step, {first['config']['batch']} x {first['config']['seq']} tokens per GPU, bf16 AdamW, "
                  f"{first['device']}", fontsize=10)
