@@ -23,13 +23,9 @@ from .runner import ParityError
 def _published(name: str, layers: int):
     """The planner's built-in config of ``name`` (its published config.json) with ``layers`` layers and the
     byte-level tokenizer's special tokens, as the tiny configs have them."""
-    import transformers
+    from hf_scatter.common.shapes import builtin_config
 
-    from hf_scatter.offload import BUILTIN_MODELS
-
-    cls, kwargs = BUILTIN_MODELS[name]
-    return getattr(transformers, cls)(**{**kwargs, "num_hidden_layers": layers, "pad_token_id": 0, "bos_token_id": 1,
-                                         "eos_token_id": 2})
+    return builtin_config(name, num_hidden_layers=layers, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
 def _full_size_configs() -> dict:

@@ -22,9 +22,9 @@ def _help_list(name: str) -> list[str] | None:
     """The names a help text's ``{name}`` stands for: the tables the commands check their input against, so the
     help cannot drift from them (None: not a list)."""
     if name == "builtin_models":
-        from .models.spec import BUILTIN_MODELS as names
+        from .common.shapes import BUILTIN_MODELS as names
     elif name == "planned_families":
-        from .models.spec import planned_model_types
+        from .offload.families.registry import planned_model_types
 
         names = planned_model_types()
     elif name == "convert_families":

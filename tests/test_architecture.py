@@ -24,6 +24,7 @@ LAYERS = [
     ["hf_scatter.kernels"],
     ["hf_scatter.moe", "hf_scatter.turbo", "hf_scatter.env"],
     ["hf_scatter.models"],
+    ["hf_scatter.offload.families"],
     ["hf_scatter.offload.plan"],
     ["hf_scatter.offload.runtime"],
     ["hf_scatter.offload"],

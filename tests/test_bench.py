@@ -399,7 +399,7 @@ def test_model_flops_of_qwen3_30b_a3b_by_hand():
     4096 x 2048, the causal half of QK^T and PV 4096 x 4096, the 8 experts' SwiGLU 3 x 2048 x 8 x 768, the router
     2048 x 128; the LM head 2048 x 151,936; 6 FLOPs per multiply-add and token for forward and backward."""
     from hf_scatter.bench.train import model_flops
-    from hf_scatter.models.spec import ModelSpec
+    from hf_scatter.offload import ModelSpec
 
     attention = 2048 * (4096 + 2 * 512) + 4096 * 2048 + 4096 * 4096
     experts, router = 3 * 2048 * 8 * 768, 2048 * 128
@@ -416,7 +416,7 @@ def test_model_flops_of_deepseek_v2_lite_by_hand():
     """DeepSeek-V2-Lite: MLA (16 heads, no query low rank, latent 512, rotary 64, nope and value 128), a dense
     first layer of 10,944, 26 MoE layers of 6 of 64 experts of 1408 plus 2 shared, vocabulary 102,400."""
     from hf_scatter.bench.train import model_flops
-    from hf_scatter.models.spec import ModelSpec
+    from hf_scatter.offload import ModelSpec
 
     s = 2048
     attention = (2048 * 16 * 192 + 2048 * (512 + 64) + 512 * 16 * (128 + 128) + 16 * 128 * 2048

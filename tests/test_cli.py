@@ -257,7 +257,7 @@ def _config(folder, **config) -> str:
 
 
 def test_an_unknown_model_type_lists_the_planners_families_not_all_of_transformers(capsys, no_work, tmp_path):
-    from hf_scatter.models.spec import planned_model_types
+    from hf_scatter.offload.families.registry import planned_model_types
 
     config = _config(tmp_path, model_type="no_such_family")
     for argv in (["plan", "--model", config, "--profile", "h100-host-anchors"], ["profile", "--model", config]):
@@ -366,8 +366,8 @@ def _unnamed(text: str, names) -> list[str]:
 def test_help_names_every_family_model_gpu_and_profile_the_commands_take(capsys, monkeypatch):
     """Generated from the registry and the tables, so a new family or built-in shows in the help by itself."""
     from hf_scatter.conversion.plan import supported_model_types
-    from hf_scatter.models.spec import BUILTIN_MODELS, planned_model_types
-    from hf_scatter.offload import GPU_SPECS, KNOWN_PROFILES
+    from hf_scatter.offload import BUILTIN_MODELS, GPU_SPECS, KNOWN_PROFILES
+    from hf_scatter.offload.families.registry import planned_model_types
 
     monkeypatch.setenv("COLUMNS", "70")  # narrow: a name must not be wrapped at its hyphen either
     assert _unnamed(_help(capsys, []), supported_model_types()) == []

@@ -432,7 +432,7 @@ def test_cpu_attention_is_priced_per_length_bucket_as_the_runtime_splits_it():
 def test_cpu_attention_follows_the_query_heads_beyond_the_measured_group():
     """Profiles measure CPU attention with 4 query heads per KV head; Qwen3-MoE has 8 (32 over 4) and took twice
     as long per KV byte on the H100 host. Fewer than measured (OLMoE: 1) still reads every KV byte."""
-    from hf_scatter.models.spec import ModelSpec
+    from hf_scatter.offload import ModelSpec
 
     prof = synthetic(cpu_attention=[dict(batch=b, context=c, q_heads=32, kv_heads=8, head_dim=128, dtype_bytes=2,
                                          seconds=2.5e-4 + b * c * 4096 / 50e9) for b in (1, 32) for c in (64, 512)])

@@ -11,7 +11,8 @@ import hf_scatter
 from hf_scatter.offload import OffloadedModel, PlanError, Policy, plan_batches
 from hf_scatter.offload.plan.attention_buckets import length_buckets
 from hf_scatter.offload.runtime.cpu_attention import KVCache
-from hf_scatter.models.pipeline_adapter import LayerAttention, adapter_for
+from hf_scatter.offload.families.adapter import LayerAttention
+from hf_scatter.offload.families.registry import adapter_for
 from hf_scatter.offload.runtime.paging import Layout, PageTable, WeightStore, WeightStreamer, split_layer
 from hf_scatter.tiny import TINY_BUILDERS, tiny_dbrx, tiny_mixtral
 
@@ -583,7 +584,7 @@ def test_cpu_attention_over_bucketed_cache_matches_plain_attention(window, with_
 def test_prompt_attention_with_windows_and_sinks_matches_the_reference(window, with_sinks):
     """The prefill's attention within each prompt of a chunk, in blocks of queries small enough that the
     sink path takes several (max_score_bytes), against float64 attention of every position."""
-    from hf_scatter.models.pipeline_adapter import Dims
+    from hf_scatter.offload.families.adapter import Dims
     from hf_scatter.offload.runtime.attention import prompt_attention
 
     torch.manual_seed(0)
@@ -888,8 +889,8 @@ def test_a_sliding_window_on_every_layer_holds_in_prefill_and_decode():
 def test_prefill_chunks_are_not_shrunk_by_a_large_vocabulary():
     """The LM head's slice is the same for every chunk: with Qwen3's 152k vocabulary it took a quarter of 1.4 GiB
     of activations by itself and left 256-token chunks (measured: prefill 47 s against 0.5 s planned)."""
-    from hf_scatter.models.pipeline_adapter import Dims
-    from hf_scatter.models.spec import builtin_config
+    from hf_scatter.common.shapes import builtin_config
+    from hf_scatter.offload.families.adapter import Dims
     from hf_scatter.offload.runtime.memory import (_chunk_tokens, head_bytes, prefill_bytes, stage_bytes,
                                                    workspace_bytes)
 

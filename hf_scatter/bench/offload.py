@@ -43,8 +43,8 @@ FILL_BLOCK = (1 << 24) + 11  # elements of the random block the weights are tile
 # ----------------------------------------------------------------------------- model and requests
 def offload_models() -> list[str]:
     """Built-in shapes of the families the offloaded runtime runs."""
-    from ..models.pipeline_adapter import offloaded_model_types
-    from ..models.spec import BUILTIN_MODELS, builtin_config
+    from ..common.shapes import BUILTIN_MODELS, builtin_config
+    from ..offload.families.registry import offloaded_model_types
 
     return [name for name in BUILTIN_MODELS if builtin_config(name).model_type in offloaded_model_types()]
 
@@ -54,7 +54,7 @@ def build_model(layers: int, seed: int = 0, model: str = DEFAULT_MODEL):
     built without running transformers' initialisation on billions of parameters."""
     from transformers import AutoModelForCausalLM
 
-    from ..models.spec import builtin_config
+    from ..common.shapes import builtin_config
 
     config = builtin_config(model, num_hidden_layers=layers)
     with torch.device("meta"):
@@ -219,7 +219,7 @@ def check_flags(layers: int = 12, model: str = DEFAULT_MODEL, routed_batches: li
                 requests: int = 1024, **_) -> int:
     """The model's published layer count, after checking ``model`` is an offloadable built-in and ``layers`` at
     most its layer count (here, not as argparse choices: listing them builds every built-in config)."""
-    from ..models.spec import ModelSpec
+    from ..offload.families.spec import ModelSpec
 
     if routed_batches and max(routed_batches) > requests:
         raise ValueError(f"--routed-batches {max(routed_batches)} exceeds --requests {requests}: a batch is made of "

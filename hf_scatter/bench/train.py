@@ -32,8 +32,9 @@ import torch
 from ..common.argtypes import positive_int
 from ..common.atomic_files import save_figure
 from ..common.markdown import markdown_table
+from ..common.shapes import BUILTIN_MODELS, builtin_config
 from ..common.timing import run_header
-from ..models.spec import BUILTIN_MODELS, ModelSpec, builtin_config
+from ..offload.families.spec import ModelSpec
 from . import engines
 from .availability import require_cuda
 
@@ -84,7 +85,7 @@ _VARIANT_OPTIONS = {"experts": {"norms": False, "router": False}, "graphs": {"mo
 BASELINES = {"mixtral": "mixtral-grouped_mm", "dbrx": "dbrx-eager", "qwen3_moe": "qwen3_moe-grouped_mm",
              "gpt_oss": "gpt_oss-grouped_mm", "deepseek_v3": "deepseek_v3-grouped_mm",
              "deepseek_v2": "deepseek_v2-grouped_mm"}
-# The published models of models.spec whose family has variants here, by family: ``--shape NAME``
+# The built-in published models (common.shapes) whose family has variants here, by family: ``--shape NAME``
 _FAMILY_OF_CONFIG = {"MixtralConfig": "mixtral", "DbrxConfig": "dbrx", "Qwen3MoeConfig": "qwen3_moe",
                      "GptOssConfig": "gpt_oss", "DeepseekV3Config": "deepseek_v3", "DeepseekV2Config": "deepseek_v2"}
 SHAPES = {name: _FAMILY_OF_CONFIG[cls] for name, (cls, _) in BUILTIN_MODELS.items() if cls in _FAMILY_OF_CONFIG}
@@ -93,7 +94,7 @@ _CHOICES = ("grouped_mm", "eager", "liger", "hf-scatter", "hf-scatter-experts", 
 
 
 def published_shape(name: str, layers: int | None = None) -> TrainConfig:
-    """The dimensions of published model ``name`` (:data:`SHAPES`, from ``models.spec``'s configs) with ``layers``
+    """The dimensions of published model ``name`` (:data:`SHAPES`, from ``common.shapes``' configs) with ``layers``
     of its layers (default: all of them); the model is built from that config itself."""
     spec = ModelSpec.from_config(builtin_config(name, **({"num_hidden_layers": layers} if layers else {})))
     if spec.dense_layers == spec.layers:

@@ -68,6 +68,15 @@ def deepseek_v2_selection(n_group: int, topk_group: int, group_limited: bool, sc
                      scale=float(scale))
 
 
+def deepseek_v2_group_limited(topk_method: str) -> bool:
+    """Whether DeepSeek-V2's ``topk_method`` keeps the choice to the best expert groups (``deepseek_v2_selection``'s
+    ``group_limited``); a ValueError for a method transformers does not define."""
+    if topk_method not in ("greedy", "group_limited_greedy"):
+        raise ValueError(f"DeepSeek-V2 router: topk_method {topk_method!r} is not one transformers defines "
+                         "('greedy' or 'group_limited_greedy')")
+    return topk_method == "group_limited_greedy"
+
+
 if kernels_enabled():
     import triton
     import triton.language as tl

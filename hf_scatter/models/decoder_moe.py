@@ -198,11 +198,9 @@ def scattermoe_default_hooks(options: PatchOptions) -> dict[str, object]:
     return {"get_correct_experts_implementation": default_to_scattermoe} if options.moe else {}
 
 
-def register_decoder_family(family: DecoderFamily, spec: Callable | None = None,
-                            pipeline_adapter: type | None = None) -> Family:
-    """Register ``family``; ``spec`` and ``pipeline_adapter`` as in :class:`~.registry.Family` (offloading)."""
+def register_decoder_family(family: DecoderFamily) -> Family:
     return register_family(Family(
         model_type=family.model_type,
         patch=functools.partial(patch_decoder_family, family),
         pretrained_class=f"{family.pretrained.__module__}:{family.pretrained.__name__}",
-        class_hooks=scattermoe_default_hooks, spec=spec, pipeline_adapter=pipeline_adapter))
+        class_hooks=scattermoe_default_hooks))

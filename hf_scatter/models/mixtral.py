@@ -1,5 +1,5 @@
 """Mixtral: experts on the ``"scattermoe"`` backend, fused norms and router (the shared decoder-family pieces of
-``decoder_moe``), the planner's shapes and the offloaded runtime's layer split.
+``decoder_moe``).
 
 Experts: no class is touched on a live model (:func:`~.experts.patch_interface_experts`), and under
 ``patch_transformers`` the family's default (what ``experts_implementation=None`` resolves to) becomes
@@ -19,8 +19,6 @@ from transformers.models.mixtral.modeling_mixtral import (MixtralAttention, Mixt
 
 from ..kernels.router import router_topk
 from .decoder_moe import DecoderFamily, register_decoder_family
-from .pipeline_adapter import LlamaStylePipelineAdapter
-from .spec import llama_style_spec
 
 
 def mixtral_router_forward(self, hidden_states: torch.Tensor):
@@ -41,12 +39,4 @@ MIXTRAL_LAYERS = DecoderFamily(
     norm=MixtralRMSNorm, uses_rng=_jitters, attention=MixtralAttention)
 
 
-class MixtralPipelineAdapter(LlamaStylePipelineAdapter):
-    """Offloaded generation of Mixtral: its layer in pieces, the experts in column layout."""
-
-    model_type = "mixtral"
-
-
-MIXTRAL = register_decoder_family(
-    MIXTRAL_LAYERS, pipeline_adapter=MixtralPipelineAdapter,
-    spec=lambda config, name, dtype_bytes: llama_style_spec(config, name, dtype_bytes, family="mixtral"))
+MIXTRAL = register_decoder_family(MIXTRAL_LAYERS)

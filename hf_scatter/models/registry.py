@@ -1,9 +1,9 @@
 """The one registry of model families, keyed by ``config.model_type``, and the options a user can turn off.
 
 Each family is one module of this package (:data:`FAMILY_MODULES`) that registers a :class:`Family`: how to
-patch it for training and inference, how the planner reads its shapes, and how the offloaded runtime splits
-its decoder layers. Adding a family is adding its module and its name here. The modules import on first use
-of :func:`families`, so ``import hf_scatter`` does not load every family's transformers code.
+patch it for training and inference (what offloading knows of a family lives in ``hf_scatter.offload.families``).
+Adding a family is adding its module and its name here. The modules import on first use of :func:`families`,
+so ``import hf_scatter`` does not load every family's transformers code.
 """
 
 from __future__ import annotations
@@ -60,18 +60,12 @@ class Family:
     ``patch_transformers``: choices the user made explicitly at load time are then respected.
     ``pretrained_class`` (``"module:Class"``) is the family's ``PreTrainedModel`` base, hooked by
     ``patch_transformers``; ``class_hooks(options)`` returns extra class attributes to set while it is active.
-    ``spec(config, name, dtype_bytes)`` reads the shapes the offload planner prices (a ``ModelSpec``);
-    ``pipeline_adapter`` is the class that runs its decoder layers in pieces under offloaded generation (a
-    ``PipelineAdapter``).
-    Families without offloaded generation (BERT) leave both ``None``.
     """
 
     model_type: str
     patch: Callable[[nn.Module, PatchOptions, bool], None]
     pretrained_class: str
     class_hooks: Callable[[PatchOptions], dict[str, object]] = lambda options: {}
-    spec: Callable | None = None
-    pipeline_adapter: type | None = None
 
 
 FAMILY_MODULES = ("mixtral", "dbrx", "bert", "qwen_moe", "deepseek", "gpt_oss", "granite_moe")

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.swiglu import SILU, GateForm, swiglu, swiglu_reference
+from ..kernels.swiglu import SILU, GateForm, swiglu, swiglu_pair, swiglu_reference
 from .parallel_linear import parallel_linear
 from .routing import flatten_sort_count
 from .swiglu_experts import swiglu_experts
@@ -99,6 +99,15 @@ def glu_activation(act_fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[
         return act_fn(gate) * up
 
     return act_times_up
+
+
+def glu_pair_activation(act_fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``act(gate) * up`` over separate gate and up projections (DBRX's): the fused SwiGLU kernel for SiLU (both
+    inputs are ``expert_mlp``'s own intermediates, so its backward may overwrite them), torch ops otherwise. The
+    patched DBRX experts and its offloaded runtime both run it."""
+    if is_silu(act_fn):
+        return lambda gate, up: swiglu_pair(gate, up, reuse_input_buffers=True)
+    return lambda gate, up: act_fn(gate) * up
 
 
 class GLUMLP(nn.Module):

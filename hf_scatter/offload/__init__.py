@@ -21,8 +21,9 @@ import sys as _sys
 import types as _types
 
 from ..common.units import format_bytes, parse_bytes
-from ..models.pipeline_adapter import offloaded_model_types
-from ..models.spec import BUILTIN_MODELS, ModelSpec
+from ..common.shapes import BUILTIN_MODELS
+from .families.registry import offloaded_model_types
+from .families.spec import ModelSpec
 from .measure import measure_profile
 from .plan.cost_model import CostOptions, LayerTime, OpTime, Prediction, decode_layer_time, predict, prefill_layer_time
 from .plan.hrm import HierarchicalRoofline, ProfileError, Roofs, TurningPoints, turning_points

@@ -22,7 +22,7 @@ import functools
 import math
 from dataclasses import asdict, dataclass
 
-from ...models.spec import ModelSpec
+from ..families.spec import ModelSpec
 from .hrm import HierarchicalRoofline
 from .policy import Policy, Workload
 from .profile import HardwareProfile

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...models.spec import ModelSpec, OpCost
+from ..families.spec import ModelSpec, OpCost
 from .profile import HardwareProfile
 
 

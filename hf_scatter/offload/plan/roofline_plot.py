@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from ...common.atomic_files import save_figure
-from ...models.spec import ModelSpec
+from ..families.spec import ModelSpec
 from .hrm import HierarchicalRoofline
 from .policy import Policy
 

@@ -13,7 +13,7 @@ import dataclasses
 import math
 
 from ...common.units import format_bytes, parse_bytes
-from ...models.spec import ModelSpec
+from ..families.spec import ModelSpec
 from .cost_model import CostOptions, Lin, as_roofline, default_cpu_limit, memory_use, objective, predict
 from .hrm import HierarchicalRoofline
 from .known_profiles import load_profile

@@ -1,7 +1,7 @@
 """The attention math of the offloaded pipeline: prompts on the device, one new token per row on the CPU.
 
 Plain causal attention runs as one fused SDPA call (grouped-query heads folded into query rows, so each K/V
-head is read once). A layer's :class:`~hf_scatter.models.pipeline_adapter.LayerAttention` adds what some
+head is read once). A layer's :class:`~hf_scatter.offload.families.adapter.LayerAttention` adds what some
 families need: a sliding window (a boolean mask; decode also skips the keys before every row's window) and
 attention sinks (GPT-OSS), which SDPA has no argument for. Sinks run as explicit float32 softmax over the
 scores and the sink logit, the sink's column dropped afterwards, as transformers' eager GPT-OSS attention
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...models.pipeline_adapter import Dims, LayerAttention
+from ..families.adapter import Dims, LayerAttention
 
 
 def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None,

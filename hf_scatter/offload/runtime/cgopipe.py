@@ -32,7 +32,7 @@ from typing import Callable
 
 import torch
 
-from ...models.pipeline_adapter import PipelineAdapter
+from ..families.adapter import PipelineAdapter
 from ..plan.attention_buckets import BucketCosts
 from .attention import prompt_attention
 from .batching import Batch

@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ...models.pipeline_adapter import LayerAttention
+from ..families.adapter import LayerAttention
 from ..plan.attention_buckets import BucketCosts
 from .attention import decode_attention, visible_keys, window_start
 

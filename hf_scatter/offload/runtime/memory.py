@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 
 from ...common.units import format_bytes
-from ...models.pipeline_adapter import Dims, PipelineAdapter
+from ..families.adapter import Dims, PipelineAdapter
 from ..plan.cost_model import PREFILL_CHUNK_TOKENS
 from ..plan.policy import PlanError
 from .paging import Layout

@@ -19,8 +19,8 @@ import torch
 
 from ...common.units import format_bytes, parse_bytes
 from ...kernels.backend import autotune_override
-from ...models.pipeline_adapter import adapter_for
-from ...models.spec import ModelSpec
+from ..families.registry import adapter_for
+from ..families.spec import ModelSpec
 from ..plan.attention_buckets import SLACK, BucketCosts
 from ..plan.cost_model import decode_layer_time
 from ..plan.known_profiles import load_profile

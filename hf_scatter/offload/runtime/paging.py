@@ -10,7 +10,7 @@ so a hidden-state copy, which the copy engine takes in issue order, never waits 
 
 *Residency.* The same fraction x of every layer stays on the GPU (the HRM's ``weights_gpu_fraction``):
 dense tensors first (QKV, then output projection, norm, router), then the first r intermediate columns of
-every expert (``models/pipeline_adapter.py``: a column range of all experts is itself a set of smaller
+every expert (``offload/families/adapter.py``: a column range of all experts is itself a set of smaller
 experts); the rest of the layer is streamed.
 
 *Page table.* Each stage's streamed tensors have fixed byte offsets (:class:`PageTable`), identical in the
@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...common.units import align_up
-from ...models.pipeline_adapter import PipelineAdapter, copy_weight
+from ..families.adapter import PipelineAdapter, copy_weight
 from .streams import DONE, Streams
 
 ALIGN = 256  # bytes: every tensor starts on a 256-byte boundary (vectorised kernel loads)

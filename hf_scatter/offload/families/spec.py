@@ -1,8 +1,9 @@
 """What one decoder layer of a model costs: FLOPs and bytes of each op, weight and KV-cache sizes.
 
-The performance model needs only shapes, so a model is described by its HF config: Mixtral, DBRX, or a
-dense Llama-style model (one "expert" that every token uses, no router). Well-known configs are built in
-code (no hub access), so ``hf-scatter plan --model mixtral-8x7b`` works on any machine.
+The performance model needs only shapes, so a model is described by its HF config, read by its family's
+``spec`` (:mod:`.registry`), or as a dense Llama-style model (one "expert" that every token uses, no router).
+Published configs are built in (:data:`~hf_scatter.common.shapes.BUILTIN_MODELS`), so
+``hf-scatter plan --model mixtral-8x7b`` works on any machine.
 """
 
 from __future__ import annotations
@@ -11,69 +12,12 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
-from ..common.shapes import MIXTRAL_8X7B, MIXTRAL_8X7B_LAYERS
+from ...common.shapes import BUILTIN_MODELS, builtin_config
 
 # GPU kernel launches per op and micro-batch, counted on the patched Mixtral layer (norm, GEMM, rotary
 # embedding, residual add, routing and expert kernels). Launch-bound ops cost this many launches.
 KERNELS = {"qkv": 4, "attention": 2, "o_proj": 2, "router": 4, "ffn": 6, "head": 3}
 DENSE_FFN_KERNELS = 3
-
-# Published configs of the models users plan for, as (transformers config class, keyword arguments).
-BUILTIN_MODELS: dict[str, tuple[str, dict]] = {
-    "mixtral-8x7b": ("MixtralConfig", dict(
-        hidden_size=MIXTRAL_8X7B["hidden"], intermediate_size=MIXTRAL_8X7B["intermediate"],
-        num_hidden_layers=MIXTRAL_8X7B_LAYERS, num_attention_heads=MIXTRAL_8X7B["heads"],
-        num_key_value_heads=MIXTRAL_8X7B["kv_heads"], num_local_experts=MIXTRAL_8X7B["experts"],
-        num_experts_per_tok=MIXTRAL_8X7B["top_k"], vocab_size=MIXTRAL_8X7B["vocab"], max_position_embeddings=32768,
-        rope_theta=1e6)),
-    "mixtral-8x22b": ("MixtralConfig", dict(
-        hidden_size=6144, intermediate_size=16384, num_hidden_layers=56, num_attention_heads=48,
-        num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
-        max_position_embeddings=65536, rope_theta=1e6)),
-    "dbrx": ("DbrxConfig", dict(
-        d_model=6144, n_heads=48, n_layers=40, max_seq_len=32768, vocab_size=100352,
-        attn_config={"kv_n_heads": 8, "clip_qkv": 8.0, "rope_theta": 500000.0},
-        ffn_config={"ffn_hidden_size": 10752, "moe_num_experts": 16, "moe_top_k": 4})),
-    # fine-grained: Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B, allenai/OLMoE-1B-7B-0924
-    "qwen3-30b-a3b": ("Qwen3MoeConfig", dict(
-        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
-        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
-        norm_topk_prob=True, vocab_size=151936, max_position_embeddings=40960, rope_theta=1e6)),
-    "qwen3-235b-a22b": ("Qwen3MoeConfig", dict(
-        hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536, num_hidden_layers=94,
-        num_attention_heads=64, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
-        norm_topk_prob=True, vocab_size=151936, max_position_embeddings=40960, rope_theta=1e6)),
-    "olmoe-1b-7b": ("OlmoeConfig", dict(
-        hidden_size=2048, intermediate_size=1024, num_hidden_layers=16, num_attention_heads=16,
-        num_key_value_heads=16, num_experts=64, num_experts_per_tok=8, vocab_size=50304,
-        max_position_embeddings=4096, rope_theta=10000.0)),
-    # openai/gpt-oss-20b, openai/gpt-oss-120b: the rest (head_dim 64, sliding window 128 on every other layer,
-    # YaRN rope, biases, clamped SwiGLU) are GptOssConfig's defaults
-    "gpt-oss-20b": ("GptOssConfig", dict(
-        hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
-        num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4, vocab_size=201088,
-        sliding_window=128, max_position_embeddings=131072)),
-    "gpt-oss-120b": ("GptOssConfig", dict(
-        hidden_size=2880, intermediate_size=2880, num_hidden_layers=36, num_attention_heads=64,
-        num_key_value_heads=8, head_dim=64, num_local_experts=128, num_experts_per_tok=4, vocab_size=201088,
-        sliding_window=128, max_position_embeddings=131072)),
-    # deepseek-ai/DeepSeek-V2-Lite and DeepSeek-V3 (shapes; their YaRN rope scaling is left out, it changes no size)
-    "deepseek-v2-lite": ("DeepseekV2Config", dict(
-        hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27,
-        num_attention_heads=16, num_key_value_heads=16, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
-        first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64,
-        v_head_dim=128, topk_method="greedy", n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False,
-        vocab_size=102400, max_position_embeddings=163840)),
-    "deepseek-v3": ("DeepseekV3Config", dict(
-        hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
-        num_attention_heads=128, num_key_value_heads=128, n_routed_experts=256, n_shared_experts=1,
-        num_experts_per_tok=8, first_k_dense_replace=3, kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128,
-        qk_rope_head_dim=64, v_head_dim=128, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True,
-        vocab_size=129280, max_position_embeddings=163840)),
-    "llama-3-8b": ("LlamaConfig", dict(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)),
-}
 
 
 @dataclass(frozen=True)
@@ -138,7 +82,7 @@ class ModelSpec:
     @classmethod
     def from_config(cls, config, name: str | None = None, dtype_bytes: int = 2) -> "ModelSpec":
         """From a transformers config, a config dict, a config.json path or directory, or a built-in name
-        (:data:`BUILTIN_MODELS`)."""
+        (:data:`~hf_scatter.common.shapes.BUILTIN_MODELS`)."""
         if isinstance(config, str):
             return cls._from_name_or_path(config, dtype_bytes)
         if isinstance(config, dict):
@@ -159,7 +103,7 @@ class ModelSpec:
         from .registry import families
 
         family = families().get(model_type)
-        if family is not None and family.spec is not None:
+        if family is not None:
             return family.spec(config, label, dtype_bytes)
         not_a_decoder = _not_a_decoder(config)
         if not_a_decoder:
@@ -375,15 +319,10 @@ class ModelSpec:
                 f"{self.kv_bytes_per_token * self.layers / 1024:.0f} KiB per token")
 
 
-def planned_model_types() -> list[str]:
-    """The registry's families whose shapes the planner reads (``Family.spec``); dense Llama-style decoders aside."""
-    from .registry import families
-
-    return sorted(f for f, v in families().items() if v.spec)
-
-
 def _described() -> str:
     """The configs the planner reads, for errors."""
+    from .registry import planned_model_types
+
     return f"{', '.join(planned_model_types())} and dense Llama-style decoders"
 
 
@@ -431,14 +370,3 @@ def llama_style_spec(config, label: str, dtype_bytes: int, family: str) -> Model
                      dtype_bytes=dtype_bytes,
                      # Qwen2-MoE's shared expert, every token's (its sigmoid gate, one row, is left out)
                      shared_intermediate=(getattr(config, "shared_expert_intermediate_size", None) or 0) if experts else 0)
-
-
-def builtin_config(name: str, **overrides):
-    """The transformers config object of a built-in model name; ``overrides`` (e.g. ``num_hidden_layers``) go to
-    the constructor, so what the config derives from them (GPT-OSS's ``layer_types``) follows."""
-    import transformers
-
-    if name not in BUILTIN_MODELS:
-        raise ValueError(f"unknown built-in model {name!r}: choose one of {', '.join(BUILTIN_MODELS)}")
-    cls_name, kwargs = BUILTIN_MODELS[name]
-    return getattr(transformers, cls_name)(**{**kwargs, **overrides})

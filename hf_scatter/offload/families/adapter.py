@@ -2,8 +2,8 @@
 
 The pipeline needs a layer in three pieces: *pre-attention* (input norm, fused QKV projection, rotary
 embedding) and *post-attention* (output projection, residual, norm, router, experts, residual) run on the
-GPU, attention runs on the CPU in between. A family's :class:`PipelineAdapter` (in the family's module, named by
-its registry entry) names the weights each piece reads, in the
+GPU, attention runs on the CPU in between. A family's :class:`PipelineAdapter` (in the family's module of this
+package, named by its registry entry) names the weights each piece reads, in the
 order they should stay on the GPU when only part of a layer can (dense tensors first), and gives the
 expert weights in a *column layout*: every expert tensor with the expert's intermediate dimension as one
 axis, so any range of intermediate columns [a, b) of all experts is itself a smaller set of experts
@@ -25,10 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.norms import fused_add_rms_norm
-from ..kernels.router import router_topk
-from ..moe.mlp import expert_mlp, glu_activation
-from ..moe.routing import flatten_sort_count
+from ...moe.routing import flatten_sort_count
 from .spec import ModelSpec
 
 
@@ -98,16 +95,47 @@ def copy_weight(dst: torch.Tensor, src) -> None:
 
 
 class PipelineAdapter:
-    """Base of a family's split. Subclasses fill the weight lists and the per-piece math."""
+    """Base of a family's split. The runtime calls the weight getters below, :meth:`rotary`,
+    :meth:`layer_attention`, :meth:`embed`, :meth:`qkv`, :meth:`post` and :meth:`logits`; a family overrides
+    points in four groups:
+
+    - **reading**, done once by the constructor: :meth:`read_dims` (the shapes) and :meth:`read_constants` (the
+      family's frozen dataclass of everything else the maths needs: norm epsilons, activation, routing, each
+      layer's attention; from the config, and from the modules for the few constants the config does not hold).
+      Nothing else is read from the model later but its weights, so the getters below may run in any order.
+    - **weights**, pure getters: :meth:`layers`, :meth:`pre_tensors`, :meth:`post_tensors`,
+      :meth:`expert_tensors` (in the column layout ``column_dims`` names), :meth:`other_tensors` and
+      :meth:`_rotary_module`. They raise ``NotImplementedError`` for a layout the runtime cannot run; the
+      constructor asks them once, so such a model is refused before any work.
+    - **pre-attention maths**: :meth:`embed`, :meth:`_project_qkv` and :meth:`_normalize_qk` (or all of
+      :meth:`qkv`, where the layout of its output differs: MLA).
+    - **post-attention maths and the head**: :meth:`_attention_output`, :meth:`_post_norm`, :meth:`_route` (the router's
+      logits) and :meth:`_select` (its choice), :meth:`_experts` (one column part), :meth:`_mlp` (where dense
+      MLPs join the experts); the head's :meth:`_final_norm` (or all of :meth:`logits`).
+    """
 
     model_type = ""
     column_dims: dict[str, int] = {}  # expert tensor name -> its intermediate (column) axis
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self.dims = self._dims(model.config)
+        self.dims = self.read_dims(model.config)
+        self.constants = self.read_constants(model)
+        layers = self.layers()  # the getters refuse what the runtime cannot run: asked once here, before any work
+        self.other_tensors()
+        if layers:
+            self.expert_tensors(layers[0])
 
-    # ----- structure -----
+    # ----- reading -----
+    def read_dims(self, config) -> Dims:
+        raise NotImplementedError
+
+    def read_constants(self, model: nn.Module):
+        """The family's frozen dataclass of constants; it holds ``attention``, each layer's
+        :class:`LayerAttention`."""
+        raise NotImplementedError
+
+    # ----- weights -----
     def layers(self) -> list[nn.Module]:
         raise NotImplementedError
 
@@ -124,15 +152,18 @@ class PipelineAdapter:
         """Embedding, final norm, LM head: always resident on the device."""
         raise NotImplementedError
 
+    def _rotary_module(self) -> nn.Module:
+        """The module giving (cos, sin) for positions, as the pipeline rotates with them."""
+        raise NotImplementedError
+
     def rotary(self, device: torch.device) -> nn.Module:
         return copy.deepcopy(self._rotary_module()).to(device)
 
     def layer_attention(self) -> list[LayerAttention]:
-        """Each layer's window and sinks; by default the config's ``sliding_window`` (None: full) on every
-        layer, as Mixtral and the Qwen-MoE configs apply it."""
-        return [LayerAttention(window=self.dims.sliding_window)] * self.dims.layers
+        """Each layer's window, sinks and scale (:attr:`constants`)."""
+        return list(self.constants.attention)
 
-    # ----- math -----
+    # ----- pre-attention maths -----
     def embed(self, other: dict, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, other["embed"])
 
@@ -149,6 +180,13 @@ class PipelineAdapter:
         k.copy_(k_rot)
         return qkv
 
+    def _project_qkv(self, w: dict, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _normalize_qk(self, w: dict, qkv: torch.Tensor) -> None:
+        """Norms (and clamps) of q and k before the rotary embedding, in place in ``qkv`` [T, q + 2 kv]."""
+
+    # ----- post-attention maths -----
     def post(self, w: dict, expert_parts: list[dict], x: torch.Tensor, attn: torch.Tensor,
              fetch: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """Post-attention: the layer's output hidden state (the next residual). ``fetch``: called with the
@@ -160,6 +198,9 @@ class PipelineAdapter:
     def _attention_output(self, w: dict, attn: torch.Tensor) -> torch.Tensor:
         """The output projection of the attention ``attn`` [T, q] (optional bias ``o_bias``)."""
         return F.linear(attn, w["o"], w.get("o_bias"))
+
+    def _post_norm(self, w: dict, o: torch.Tensor, x: torch.Tensor):
+        raise NotImplementedError
 
     def _mlp(self, w: dict, expert_parts: list[dict], normed: torch.Tensor, fetch=None) -> torch.Tensor:
         """The routed experts of ``normed`` [T, H], summed over their column parts; ``down_bias`` [E, H] (an
@@ -176,25 +217,6 @@ class PipelineAdapter:
             out = out + (w["down_bias"][experts] * gates.unsqueeze(-1).to(normed.dtype)).sum(1)
         return out
 
-    def logits(self, other: dict, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self._final_norm(other, x), other["lm_head"]).float()
-
-    # ----- per family -----
-    def _dims(self, config) -> Dims:
-        raise NotImplementedError
-
-    def _rotary_module(self) -> nn.Module:
-        raise NotImplementedError
-
-    def _project_qkv(self, w: dict, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def _normalize_qk(self, w: dict, qkv: torch.Tensor) -> None:
-        """Norms (and clamps) of q and k before the rotary embedding, in place in ``qkv`` [T, q + 2 kv]."""
-
-    def _post_norm(self, w: dict, o: torch.Tensor, x: torch.Tensor):
-        raise NotImplementedError
-
     def _route(self, w: dict, normed: torch.Tensor):
         """(gates [T, k], experts [T, k]) of the router ``router`` (optional ``router_bias``)."""
         return self._select(F.linear(normed, w["router"], w.get("router_bias")))
@@ -206,6 +228,10 @@ class PipelineAdapter:
                  routing: tuple) -> torch.Tensor:
         """One column part of every expert (``routing``: the shared sort of ``experts``)."""
         raise NotImplementedError
+
+    # ----- the head -----
+    def logits(self, other: dict, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self._final_norm(other, x), other["lm_head"]).float()
 
     def _final_norm(self, other: dict, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -235,118 +261,3 @@ def layer_windows(config) -> list[int | None]:
     return [config.sliding_window if kind == "sliding_attention" else None for kind in types]
 
 
-def offloaded_model_types() -> list[str]:
-    """The families offloaded generation runs: those whose registry entry names a pipeline adapter."""
-    from .registry import families
-
-    return sorted(name for name, f in families().items() if f.pipeline_adapter is not None)
-
-
-def adapter_for(model: nn.Module) -> PipelineAdapter:
-    """The split of ``model`` (a causal LM of a family in :func:`offloaded_model_types`; patched or not)."""
-    from .registry import families
-
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    offloadable = offloaded_model_types()
-    if model_type not in offloadable:
-        raise ValueError(f"offloading supports {', '.join(offloadable)} causal LMs; got model_type "
-                         f"{model_type!r} ({type(model).__name__})")
-    if not hasattr(model, "lm_head"):
-        raise ValueError(f"offloading needs the causal-LM model (with lm_head), got {type(model).__name__}: load it "
-                         "with AutoModelForCausalLM")
-    adapter = families()[model_type].pipeline_adapter(model)
-    adapter.other_tensors()  # reads the norms' eps
-    layers = adapter.layers()
-    if layers:
-        adapter.expert_tensors(layers[0])  # reads the activation and the router's normalisation
-    return adapter
-
-
-class LlamaStylePipelineAdapter(PipelineAdapter):
-    """The Llama-style MoE layer (Mixtral, Qwen3-MoE, OLMoE): RMSNorm, separate q/k/v projections, a linear
-    router at ``mlp.gate``, SwiGLU experts with a concatenated [gate; up] projection. Subclasses name the
-    family and add its q/k norms or routing; every layer must hold an MoE block."""
-
-    gates_in_logits_dtype = False
-    column_dims = {"gate_up": 2, "down": 2}  # gate_up as [E, 2, I, H] ([gate; up]), down [E, H, I]
-    norm_casting = "llama"  # its RMSNorm's rounding (kernels.norms.fused_add_rms_norm)
-
-    def _dims(self, c) -> Dims:
-        return Dims.of(c, getattr(c, "max_position_embeddings", None), getattr(c, "sliding_window", None))
-
-    def layers(self):
-        layers = list(self.model.model.layers)
-        dense = [i for i, layer in enumerate(layers) if not hasattr(layer.mlp, "experts")]
-        if dense:
-            raise NotImplementedError(f"offloading runs decoder layers that all hold experts; layers {dense} of this "
-                                      f"{self.model_type} model hold a dense MLP (mlp_only_layers / decoder_sparse_step)")
-        return layers
-
-    def pre_tensors(self, layer):
-        a = layer.self_attn
-        tensors = {"norm": layer.input_layernorm.weight, "qkv": Rows(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)}
-        if a.q_proj.bias is not None:  # attention_bias (Qwen2-MoE and GPT-OSS always; the others by config)
-            tensors["qkv_bias"] = Rows(a.q_proj.bias, a.k_proj.bias, a.v_proj.bias)
-        return tensors
-
-    def post_tensors(self, layer):
-        return {**self._attention_out_tensors(layer), "router": layer.mlp.gate.weight}
-
-    def _attention_out_tensors(self, layer) -> dict:
-        """The attention's output projection (with its bias where it has one) and the post-attention norm."""
-        o = layer.self_attn.o_proj
-        tensors = {"o": o.weight, "post_norm": layer.post_attention_layernorm.weight}
-        if o.bias is not None:
-            tensors["o_bias"] = o.bias
-        return tensors
-
-    def expert_tensors(self, layer):
-        experts = layer.mlp.experts
-        flags = {f: getattr(experts, f, d) for f, d in (("has_gate", True), ("has_bias", False),
-                                                         ("is_concatenated", True))}
-        if flags != {"has_gate": True, "has_bias": False, "is_concatenated": True}:
-            raise NotImplementedError(f"offloading supports experts with a concatenated [gate; up] projection "
-                                      f"and no bias; this model's experts have {flags}")
-        gate_up, down = experts.gate_up_proj, experts.down_proj
-        if getattr(experts, "is_transposed", False):  # stored [E, H, 2I] / [E, I, H]
-            gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
-        E, two_i, H = gate_up.shape
-        self._act_fn = experts.act_fn
-        return {"gate_up": gate_up.reshape(E, 2, two_i // 2, H), "down": down}
-
-    def other_tensors(self):
-        base = self.model.model
-        self._eps = (self.model.model.layers[0].input_layernorm.variance_epsilon,
-                     self.model.model.layers[0].post_attention_layernorm.variance_epsilon, base.norm.variance_epsilon)
-        return {"embed": base.embed_tokens.weight, "final_norm": base.norm.weight,
-                "lm_head": self.model.lm_head.weight}
-
-    def _rotary_module(self):
-        return self.model.model.rotary_emb
-
-    def _project_qkv(self, w, x):
-        return F.linear(self._norm(x, None, w["norm"], self._eps[0]), w["qkv"], w.get("qkv_bias"))
-
-    def _post_norm(self, w, o, x):
-        return self._norm(o, x, w["post_norm"], self._eps[1], return_sum=True)
-
-    def _norm(self, x, residual, weight, eps, return_sum=False):
-        """The family's RMSNorm of ``x + residual`` (with the sum when ``return_sum``), in its casting."""
-        return fused_add_rms_norm(x, residual, weight, eps=eps, return_sum=return_sum, validate=False,
-                                  casting=self.norm_casting)
-
-    def _select(self, logits):
-        """float32 softmax, top-k, renormalised to sum 1 (Mixtral: float32 gates; Qwen-style routers renormalise
-        where ``norm_topk_prob`` says and hand the gates on in the logits' dtype)."""
-        normalize = "sum" if getattr(self.model.config, "norm_topk_prob", True) else None
-        gates, experts = router_topk(logits, self.dims.top_k, normalize=normalize, softmax_dtype=torch.float32)
-        return (gates.to(logits.dtype) if self.gates_in_logits_dtype else gates), experts
-
-    def _experts(self, part, x, experts, gates, routing):
-        E, _, c, H = part["gate_up"].shape
-        w_in = part["gate_up"].view(E, 2 * c, H).transpose(1, 2)
-        return expert_mlp(x, (w_in,), part["down"].transpose(1, 2), experts, gates, glu_activation(self._act_fn),
-                          validate=False, routing=routing)
-
-    def _final_norm(self, other, x):
-        return self._norm(x, None, other["final_norm"], self._eps[2])
