@@ -40,7 +40,7 @@ phase_tuned() {
 phase_ep() { row qwen3 0,1,2,3 ep "${QWEN[@]}"; row qwen3 0,1 ep "${QWEN[@]}" & row mixtral 2,3 ep "${MIXTRAL[@]}" & wait; }
 
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpus.txt"
-for phase in "${@:-one two four ep}"; do
+for phase in "${@:-one two four ep tuned zero3}"; do
     for p in $phase; do "phase_$p"; done
 done
 

@@ -6,9 +6,9 @@ backward would hand the LM head, ``(softmax - onehot) * scale``; two GEMMs turn 
 and the head's gradients, made in the forward (the backward only scales them). Nothing waits for the GPU: no
 ``.item()``, no comparison read back on the host. That is why this is our own and not Liger-Kernel's fused
 linear cross-entropy, which reads the count of valid labels back in its forward and compares the incoming
-gradient with 1 on the host in its backward: two waits per step, which under FSDP2 (whose per-layer hooks
-need the host ahead of the GPU) cost the Qwen3-30B-A3B layers about a quarter of their step on an H100
-(docs/models.md has the measurement, and ``bench loss`` runs both). Liger's path stays selectable
+gradient with 1 on the host in its backward: two waits per step. Under FSDP2 on one H100 (whose per-layer
+hooks need the host ahead of the GPU) a step of the Qwen3-30B-A3B layers took 342 ms with it and 243 ms with
+this module's torch path (docs/distributed.md); ``bench loss`` runs both. Liger's path stays selectable
 (``use_liger=True``). The torch reference (CPU, float64, the kernel's test oracle) makes the same chunks
 with torch ops.
 
@@ -43,11 +43,14 @@ if kernels_enabled():
         row = tl.program_id(0)
         z_row = z_ptr + row.to(tl.int64) * stride_z
         y = tl.load(labels_ptr + row)
+        tl.device_assert((y == ignore_index) | ((y >= 0) & (y < V)), "label out of the vocabulary")
         cols = tl.arange(0, BLOCK)
         top = tl.max(tl.full((BLOCK,), float("-inf"), tl.float32), 0)
         total = tl.sum(tl.zeros((BLOCK,), tl.float32), 0)
         for start in range(0, V, BLOCK):  # online log-sum-exp
-            x = tl.load(z_row + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32) * scale
+            inside = start + cols < V
+            x = tl.where(inside, tl.load(z_row + start + cols, mask=inside, other=0.0).to(tl.float32) * scale,
+                         float("-inf"))
             new_top = tl.maximum(top, tl.max(x, 0))
             total = total * tl.exp(top - new_top) + tl.sum(tl.exp(x - new_top), 0)
             top = new_top
@@ -138,8 +141,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad):
         dh, dw = ctx.saved_tensors
-        return (None if dh is None else dh * grad.to(dh.dtype),
-                None if dw is None else (dw * grad).to(ctx.weight_dtype), None, None, None)
+        # grad (1 / the count of valid labels, usually) multiplies in float32: rounded to bf16 first, it would
+        # scale every gradient by up to 0.4% off
+        return (None if dh is None else (dh.float() * grad).to(dh.dtype),
+                None if dw is None else (dw.float() * grad).to(ctx.weight_dtype), None, None, None)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
@@ -148,14 +153,22 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
 
     ``hidden`` [N, H], ``weight`` [V, H] (the LM head), ``labels`` [N] already shifted. Mean over the valid
     labels, or sum / ``num_items_in_batch`` when given. ``use_liger``: Liger-Kernel's fused loss instead of
-    ours (CUDA; it waits for the GPU twice per step, see the module's docstring)."""
+    ours (CUDA; it waits for the GPU twice per step, see the module's docstring). Inside ``torch.autocast`` the
+    products run in the autocast dtype. Labels must be ``ignore_index`` or in ``[0, V)``: the torch path raises
+    otherwise, the kernel checks them only in Triton's debug mode (``TRITON_DEBUG=1``; checking on every call
+    would read them back to the host)."""
     op = "linear_cross_entropy"
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         fail(op, f"hidden must be [N, H] and weight [V, H], got {tuple(hidden.shape)} and {tuple(weight.shape)}")
     if labels.shape != hidden.shape[:1]:
         fail(op, f"labels must be [{hidden.shape[0]}] (one per row of hidden), got {tuple(labels.shape)}")
+    if not scale > 0:
+        fail(op, f"scale must be positive (it multiplies the logits), got {scale}")
     if use_liger and not liger_available():
         fail(op, "use_liger=True needs liger-kernel (pip install liger-kernel)")
+    if torch.is_autocast_enabled(hidden.device.type):  # the GEMMs in the autocast dtype, as F.linear under autocast;
+        dtype = torch.get_autocast_dtype(hidden.device.type)  # the gradients flow back to the float32 tensors
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
     reduction = "mean" if num_items_in_batch is None else "sum"
     if use_liger:
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
@@ -168,6 +181,6 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
             loss = loss / (labels != ignore_index).sum()
     if reduction == "sum":
         if torch.is_tensor(num_items_in_batch):
-            num_items_in_batch = num_items_in_batch.to(loss.device)
+            num_items_in_batch = num_items_in_batch.to(loss.device, non_blocking=True)
         loss = loss / num_items_in_batch
     return loss

@@ -35,8 +35,10 @@ def weight_to_save(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
     if torch.compiler.is_compiling():
         return weight, False
     base = weight._base
-    if base is not None and base.dim() == 3 and weight.shape == base.transpose(1, 2).shape \
-            and weight.stride() == base.transpose(1, 2).stride() and weight.storage_offset() == base.storage_offset():
+    if base is not None and base.dim() == 3 and base.dtype == weight.dtype \
+            and weight.shape == (base.shape[0], base.shape[2], base.shape[1]) \
+            and weight.stride() == (base.stride(0), base.stride(2), base.stride(1)) \
+            and weight.storage_offset() == base.storage_offset():
         return base, True
     return weight, False
 
