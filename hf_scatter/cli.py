@@ -24,9 +24,9 @@ def _help_list(name: str) -> list[str] | None:
     if name == "builtin_models":
         from .common.shapes import BUILTIN_MODELS as names
     elif name == "planned_families":
-        from .offload.families.registry import planned_model_types
+        from .offload.families.registry import offloaded_model_types
 
-        names = planned_model_types()
+        names = offloaded_model_types()
     elif name == "convert_families":
         from .conversion.plan import supported_model_types
 

@@ -257,12 +257,12 @@ def _config(folder, **config) -> str:
 
 
 def test_an_unknown_model_type_lists_the_planners_families_not_all_of_transformers(capsys, no_work, tmp_path):
-    from hf_scatter.offload.families.registry import planned_model_types
+    from hf_scatter.offload.families.registry import offloaded_model_types
 
     config = _config(tmp_path, model_type="no_such_family")
     for argv in (["plan", "--model", config, "--profile", "h100-host-anchors"], ["profile", "--model", config]):
         err = _one_line_error(capsys, argv, f"hf-scatter {argv[0]}: error: --model", "'no_such_family'",
-                              *planned_model_types())
+                              *offloaded_model_types())
         assert len(err) < 600, err  # transformers' own message lists ~500 model types
 
 
@@ -367,13 +367,13 @@ def test_help_names_every_family_model_gpu_and_profile_the_commands_take(capsys,
     """Generated from the registry and the tables, so a new family or built-in shows in the help by itself."""
     from hf_scatter.conversion.plan import supported_model_types
     from hf_scatter.offload import BUILTIN_MODELS, GPU_SPECS, KNOWN_PROFILES
-    from hf_scatter.offload.families.registry import planned_model_types
+    from hf_scatter.offload.families.registry import offloaded_model_types
 
     monkeypatch.setenv("COLUMNS", "70")  # narrow: a name must not be wrapped at its hyphen either
     assert _unnamed(_help(capsys, []), supported_model_types()) == []
     assert _unnamed(_help(capsys, ["convert"]), supported_model_types()) == []
     plan = _help(capsys, ["plan"])
-    assert _unnamed(plan, [*BUILTIN_MODELS, *planned_model_types(), *GPU_SPECS, *KNOWN_PROFILES]) == []
+    assert _unnamed(plan, [*BUILTIN_MODELS, *offloaded_model_types(), *GPU_SPECS, *KNOWN_PROFILES]) == []
 
 
 def test_ctrl_c_prints_one_line_and_exits_130(capsys, monkeypatch):

@@ -1,4 +1,5 @@
-"""The dtypes kernels and checks accept, written once."""
+"""The dtypes kernels and checks accept, and the autocast dtype our own autograd functions compute in,
+written once."""
 
 from __future__ import annotations
 
@@ -8,4 +9,14 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-__all__ = ["FLOAT_DTYPES", "INDEX_DTYPES"]
+def autocast_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """Inside ``torch.autocast`` a layer computes in the autocast dtype, as ``F.linear`` would (custom ops
+    are not autocast by torch itself); gradients flow back to the full-precision tensors."""
+    device_type = x.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return x, weight, bias
+    dtype = torch.get_autocast_dtype(device_type)
+    return x.to(dtype), weight.to(dtype), (bias.to(dtype) if bias is not None else None)
+
+
+__all__ = ["FLOAT_DTYPES", "INDEX_DTYPES", "autocast_operands"]

@@ -24,6 +24,7 @@ import functools
 import torch
 from torch.autograd.function import once_differentiable
 
+from ..common.dtypes import autocast_operands
 from .backend import kernels_enabled, triton_runs
 from .checks import fail
 from .custom_ops import mutating_op, run_op
@@ -62,9 +63,10 @@ if kernels_enabled():
         weight = tl.where(valid, scale, 0.0)
         for start in range(0, V, BLOCK):
             idx = start + cols
-            x = tl.load(z_row + idx, mask=idx < V, other=0.0).to(tl.float32) * scale
+            inside = idx < V
+            x = tl.load(z_row + idx, mask=inside, other=0.0).to(tl.float32) * scale
             grad = (tl.exp(x - lse) - tl.where(idx == target, 1.0, 0.0)) * weight
-            tl.store(z_row + idx, grad.to(z_ptr.dtype.element_ty), mask=idx < V)
+            tl.store(z_row + idx, grad.to(z_ptr.dtype.element_ty), mask=inside)
 
 
 def _cross_entropy_rows_torch(z: torch.Tensor, labels: torch.Tensor, ignore_index: int, scale: float,
@@ -166,9 +168,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         fail(op, f"scale must be positive (it multiplies the logits), got {scale}")
     if use_liger and not liger_available():
         fail(op, "use_liger=True needs liger-kernel (pip install liger-kernel)")
-    if torch.is_autocast_enabled(hidden.device.type):  # the GEMMs in the autocast dtype, as F.linear under autocast;
-        dtype = torch.get_autocast_dtype(hidden.device.type)  # the gradients flow back to the float32 tensors
-        hidden, weight = hidden.to(dtype), weight.to(dtype)
+    hidden, weight, _ = autocast_operands(hidden, weight, None)
     reduction = "mean" if num_items_in_batch is None else "sum"
     if use_liger:
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy

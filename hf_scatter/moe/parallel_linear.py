@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 # Inputs are validated once, by the forward's checked scatter2scatter; every other call skips the checks.
+from ..common.dtypes import autocast_operands
 from ..kernels.custom_ops import profiled
 from ..kernels.gating import gate_grad_unchecked, gate_mix_unchecked
 from ..kernels.group import group_unchecked
@@ -169,16 +170,6 @@ def with_bias_term(d_gates: torch.Tensor, dy: torch.Tensor, bias: torch.Tensor |
     expert_of_slot = torch.empty_like(sorted_expert_idxs).index_copy_(0, sorted_scattered_idxs, sorted_expert_idxs)
     per_expert = dy.to(d_gates.dtype) @ bias.to(d_gates.dtype).t()  # [S, E]
     return d_gates + per_expert.gather(1, expert_of_slot.view(d_gates.shape).long())
-
-
-def autocast_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
-    """Inside ``torch.autocast`` the layer computes in the autocast dtype, as ``F.linear`` would (custom ops
-    are not autocast by torch itself); gradients flow back to the full-precision tensors."""
-    device_type = x.device.type
-    if not torch.is_autocast_enabled(device_type):
-        return x, weight, bias
-    dtype = torch.get_autocast_dtype(device_type)
-    return x.to(dtype), weight.to(dtype), (bias.to(dtype) if bias is not None else None)
 
 
 def parallel_linear(x: torch.Tensor, weight: torch.Tensor, k: int, sorted_expert_idxs: torch.Tensor,

@@ -30,8 +30,9 @@ from ..kernels.library_gemm import grouped_mm_applies, grouped_mm_rows, grouped_
 from ..kernels.scatter2scatter import scatter2scatter_swiglu, scatter2scatter_unchecked
 from ..kernels.swiglu import SILU, GateForm
 from ..kernels.swiglu_grad_gemm import swiglu_grad_gemm_unchecked
-from .parallel_linear import (autocast_operands, dw_operand, expert_weight_grad, grouped_copy_pays, saved_weight,
-                              weight_to_save, with_bias_term)
+from ..common.dtypes import autocast_operands
+from .parallel_linear import (dw_operand, expert_weight_grad, grouped_copy_pays, saved_weight, weight_to_save,
+                              with_bias_term)
 from .routing import slot_positions
 
 

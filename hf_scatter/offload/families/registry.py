@@ -38,11 +38,6 @@ def offloaded_model_types() -> list[str]:
     return sorted(families())
 
 
-def planned_model_types() -> list[str]:
-    """The families whose shapes the planner reads (dense Llama-style decoders aside): the offloaded ones."""
-    return offloaded_model_types()
-
-
 def adapter_for(model):
     """The split of ``model`` (a causal LM of a family in :func:`offloaded_model_types`; patched or not), a
     :class:`~.adapter.PipelineAdapter`."""

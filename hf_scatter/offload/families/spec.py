@@ -321,9 +321,9 @@ class ModelSpec:
 
 def _described() -> str:
     """The configs the planner reads, for errors."""
-    from .registry import planned_model_types
+    from .registry import offloaded_model_types
 
-    return f"{', '.join(planned_model_types())} and dense Llama-style decoders"
+    return f"{', '.join(offloaded_model_types())} and dense Llama-style decoders"
 
 
 def _not_a_decoder(config) -> str | None:
