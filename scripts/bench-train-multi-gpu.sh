@@ -1,43 +1,47 @@
 #!/usr/bin/env bash
 # The multi-GPU training table of docs/distributed.md on one host of 4 GPUs: one torchrun per row (every variant
-# of a row in that process group), rows on disjoint GPUs run side by side. Reports go to $OUT (default
+# of a row in that process group), one row at a time (two rows side by side share the host's processors, and
+# the host-bound FSDP2 one-GPU row lost a quarter of its speed that way). Reports go to $OUT (default
 # /tmp/hf-scatter-out): train-<shape>-<engine>-<N>gpu.json, each row's log beside it.
+# BASELINE_DIR: where the unwrapped rows' reports are, if not in $OUT (a later lease's rows).
+# QWEN_ROWS / MIXTRAL_ROWS: rows per GPU, several for a sweep (each side reported at its fastest batch that fits).
 # Usage (repository root, GPU host): scripts/bench-train-multi-gpu.sh [PHASE ...]   (default: every phase)
-#   phases: one (unwrapped and FSDP2 on one GPU), two (FSDP2 on 2), four (FSDP2 on 4), ep (expert parallelism),
+#   phases: none (unwrapped, one GPU), one (none, then FSDP2 on one GPU), two (FSDP2 on 2), four (FSDP2 on 4), ep (expert parallelism),
 #   zero3 (DeepSpeed ZeRO-3 on 4 GPUs: on 2 its float32 weights and Adam states, 8 bytes per parameter per GPU,
 #   leave too little room even at 2 rows per GPU; needs deepspeed and accelerate), tuned (FSDP2 on 4 with bf16 gradient reduction, explicit prefetch and the
-#   parameters kept gathered from forward to backward)
+#   parameters kept gathered from forward to backward; Qwen3 and Mixtral), ep4 (expert parallelism on 4 only)
 set -uo pipefail
 out=${OUT:-/tmp/hf-scatter-out}
 mkdir -p "$out"
 export PYTHONPATH=${PYTHONPATH:-$PWD} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 for pkg in conversion eval; do [ -e hf_scatter/$pkg ] || ln -s ../$pkg hf_scatter/$pkg; done
-QWEN=(--shape qwen3-30b-a3b --layers 8 --batch 4)
-MIXTRAL=(--shape mixtral-8x7b --layers 4 --batch 4)
+read -ra QROWS <<<"${QWEN_ROWS:-4}"
+read -ra MROWS <<<"${MIXTRAL_ROWS:-4}"
+QWEN=(--shape qwen3-30b-a3b --layers 8 --batch "${QROWS[@]}")
+MIXTRAL=(--shape mixtral-8x7b --layers 4 --batch "${MROWS[@]}")
 row() {  # row NAME GPUS ENGINE SHAPE_ARGS... : one torchrun on the listed GPUs
     local name=$1 gpus=$2 engine=$3; shift 3
     local n; n=$(awk -F, '{print NF}' <<<"$gpus")
-    local base=()
-    [ "$engine" != none ] && [ -f "$out/train-${name%-*}-none-1gpu.json" ] &&
-        base=(--baseline "$out/train-${name%-*}-none-1gpu.json")
-    local port=$((29500 + ${gpus:0:1} * 10 + n))  # rows side by side hold disjoint GPUs: their own ports
+    local base=() ref="${BASELINE_DIR:-$out}/train-${name%-*}-none-1gpu.json"
+    [ "$engine" != none ] && [ -f "$ref" ] && base=(--baseline "$ref")
+    local port=$((29500 + n))
     CUDA_VISIBLE_DEVICES=$gpus timeout 560 python3 -m torch.distributed.run --nproc_per_node "$n" \
         --master_port "$port" -m hf_scatter.cli bench train --engine "$engine" --no-breakdown "$@" "${base[@]}" \
         --out "$out/train-$name-$engine-${n}gpu.json" >"$out/train-$name-$engine-${n}gpu.log" 2>&1
     echo "row $name $engine ${n}gpu exit $?"
 }
 
-phase_one() {
-    row qwen3 0 none "${QWEN[@]}" & row mixtral 1 none "${MIXTRAL[@]}" & wait
-    row qwen3 2 fsdp2 "${QWEN[@]}" & row mixtral 3 fsdp2 "${MIXTRAL[@]}" & wait
-}
-phase_two() { row qwen3 0,1 fsdp2 "${QWEN[@]}" & row mixtral 2,3 fsdp2 "${MIXTRAL[@]}" & wait; }
+phase_none() { row qwen3 0 none "${QWEN[@]}"; row mixtral 0 none "${MIXTRAL[@]}"; }
+phase_one() { phase_none; row qwen3 0 fsdp2 "${QWEN[@]}"; row mixtral 0 fsdp2 "${MIXTRAL[@]}"; }
+phase_two() { row qwen3 0,1 fsdp2 "${QWEN[@]}"; row mixtral 0,1 fsdp2 "${MIXTRAL[@]}"; }
 phase_four() { row qwen3 0,1,2,3 fsdp2 "${QWEN[@]}"; row mixtral 0,1,2,3 fsdp2 "${MIXTRAL[@]}"; }
 phase_zero3() { row qwen3 0,1,2,3 zero3 "${QWEN[@]}"; row mixtral 0,1,2,3 zero3 "${MIXTRAL[@]}"; }
+TUNED=(--reduce-dtype bfloat16 --prefetch next --reshard-after-forward false)
 phase_tuned() {
-    row qwen3-tuned 0,1,2,3 fsdp2 "${QWEN[@]}" --reduce-dtype bfloat16 --prefetch next --reshard-after-forward false
+    row qwen3-tuned 0,1,2,3 fsdp2 "${QWEN[@]}" "${TUNED[@]}"; row mixtral-tuned 0,1,2,3 fsdp2 "${MIXTRAL[@]}" "${TUNED[@]}"
 }
-phase_ep() { row qwen3 0,1,2,3 ep "${QWEN[@]}"; row qwen3 0,1 ep "${QWEN[@]}" & row mixtral 2,3 ep "${MIXTRAL[@]}" & wait; }
+phase_ep4() { row qwen3 0,1,2,3 ep "${QWEN[@]}"; row mixtral 0,1,2,3 ep "${MIXTRAL[@]}"; }
+phase_ep() { phase_ep4; row qwen3 0,1 ep "${QWEN[@]}"; row mixtral 0,1 ep "${MIXTRAL[@]}"; }
 
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpus.txt"
 for phase in "${@:-one two four ep tuned zero3}"; do

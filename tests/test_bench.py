@@ -381,6 +381,59 @@ def test_bench_train_per_variant_figures_from_synthetic_ranks():
     assert aggregate(ranks)["comm_ms"] == "not measured"
 
 
+def test_bench_train_batch_sweep_skips_every_batch_the_measured_memory_says_will_not_fit():
+    """Peak memory predicted linearly in the batch, the largest rank's: after one batch, above what lives across
+    steps (30 GiB resident, a 50 GiB peak at 4 rows: 70 at 8 fits 92% of 80, 110 at 16 does not); after two,
+    through both peaks (44 at 2 and 50 at 4 rows: 62 at 8 fits where the resident line says 70); a rank whose
+    peak was higher decides for all; on the CPU (no peak) nothing is skipped."""
+    from hf_scatter.bench import train
+
+    def measured(rows, peaks, resident=30.0, capacity=80.0):
+        return {"rows_per_rank": rows, "ranks": [{"peak_gib": p, "resident_gib": resident, "capacity_gib": capacity}
+                                                 for p in peaks]}
+
+    assert train._will_not_fit([measured(4, [50.0, 48.0])], 8) is None
+    why = train._will_not_fit([measured(4, [50.0, 48.0])], 16)
+    assert "predicted peak 110.0 GiB per GPU over 73.6 GiB" in why
+    assert train._will_not_fit([measured(4, [48.0, 53.0])], 8) is not None  # 30 + 23 x 2 = 76 > 73.6
+    two = [measured(2, [44.0, 43.0]), measured(4, [50.0, 49.0])]
+    assert train._will_not_fit(two, 8) is None and train._will_not_fit(two, 10) is None  # 62, 68
+    assert "predicted peak 74.0 GiB" in train._will_not_fit(two, 12)
+    assert train._will_not_fit([measured(4, [None, None], resident=None, capacity=None)], 64) is None
+
+
+def test_bench_train_batch_sweep_reports_each_variant_at_its_fastest_batch(monkeypatch, capsys):
+    """--batch 1 2: each variant ran at both (smallest first), its figures are its fastest batch's, every
+    batch's are kept, the table says the rows; a baseline is taken where one of the sweep's batches matches."""
+    from hf_scatter.bench import train
+
+    monkeypatch.setenv("HF_SCATTER_KERNELS", "torch")
+    report = train.run(VARIANTS, shape="smoke", device="cpu", batch=[2, 1], warmup=1, steps=1, breakdown=False)
+    assert report["rows_per_rank"] == [1, 2]
+    for impl in VARIANTS:
+        r = report["results"][impl]
+        assert [e["rows_per_rank"] for e in r["batch_sweep"]] == [1, 2]
+        fastest = max(r["batch_sweep"], key=lambda e: e["tokens_per_s"])
+        assert (r["rows_per_rank"], r["tokens_per_s"]) == (fastest["rows_per_rank"], fastest["tokens_per_s"])
+        assert [e["ranks"][0]["tokens"] for e in r["batch_sweep"]] == [train.SMOKE.seq, 2 * train.SMOKE.seq]
+    assert "fastest at" in capsys.readouterr().out
+    assert f"| {VARIANTS[0]} | none | 1 |" in train.to_markdown(report)
+
+
+def test_bench_train_baseline_of_a_sweep_needs_one_batch_in_common(tmp_path):
+    from hf_scatter.bench import train
+
+    report = {"config": dataclasses.asdict(train.SMOKE), "results": {"qwen3_moe-hf-scatter": {"tokens_per_s": 1.0}}}
+    (tmp_path / "b.json").write_text(json.dumps(report))
+    train.check_flags(shape="smoke", impls=["qwen3_moe-hf-scatter"], batch=[train.SMOKE.batch, 8],
+                      baseline=str(tmp_path / "b.json"))
+    with pytest.raises(ValueError, match=r"another shape or batch there .* rows \[3, 8\]"):
+        train.check_flags(shape="smoke", impls=["qwen3_moe-hf-scatter"], batch=[3, 8], baseline=str(tmp_path / "b.json"))
+    assert train._rows_tokens_per_s({"tokens_per_s": 5.0, "rows_per_rank": 8, "batch_sweep": [
+        {"rows_per_rank": 4, "tokens_per_s": 3.0}, {"rows_per_rank": 8, "tokens_per_s": 5.0},
+        {"rows_per_rank": 16, "skipped": "out of memory"}]}, 4, 4) == 3.0
+
+
 def test_comm_split_counts_communication_no_kernel_overlaps():
     """NCCL kernels 0-10 and 20-30 us, compute on two streams 5-15 and 8-25: 20 us of NCCL, 20 of compute
     (5-25), and 10 exposed (0-5 and 25-30), per step over 2 steps: in ms."""

@@ -25,7 +25,7 @@ import json
 import os
 import statistics
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -350,6 +350,10 @@ def _timed_steps(impl: str, model, step: Callable[[], torch.Tensor], warmup: int
     times = [_step_ms(step, cuda) for _ in range(steps)]
     result = {"first_step_loss": first_loss, "step_ms_median": statistics.median(times), "step_ms_all": times,
               "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+              # what lives across steps (weights, gradients, optimizer states): a batch sweep's prediction
+              "resident_gib": torch.cuda.memory_allocated() / 2**30 if cuda else None,
+              "capacity_gib": torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
+              if cuda else None,
               # graph replays allocate nothing: their pool shows in reserved memory, not in allocated
               "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else None}
     if breakdown and cuda and not impl.endswith("-graphs"):  # hooks send graphed blocks eager: the eager step
@@ -388,8 +392,10 @@ def add_arguments(parser) -> None:
                         help="skip the per-category time breakdown")
     parser.add_argument("--liger-autotune", choices=("on", "off"), default="on",
                         help="Liger's fused-MoE autotuner in the -liger variants (its default: on)")
-    parser.add_argument("--batch", type=positive_int,
-                        help="sequences per step on each rank, every variant (default: the shape's, 4)")
+    parser.add_argument("--batch", type=positive_int, nargs="+", metavar="ROWS",
+                        help="sequences per step on each rank, every variant (default: the shape's, 4); several: "
+                             "each variant runs at each, smallest first, skipping those its measured memory says "
+                             "will not fit, and reports its fastest (each side at its best batch)")
     parser.add_argument("--shape", choices=("smoke", *SHAPES), metavar="NAME",
                         help=f"a published model's dimensions instead of the families' ~1-2B ones: "
                              f"{', '.join(SHAPES)}; or smoke, a tiny model that checks a launch (on the CPU where "
@@ -418,7 +424,8 @@ def add_arguments(parser) -> None:
 @dataclasses.dataclass(frozen=True)
 class _Plan:
     impls: list[str]
-    shapes: dict[str, TrainConfig]  # each variant's
+    shapes: dict[str, TrainConfig]  # each variant's, at the smallest batch
+    batches: tuple[int, ...]  # rows per rank to sweep, smallest first; () with one batch (no sweep)
     setup: engines.Setup
     device: str
     baseline: dict | None
@@ -432,9 +439,9 @@ def check_flags(**flags) -> None:
 
 
 def _plan(impls=None, cfg: TrainConfig | None = None, engine: str | None = None, fsdp: bool = False,
-          shape: str | None = None, layers: int | None = None, batch: int | None = None, seq: int | None = None,
-          baseline: str | None = None, reshard_after_forward: str = "auto", reduce_dtype: str = "float32",
-          prefetch: str = "none", device: str | None = None, **_) -> _Plan:
+          shape: str | None = None, layers: int | None = None, batch: int | Sequence[int] | None = None,
+          seq: int | None = None, baseline: str | None = None, reshard_after_forward: str = "auto",
+          reduce_dtype: str = "float32", prefetch: str = "none", device: str | None = None, **_) -> _Plan:
     if fsdp and engine not in (None, "fsdp2"):
         raise ValueError(f"--fsdp is --engine fsdp2: it does not go with --engine {engine}")
     engine = engine or ("fsdp2" if fsdp else "none")
@@ -454,15 +461,19 @@ def _plan(impls=None, cfg: TrainConfig | None = None, engine: str | None = None,
         raise ValueError(f"unknown implementation(s) {', '.join(unknown)}"
                          + (f" for --shape {shape} (a {family} model)" if family else "")
                          + f"; choose from {', '.join(known)}")
+    batches = sorted(set(batch)) if isinstance(batch, Sequence) else [batch] if batch is not None else []
+    if any(b < 1 for b in batches) or (isinstance(batch, Sequence) and not batches):
+        raise ValueError(f"--batch takes one or more positive row counts, not {batch}")
     shapes = {}
     for impl in impls:
-        found = family_shape(impl, cfg, batch)
+        found = family_shape(impl, cfg, batches[0] if batches else None)
         shapes[impl] = dataclasses.replace(found, layers=layers or found.layers, seq=seq or found.seq)
     world = engines.world_size()
     setup = engines.Setup(engine, world, _fsdp2_options(engine, reshard_after_forward, reduce_dtype, prefetch))
     _check_engine(setup, shapes)
     device = device or ("cpu" if shape == "smoke" and not torch.cuda.is_available() else "cuda")
-    return _Plan(impls, shapes, setup, device, _read_baseline(baseline, shapes) if baseline else None)
+    sweep = tuple(batches) if len(batches) > 1 else ()
+    return _Plan(impls, shapes, sweep, setup, device, _read_baseline(baseline, shapes, sweep) if baseline else None)
 
 
 def _fsdp2_options(engine: str, reshard_after_forward: str, reduce_dtype: str, prefetch: str) -> engines.Fsdp2Options:
@@ -506,8 +517,9 @@ def _check_engine(setup: engines.Setup, shapes: dict[str, TrainConfig]) -> None:
                                  f"cannot split evenly")
 
 
-def _read_baseline(path: str, shapes: dict[str, TrainConfig]) -> dict:
-    """The ``--baseline`` report: one unwrapped process at the same shape and rows per GPU as this run."""
+def _read_baseline(path: str, shapes: dict[str, TrainConfig], sweep: tuple[int, ...] = ()) -> dict:
+    """The ``--baseline`` report: one unwrapped process at the same shape and rows per GPU as this run (with a
+    ``sweep``, at the same shape and at one or more of its batches: efficiency where the rows match)."""
     try:
         with open(path) as f:
             report = json.load(f)
@@ -525,20 +537,36 @@ def _read_baseline(path: str, shapes: dict[str, TrainConfig]) -> dict:
     for impl, shape in shapes.items():
         family = impl.split("-", 1)[0]
         saved = configs.get(family, report.get("config")) if impl in results else None
-        if saved is not None and TrainConfig(**{k: v for k, v in saved.items() if k in fields}) != shape:
+        if saved is None:
+            continue
+        theirs = TrainConfig(**{k: v for k, v in saved.items() if k in fields})
+        same = theirs == shape if not sweep else (
+            dataclasses.replace(theirs, batch=shape.batch) == shape
+            and any(_rows_tokens_per_s(results[impl], theirs.batch, rows) for rows in sweep))
+        if not same:
             raise ValueError(f"--baseline {path}: {family} ran at another shape or batch there ({saved}) than "
-                             f"here ({dataclasses.asdict(shape)})")
+                             f"here ({dataclasses.asdict(shape)}" + (f", rows {list(sweep)})" if sweep else ")"))
     return report
 
 
+def _rows_tokens_per_s(result: dict, batch: int, rows: int) -> float | None:
+    """A report's tokens/s per GPU for one variant at ``rows`` per rank (``batch``: its config's), from its
+    result or its batch sweep; None if it did not run that batch."""
+    if result.get("rows_per_rank", batch) == rows:
+        return result["tokens_per_s"]
+    return next((e["tokens_per_s"] for e in result.get("batch_sweep", ())
+                 if e.get("rows_per_rank") == rows and "tokens_per_s" in e), None)
+
+
 def run(impls=None, cfg: TrainConfig | None = None, warmup: int = 3, steps: int = 10, breakdown: bool = True,
-        liger_autotune: str = "on", fsdp: bool = False, batch: int | None = None, engine: str | None = None,
+        liger_autotune: str = "on", fsdp: bool = False, batch: int | Sequence[int] | None = None,
+        engine: str | None = None,
         shape: str | None = None, layers: int | None = None, seq: int | None = None, baseline: str | None = None,
         comm_profile: bool = True, reshard_after_forward: str = "auto", reduce_dtype: str = "float32",
         prefetch: str = "none", device: str | None = None) -> dict | None:
     """``cfg``: one shape for every implementation (the smoke test); None runs each family at its
     :data:`FAMILY_SHAPES` entry, ``shape`` a published model's (or the smoke shape). ``batch``: sequences per
-    step and rank instead of the shape's. ``device``: cuda, or cpu for the smoke shape where no GPU is (the
+    step and rank instead of the shape's; several: a sweep, each variant reported at its fastest. ``device``: cuda, or cpu for the smoke shape where no GPU is (the
     tests' gloo runs). Returns the report on rank 0, None on the other ranks (rank 0 alone writes and prints)."""
     plan = _plan(impls, cfg, engine, fsdp, shape, layers, batch, seq, baseline, reshard_after_forward, reduce_dtype,
                  prefetch, device)
@@ -547,12 +575,12 @@ def run(impls=None, cfg: TrainConfig | None = None, warmup: int = 3, steps: int 
     os.environ.setdefault("LIGER_FUSED_MOE_AUTOTUNE", "1" if liger_autotune == "on" else "0")  # read at import
     setup, cuda = plan.setup, plan.device == "cuda"
     families = {impl.split("-", 1)[0]: dataclasses.asdict(s) for impl, s in plan.shapes.items()}
-    rows = next(iter(plan.shapes.values())).batch
+    rows = list(plan.batches) or next(iter(plan.shapes.values())).batch
     with engines.process_group(setup.engine != "none", plan.device):
         me = engines.rank()
         report = {**run_header(), "dtype": "bfloat16" if cuda else "float32", "config": next(iter(families.values())),
                   "configs": families, "shape": shape, "warmup": warmup, "steps": steps,
-                  "liger_autotune": liger_autotune, "fsdp": setup.engine == "fsdp2", **setup.describe(rows, cuda),
+                  "liger_autotune": liger_autotune, "fsdp": setup.engine == "fsdp2", **setup.describe(plan.batches[0] if plan.batches else rows, cuda),
                   "rows_per_rank": rows, "comm_profile": comm_profile, "flops": "Megatron-LM's count plus the "
                   "router (model_flops in hf_scatter/bench/train.py, docs/distributed.md)", "results": {}}
         if plan.baseline:
@@ -565,7 +593,74 @@ def run(impls=None, cfg: TrainConfig | None = None, warmup: int = 3, steps: int 
 
 def _run_one(report: dict, impl: str, plan: _Plan, warmup: int, steps: int, breakdown: bool, comm_profile: bool,
              me: int) -> None:
-    shape, setup = plan.shapes[impl], plan.setup
+    """One variant at its batch, or at each batch of the sweep (smallest first, until one will not fit): its
+    fastest batch's figures in ``report["results"]``, every batch's under ``batch_sweep``."""
+    if not plan.batches:
+        r = _run_rows(report, impl, plan.shapes[impl], plan, warmup, steps, breakdown, comm_profile, me)
+        if r is not None and me == 0:
+            report["results"][impl] = r
+        return
+    sweep = []
+    for rows in plan.batches:
+        why = _will_not_fit(sweep, rows) if sweep else None
+        r = None if why else _run_rows(report, impl, dataclasses.replace(plan.shapes[impl], batch=rows), plan,
+                                       warmup, steps, breakdown, comm_profile, me, in_sweep=True)
+        if r is None:
+            why = why or "out of memory"
+            sweep += [{"rows_per_rank": rest, "skipped": why if rest == rows else f"after {rows} rows: {why}"}
+                      for rest in plan.batches if rest >= rows]
+            if me == 0:
+                print(f"  {impl:20s} {rows} rows per GPU and more skipped: {why}", flush=True)
+            break
+        sweep.append(r)
+    measured = [e for e in sweep if "skipped" not in e]
+    if me != 0:
+        return
+    if not measured:
+        report.setdefault("out_of_memory", {})[impl] = f"out of memory at every batch of {list(plan.batches)}"
+        return
+    best = max(measured, key=lambda e: e["tokens_per_s"])
+    report["results"][impl] = {**best, "batch_sweep": sweep}
+    print(f"  {impl:20s} fastest at {best['rows_per_rank']} rows per GPU", flush=True)
+
+
+# Largest share of a GPU's memory a sweep lets its predicted peak take: the rest is the allocator's slack
+# (reserved over allocated: 5-20% in these runs) and other processes' contexts.
+SWEEP_MEMORY_SHARE = 0.92
+
+
+def _will_not_fit(measured: list[dict], rows: int) -> str | None:
+    """Why ``rows`` per rank will not fit, from the batches measured so far (None: it will, or no GPU to tell).
+    Peak memory is linear in the batch: through the last two measured peaks; after one, through it and what
+    lives across steps (weights, gradients, optimizer states), which over-predicts where a transient part does
+    not grow with the batch (FSDP2's gathered layers): start a sweep small enough to measure two. Each figure is
+    the largest rank's, and every rank decides on the same gathered numbers, so all of them skip together (one
+    rank out of memory would leave the others waiting in a collective)."""
+    ranks = [r for e in measured[-2:] for r in e["ranks"]]
+    if any(r.get("peak_gib") is None or r.get("resident_gib") is None for r in ranks):
+        return None
+    last = measured[-1]
+    peak = max(r["peak_gib"] for r in last["ranks"])
+    if len(measured) >= 2:
+        before = measured[-2]
+        slope = (peak - max(r["peak_gib"] for r in before["ranks"])) / (last["rows_per_rank"] - before["rows_per_rank"])
+    else:
+        slope = (peak - max(r["resident_gib"] for r in last["ranks"])) / last["rows_per_rank"]
+    capacity = min(r["capacity_gib"] for r in ranks)
+    predicted = peak + max(slope, 0.0) * (rows - last["rows_per_rank"])
+    limit = SWEEP_MEMORY_SHARE * capacity
+    if predicted <= limit:
+        return None
+    return (f"predicted peak {predicted:.1f} GiB per GPU over {limit:.1f} GiB ({SWEEP_MEMORY_SHARE:.0%} of "
+            f"{capacity:.1f})")
+
+
+def _run_rows(report: dict, impl: str, shape: TrainConfig, plan: _Plan, warmup: int, steps: int, breakdown: bool,
+              comm_profile: bool, me: int, in_sweep: bool = False) -> dict | None:
+    """``impl`` at ``shape``'s batch on every rank: its figures over the ranks (on every rank, so that all can
+    decide a sweep's next batch alike), None if it ran out of memory (one process only: under several, every
+    rank stops)."""
+    setup = plan.setup
     shared = setup.shared_batch
     data = torch.Generator().manual_seed(0 if shared else me)  # each rank its own rows, unless they share them
     ids = torch.randint(shape.vocab, (shape.batch, shape.seq), generator=data).to(
@@ -577,23 +672,28 @@ def _run_one(report: dict, impl: str, plan: _Plan, warmup: int, steps: int, brea
     except torch.cuda.OutOfMemoryError:  # a peer that cannot run this batch: said in the report, the rest go on
         if setup.world > 1:  # the other ranks wait in a collective: stop them all
             raise
-        report.setdefault("out_of_memory", {})[impl] = f"out of memory at batch {shape.batch}x{shape.seq}"
-        print(f"  {impl:20s} out of memory at batch {shape.batch}x{shape.seq}", flush=True)
+        if not in_sweep:
+            report.setdefault("out_of_memory", {})[impl] = f"out of memory at batch {shape.batch}x{shape.seq}"
+            print(f"  {impl:20s} out of memory at batch {shape.batch}x{shape.seq}", flush=True)
         gc.collect()
         torch.cuda.empty_cache()
-        return
+        return None
     ranks = engines.gather({"rank": me, **{k: v for k, v in mine.items() if not k.startswith("breakdown")}})
-    if me != 0:
-        return
     r = {"engine": setup.engine, "world": setup.world, "rows_per_rank": shape.batch, **engines.aggregate(ranks),
          **{k: v for k, v in mine.items() if k.startswith("breakdown")}}
     base = (plan.baseline or {}).get("results", {}).get(impl)
     if base:
-        r["efficiency"] = r["tokens_per_s"] / base["tokens_per_s"]
-    report["results"][impl] = r
-    peak = f"peak {r['peak_gib']:.1f} GiB  " if r["peak_gib"] is not None else ""
-    print(f"  {impl:20s} {r['tokens_per_s'] / 1e3:8.1f}k tok/s per GPU  {r['tflops_per_gpu']:.1f} TFLOP/s  {peak}"
-          f"first loss {r['first_step_loss']:.4f}", flush=True)
+        family = impl.split("-", 1)[0]
+        batch = (plan.baseline.get("configs") or {}).get(family, plan.baseline.get("config") or {}).get("batch")
+        reference = _rows_tokens_per_s(base, batch, shape.batch)
+        if reference:
+            r["efficiency"] = r["tokens_per_s"] / reference
+    if me == 0:
+        peak = f"peak {r['peak_gib']:.1f} GiB  " if r["peak_gib"] is not None else ""
+        rows = f" [{shape.batch} rows]" if in_sweep else ""
+        print(f"  {impl:20s}{rows} {r['tokens_per_s'] / 1e3:8.1f}k tok/s per GPU  {r['tflops_per_gpu']:.1f} "
+              f"TFLOP/s  {peak}first loss {r['first_step_loss']:.4f}", flush=True)
+    return r
 
 
 def _gib(value) -> str:
@@ -692,7 +792,20 @@ def peers_table(report: dict) -> str:
 
 
 def combine_rows(reports: list[dict], command: str) -> dict:
-    """One file for a multi-GPU table: the reports of its rows (one torchrun each), and the command that made them."""
+    """One file for a multi-GPU table: the reports of its rows (one torchrun each), and the command that made them.
+    A row that ran without ``--baseline`` gets its scaling efficiency from the file's unwrapped row of the same
+    shape, where that row ran the same rows per GPU (``efficiency_from`` says so)."""
+    unwrapped = {_row_name(r): r for r in reports if r.get("engine") == "none"}
+    for report in reports:
+        base = unwrapped.get(_row_name(report))
+        if report.get("engine") == "none" or report.get("baseline") or base is None:
+            continue
+        for impl, r in report["results"].items():
+            if impl in base["results"] and "efficiency" not in r:
+                reference = _rows_tokens_per_s(base["results"][impl], base["config"]["batch"], r["rows_per_rank"])
+                if reference:
+                    r["efficiency"] = r["tokens_per_s"] / reference
+                    r["efficiency_from"] = f"the unwrapped row of {base['date']}"
     return {"command": command, "rows": reports}
 
 
@@ -731,18 +844,35 @@ def scaling_table(combined: dict) -> str:
         exposed = [r["comm_ms"]["exposed_comm_ms"] if isinstance(r["comm_ms"], dict) else None
                    for r in (default, ours)]
         eff = [r.get("efficiency") for r in (default, ours)]
-        lines.append([_row_name(report), _engine_label(report), report["world"], report["rows_per_rank"],
+        rows = {r.get("rows_per_rank", report["rows_per_rank"]) for r in (default, ours)}
+        lines.append([_row_name(report), _engine_label(report), report["world"],
+                      rows.pop() if len(rows) == 1 else f"{default['rows_per_rank']} / {ours['rows_per_rank']}",
                       f"{default['tokens_per_s'] / 1e3:.1f}k", f"{ours['tokens_per_s'] / 1e3:.1f}k",
                       f"{ours['tokens_per_s'] / default['tokens_per_s']:.2f}x",
                       f"{default['tflops_per_gpu']:.0f} / {ours['tflops_per_gpu']:.0f}",
                       " / ".join("" if e is None else f"{e:.0%}" for e in eff) if any(e is not None for e in eff)
                       else "",
                       f"{_gib(default['peak_gib'])} / {_gib(ours['peak_gib'])}",
-                      " / ".join("n/a" if e is None else f"{e:.0f}" for e in exposed)])
-    return markdown_table(["model layers", "engine", "GPUs", "rows per GPU", "default tok/s per GPU",
+                      " / ".join("n/a" if e is None else f"{e:.0f}" for e in exposed), _at_defaults_rows(default, ours)])
+    return markdown_table(["model layers", "engine", "GPUs", "rows per GPU (default / ours where they differ)",
+                           "default tok/s per GPU",
                            "hf-scatter tok/s per GPU", "hf-scatter vs default", "TFLOP/s per GPU (default / ours)",
                            "scaling efficiency (default / ours)", "peak GiB per GPU (default / ours)",
-                           "exposed comm ms per step (default / ours)"], lines)
+                           "exposed comm ms per step (default / ours)",
+                           "hf-scatter at the default's rows: vs default, peak GiB"], lines)
+
+
+def _at_defaults_rows(default: dict, ours: dict) -> str:
+    """Where a sweep left the two sides at different batches: hf-scatter's speed ratio and peak memory at the
+    default's batch (the like-for-like comparison beside the best-against-best one)."""
+    rows = default.get("rows_per_rank")
+    if ours.get("rows_per_rank") == rows:
+        return ""
+    same = next((e for e in ours.get("batch_sweep", ()) if e.get("rows_per_rank") == rows and "tokens_per_s" in e),
+                None)
+    if same is None:
+        return "not run"
+    return f"{same['tokens_per_s'] / default['tokens_per_s']:.2f}x, {_gib(same['peak_gib'])}"
 
 
 def plot_scaling(combined: dict, path: str) -> None:
@@ -777,8 +907,9 @@ def plot_scaling(combined: dict, path: str) -> None:
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)  # below: never over a point
     first = combined["rows"][0]
-    fig.suptitle(f"Training step, {first['config']['batch']} x {first['config']['seq']} tokens per GPU, bf16 AdamW, "
-                 f"{first['device']}", fontsize=10)
+    swept = any(isinstance(r["rows_per_rank"], list) for r in combined["rows"])
+    rows = "each side at its fastest batch" if swept else f"{first['config']['batch']} x {first['config']['seq']} tokens per GPU"
+    fig.suptitle(f"Training step, {rows}, bf16 AdamW, {first['device']}", fontsize=10)
     fig.tight_layout()
     save_figure(fig, path)
 
