@@ -321,8 +321,12 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
     from .offload import PlanError, Workload, plot_roofline, search_policy
     from .offload.plan.hrm import HierarchicalRoofline
+    from .offload.plan.policy import gpu_scaling_table
+    from .offload.plan.tensor_parallel import check_divisible
     from .offload.runtime.offloaded import CGOPIPE_PLACEMENT
 
     _check_outputs(out=args.out, plot=args.plot)
@@ -337,19 +341,39 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         gpu_memory = args.gpu_memory or profile.gpu_memory
         if gpu_memory is None:
             raise PlanError(f"profile {profile.name!r} has no GPU memory: pass --gpu-memory, e.g. 16GiB")
-        hrm = HierarchicalRoofline(profile)
+        if args.plot and len(args.gpus) > 1:
+            raise PlanError("--plot draws one plan: give one --gpus count with it")
         placements = [CGOPIPE_PLACEMENT] if args.placement == "cgopipe" else None
-        policy = search_policy(model, hrm, workload, gpu_memory, args.cpu_memory, placements=placements)
+        plans = {}
+        for gpus in args.gpus:  # checked (divisibility, the host's GPU count) before the first search
+            HierarchicalRoofline(profile, gpus)
+            check_divisible(model, gpus)
+        for gpus in tqdm(args.gpus, desc="plan", disable=len(args.gpus) == 1):
+            hrm = HierarchicalRoofline(profile, gpus)
+            plans[gpus] = (hrm, search_policy(model, hrm, workload, gpu_memory, args.cpu_memory,
+                                              placements=placements, gpus=gpus))
     except (ValueError, FileNotFoundError) as e:
         raise UsageError(str(e)) from None
     print(model.describe() + "\n")
-    print(policy.to_markdown() + "\n")
-    print(policy.explain())
+    for gpus, (hrm, policy) in plans.items():
+        if len(plans) > 1:
+            print(f"## {gpus} GPU{'s' if gpus > 1 else ''}\n")
+        print(policy.to_markdown() + "\n")
+        print(policy.explain() + "\n")
+    if len(plans) > 1:
+        print(gpu_scaling_table({gpus: policy for gpus, (_, policy) in plans.items()}))
     if args.out:
-        report = {"model": model.to_dict(), "workload": vars(workload), "profile": profile.to_dict(),
-                  "turning_points": hrm.turning_points().to_dict(), "policy": policy.to_dict()}
+        def entry(hrm, policy):
+            return {"turning_points": hrm.turning_points().to_dict(), "policy": policy.to_dict(),
+                    "uncalibrated": list(hrm.uncalibrated)}
+        report = {"model": model.to_dict(), "workload": vars(workload), "profile": profile.to_dict()}
+        if len(plans) == 1:
+            report.update(entry(*next(iter(plans.values()))))
+        else:
+            report["by_gpus"] = {str(gpus): entry(hrm, policy) for gpus, (hrm, policy) in plans.items()}
         write_json(args.out, report, default=float)
     if args.plot:
+        hrm, policy = next(iter(plans.values()))
         print(f"\nwrote {plot_roofline(policy, model, hrm, args.plot)}")
     return 0
 
@@ -480,6 +504,9 @@ def _add_plan(sub) -> None:
     p.add_argument("--profile", help="profile JSON or a known name ({known_profiles}); default: the saved profile "
                                      "of this host and device")
     p.add_argument("--gpu", help="plan for this GPU on the profile's host (spec-sheet peaks): {gpus}")
+    p.add_argument("--gpus", type=positive_int, nargs="+", default=[1], metavar="N",
+                   help="GPUs of the host as one tensor-parallel group, --gpu-memory on each (default 1); several "
+                        "counts plan each and compare them (throughput, scaling, where the bottleneck moves)")
     p.add_argument("--placement", choices=("any", "cgopipe"), default="any",
                    help="any: attention and experts each on the CPU or the GPU, as the HRM finds best (default); "
                         "cgopipe: what hf_scatter.offload runs (attention on the CPU, experts on the GPU)")

@@ -490,3 +490,124 @@ def test_the_search_streams_only_routed_experts_where_that_pays_and_says_so(caps
     assert main(["plan", "--model", "qwen3-30b-a3b", "--gpu-memory", "16GiB", "--profile", "h100-host-anchors",
                  "--num-requests", "4", "--prompt-len", "77", "--gen-len", "128", "--placement", "cgopipe"]) == 0
     assert "routed only: about" in capsys.readouterr().out
+
+
+# ----- several GPUs of one host: tensor parallelism -----
+def two_gpu_host(**overrides) -> HardwareProfile:
+    """The synthetic host with 2 GPUs measured: independent links (twice one GPU's pinned H2D at once), a
+    100 GB/s all-reduce of 10 us."""
+    return synthetic(**{"gpus": 2, "h2d_pinned_concurrent": [[2, 20e9]], "allreduce_bus_bandwidth": 100e9,
+                        "allreduce_latency_s": 10e-6, **overrides})
+
+
+def test_two_gpus_by_hand_halve_each_gpu_s_work_and_add_two_all_reduces_per_layer():
+    """Each GPU computes half of every op at its own roofs, the hidden states of the micro-batch (64 rows of
+    1024 bf16) are all-reduced twice (ring: 2 (N-1)/N of them over the bus), and the streamed weights come in
+    over both links at once."""
+    model, prof = small_moe(), two_gpu_host()
+    resident = Policy(64, 64, attention_on_gpu=True, experts_on_gpu=True, weights_gpu_fraction=1.0,
+                      kv_gpu_fraction=1.0, gpus=2)
+    t = decode_layer_time(resident, model, prof, context_len=100)
+    compute = sum(max(op.flops / 200e12, op.bytes / 2e12) for op in model.decode_ops(64, 100).values())
+    allreduce = 2 * (10e-6 + 64 * 1024 * 2 / 100e9)
+    assert t.ops["all-reduce"].seconds == pytest.approx(allreduce)
+    assert t.terms["gpu_compute"] == pytest.approx(compute + allreduce) and t.bottleneck == "gpu_compute"
+    streamed = dataclasses.replace(resident, weights_gpu_fraction=0.0)
+    t = decode_layer_time(streamed, model, prof, context_len=100)
+    assert t.bottleneck == "h2d" and t.seconds == pytest.approx(model.layer_weight_bytes / 20e9)
+    one = decode_layer_time(dataclasses.replace(streamed, gpus=1), model, prof, context_len=100)
+    assert "all-reduce" not in one.ops and one.seconds == pytest.approx(model.layer_weight_bytes / 10e9)
+
+
+def test_memory_per_gpu_holds_its_share_of_weights_and_kv_and_all_activations():
+    from hf_scatter.offload import CostOptions
+    from hf_scatter.offload.plan.cost_model import memory_use
+
+    model, workload = small_moe(), Workload(512, 64)
+    one = Policy(64, 16, attention_on_gpu=True, weights_gpu_fraction=0.5, kv_gpu_fraction=0.5)
+    gpu1, cpu1 = memory_use(model, one, workload, CostOptions())
+    gpu2, cpu2 = memory_use(model, dataclasses.replace(one, gpus=2), workload, CostOptions())
+    for purpose in ("resident weights", "weight double buffer", "KV cache", "KV staging"):
+        assert gpu2[purpose].at(0.5, 0.5) == pytest.approx(gpu1[purpose].at(0.5, 0.5) / 2)
+    assert gpu2["activations"].at(0.5, 0.5) == gpu1["activations"].at(0.5, 0.5) > 0  # replicated on each GPU
+    assert {k: v.at(0.5, 0.5) for k, v in cpu2.items()} == {k: v.at(0.5, 0.5) for k, v in cpu1.items()}
+
+
+def test_a_shared_host_switch_is_read_from_the_concurrent_copy_measurement():
+    from hf_scatter.offload.plan.tensor_parallel import TensorParallel
+
+    shared = two_gpu_host(gpus=4, h2d_pinned_concurrent=[[2, 14e9], [4, 16e9]])  # one switch: 1.4x, then 1.6x
+    assert TensorParallel.from_profile(shared, 2)[0].link_scale == pytest.approx(1.4)
+    assert TensorParallel.from_profile(shared, 3)[0].link_scale == pytest.approx(1.5)  # between the measured
+    tp, assumed = TensorParallel.from_profile(synthetic(), 4)  # nothing measured: independent, and said so
+    assert tp.link_scale == 4 and len(assumed) == 3 and "independent" in assumed[0]
+    assert tp.allreduce_seconds(0) == pytest.approx(20e-6) and TensorParallel.from_profile(synthetic(), 1)[0] \
+        .allreduce_seconds(1e9) == 0
+
+
+def test_plan_over_gpus_grows_and_says_where_the_bottleneck_moves():
+    """Mixtral-8x7B in 16 GiB per GPU on the H100 host anchors, as the CGOPipe runtime places it: one GPU is
+    bound by the link; two and four stream each share over their own link and keep more weights resident in
+    their aggregate memory, until the shared CPU's attention binds. Each plan fits each GPU's budget and names
+    the multi-GPU terms it assumed."""
+    plans = {n: search_policy(MIXTRAL, ANCHORS, Workload(512, 64), "16GiB", gpus=n, placements=[(False, True)])
+             for n in (1, 2, 4)}
+    rate = {n: p.prediction.tokens_per_s for n, p in plans.items()}
+    assert rate[1] < rate[2] <= rate[4]
+    assert plans[1].bottleneck == "h2d" and plans[4].bottleneck == "cpu"
+    assert plans[4].prediction.decode_layer.terms["h2d"] < plans[1].prediction.decode_layer.terms["h2d"] / 4
+    for n, p in plans.items():
+        assert p.gpus == n and p.prediction.gpus == n and p.prediction.fits
+        assert p.prediction.gpu_memory_total <= p.prediction.gpu_usable <= 16 * GiB
+        assert (n > 1) == any("allreduce_bus_bandwidth" in u for u in p.prediction.uncalibrated)
+    assert "over 4 GPUs (tensor parallel" in plans[4].explain() and "| GPUs (tensor parallel) | 4 |" in \
+        plans[4].to_markdown()
+
+
+def test_plans_over_gpus_refuse_what_cannot_split_or_is_not_there():
+    with pytest.raises(PlanError, match="tensor parallelism over 3 GPUs .* 32 query heads, 8 KV heads"):
+        search_policy(MIXTRAL, ANCHORS, Workload(512, 64), "16GiB", gpus=3)
+    with pytest.raises(PlanError, match="8 GPUs asked but profile 'synthetic' was measured on a host of 2"):
+        search_policy(MIXTRAL, two_gpu_host(), Workload(512, 64), "16GiB", gpus=8)
+    with pytest.raises(ValueError, match="gpus must be a positive integer"):
+        Policy(8, 8, gpus=0)
+    from hf_scatter.offload.plan.cost_model import decode_terms
+
+    with pytest.raises(ValueError, match=r"runs on 2 GPU\(s\) but the roofline models 1"):
+        decode_terms(HierarchicalRoofline(synthetic()), small_moe(), Policy(8, 8, gpus=2), 100)
+
+
+def test_plan_command_compares_gpu_counts(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "mixtral-8x7b", "--profile", "h100-host-anchors", "--gpu-memory", "16GiB",
+                 "--placement", "cgopipe", "--gpus", "1", "2", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| GPUs | tokens/s | vs 1 GPU | bottleneck |" in printed and "## 2 GPUs" in printed
+    report = json.loads(out.read_text())
+    assert sorted(report["by_gpus"]) == ["1", "2"] and report["by_gpus"]["2"]["policy"]["gpus"] == 2
+    assert main(["plan", "--model", "mixtral-8x7b", "--profile", "h100-host-anchors", "--gpus", "1", "2",
+                 "--plot", str(tmp_path / "r.png")]) == 2
+    assert "--plot draws one plan" in capsys.readouterr().err and not (tmp_path / "r.png").exists()
+
+
+@pytest.mark.gpu
+def test_profile_measures_the_hosts_gpus_together():
+    """On a host of several GPUs: concurrent copies to 2..N of them, and NCCL's all-reduce over all; the plan
+    for N GPUs then assumes none of them. On one GPU only the count."""
+    import torch
+
+    from hf_scatter.offload.measure import _multi_gpu
+
+    p = HardwareProfile(name="here", h2d_pinned=50e9)
+    _multi_gpu(p, quick=True)
+    count = torch.cuda.device_count()
+    assert p.gpus == count
+    if count < 2:
+        assert p.h2d_pinned_concurrent == [] and p.allreduce_bus_bandwidth is None
+        return
+    assert [k for k, _ in p.h2d_pinned_concurrent] == list(range(2, count + 1))
+    assert all(rate > 0 for _, rate in p.h2d_pinned_concurrent)
+    assert p.allreduce_bus_bandwidth > 1e9 and 0 < p.allreduce_latency_s < 1e-2
+    from hf_scatter.offload.plan.tensor_parallel import TensorParallel
+
+    assert TensorParallel.from_profile(p, count)[1] == []

@@ -268,10 +268,54 @@ def _host_dram(p: HardwareProfile, quick: bool) -> None:
                                       f"ran {repeats * copy_bytes / elapsed / 1e9:.1f} GB/s")
 
 
+def _multi_gpu(p: HardwareProfile, quick: bool) -> None:
+    """The host's GPUs together (tensor-parallel plans): pinned host->device copies to 2..N of them at once (do
+    their links share a switch?), and an NCCL all-reduce over all N of a block's hidden states (4 MiB) and of
+    a small tensor (its latency)."""
+    count = torch.cuda.device_count()
+    p.gpus = count
+    if count < 2:
+        p.notes["h2d_pinned_concurrent"] = "one GPU on this host"
+        return
+    copy_bytes = _copy_bytes(quick)
+    n = copy_bytes // 2
+    pinned = [torch.empty(n, dtype=torch.bfloat16, pin_memory=True) for _ in range(count)]
+    device = [torch.empty(n, dtype=torch.bfloat16, device=f"cuda:{i}") for i in range(count)]
+
+    def copies(k):
+        for i in range(k):
+            with torch.cuda.device(i):
+                device[i].copy_(pinned[i], non_blocking=True)
+        for i in range(k):
+            torch.cuda.synchronize(i)
+
+    p.h2d_pinned_concurrent = [[k, k * copy_bytes / _median_s(lambda k=k: copies(k))] for k in range(2, count + 1)]
+    p.notes["h2d_pinned_concurrent"] = "measured: pinned copies to that many GPUs issued together, total bytes/s"
+    import torch.cuda.nccl as nccl
+
+    def allreduce_seconds(numel):
+        tensors = [torch.ones(numel, dtype=torch.bfloat16, device=f"cuda:{i}") for i in range(count)]
+
+        def once():
+            nccl.all_reduce(tensors)
+            for i in range(count):
+                torch.cuda.synchronize(i)
+
+        once()  # NCCL's communicators are made on the first call
+        return _median_s(once)
+
+    block = 4 * 2**20
+    p.allreduce_bus_bandwidth = 2 * (count - 1) / count * block / allreduce_seconds(block // 2)
+    p.allreduce_latency_s = allreduce_seconds(2048)
+    p.notes["allreduce_bus_bandwidth"] = (f"measured: NCCL all-reduce of 4 MiB of bf16 over the {count} GPUs "
+                                          "(torch.cuda.nccl, one process), bus bandwidth 2 (N-1)/N x size / time")
+    p.notes["allreduce_latency_s"] = f"measured: NCCL all-reduce of 4 KiB over the {count} GPUs"
+
+
 # (label, step) pairs that fill the GPU and link fields, in order (the efficiency fits read the roofs).
 GPU_STEPS = [("GPU matmul", _gpu_flops), ("GPU copy", _gpu_bandwidth), ("GEMM efficiency", _gemm_efficiency),
              ("MoE kernel efficiency", _moe_efficiency), ("GPU attention", _gpu_attention), ("GPU launch", _gpu_launch),
-             ("PCIe", _link), ("host DRAM", _host_dram)]
+             ("PCIe", _link), ("host DRAM", _host_dram), ("several GPUs", _multi_gpu)]
 
 
 def measure_profile(quick: bool = False, progress: bool = True, attention_shapes=()) -> HardwareProfile:

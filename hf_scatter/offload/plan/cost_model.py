@@ -124,6 +124,7 @@ class Prediction:
     notes: list
     routed_experts: float | None = None  # routed streaming: experts of a layer fetched per decode step (expected)
     experts: int = 0  # routed experts per layer
+    gpus: int = 1  # tensor-parallel GPUs (gpu_memory, gpu_limit and gpu_usable are per GPU)
 
     @property
     def gpu_memory_total(self) -> float:
@@ -269,6 +270,13 @@ def decode_terms(hrm: HierarchicalRoofline, model: ModelSpec, policy: Policy, co
                 launches += count * op.kernels * hrm.launch_s
                 account(name, "gpu", count * op.flops, count * op.bytes, seconds)
 
+    _check_group(hrm, policy)
+    for size, count in _micro_batches(policy) if hrm.gpus > 1 else ():
+        # tensor parallelism: each micro-batch's hidden states summed over the GPUs after attention and the FFN
+        seconds = Lin(count * 2 * hrm.tensor_parallel.allreduce_seconds(size * model.hidden * b))
+        gpu += seconds
+        launches += count * 2 * hrm.launch_s
+        account("all-reduce", "gpu", Lin(), Lin(), seconds)
     n_ub = policy.num_micro_batches
     streamed = model.layer_weight_bytes - (0 if policy.experts_on_gpu else model.ffn_weight_bytes)
     weights = [on_cpu_share(streamed)]
@@ -319,6 +327,12 @@ def decode_terms(hrm: HierarchicalRoofline, model: ModelSpec, policy: Policy, co
     return Terms(pieces, ops, weights, context_len)
 
 
+def _check_group(hrm: HierarchicalRoofline, policy: Policy) -> None:
+    if hrm.gpus != policy.gpus:
+        raise ValueError(f"the policy runs on {policy.gpus} GPU(s) but the roofline models {hrm.gpus}: build it "
+                         f"with HierarchicalRoofline(profile, gpus={policy.gpus})")
+
+
 def _op_weight_bytes(model: ModelSpec, name: str) -> float:
     return {"qkv": model.qkv_weight_bytes, "o_proj": model.o_weight_bytes, "router": model.router_weight_bytes,
             "ffn": model.ffn_weight_bytes, "mlp": model.mlp_weight_bytes}.get(name, 0.0)
@@ -340,6 +354,12 @@ def prefill_terms(hrm: HierarchicalRoofline, model: ModelSpec, policy: Policy, w
         launches += math.ceil(chunks) * op.kernels * hrm.launch_s
         link = on_cpu_share(_op_weight_bytes(model, name))
         ops[name] = ("gpu", Lin(chunks * op.flops), Lin(chunks * op.bytes), link, seconds)
+    _check_group(hrm, policy)
+    if hrm.gpus > 1:
+        seconds = Lin(chunks * 2 * hrm.tensor_parallel.allreduce_seconds(chunk * model.hidden * model.dtype_bytes))
+        gpu += seconds
+        launches += math.ceil(chunks) * 2 * hrm.launch_s
+        ops["all-reduce"] = ("gpu", Lin(), Lin(), Lin(), seconds)
     weights = on_cpu_share(model.layer_weight_bytes)  # every expert: a prefill chunk routes to all of them
     kv = tokens * model.kv_bytes_per_token
     d2h = Lin(kv, 0, -kv) if policy.attention_on_gpu else Lin(kv)
@@ -373,7 +393,8 @@ def decode_contexts(workload: Workload, samples: int) -> list[tuple[float, float
 
 # ----- memory -----
 def memory_use(model: ModelSpec, policy: Policy, workload: Workload, options: CostOptions) -> tuple[dict, dict]:
-    """(GPU, CPU) memory by purpose, each a :class:`Lin` in (x, y)."""
+    """(GPU, CPU) memory by purpose, each a :class:`Lin` in (x, y); GPU memory per GPU (tensor parallelism over
+    ``policy.gpus``: each holds its share of the weights and KV cache, and the whole activations)."""
     b, kvb, n_seq, mu = model.dtype_bytes, model.kv_bytes_per_token, policy.batch_size, policy.micro_batch_size
     layer, all_layers = model.largest_layer_weight_bytes, model.layers * model.layer_weight_bytes
     kv_tokens = n_seq * workload.mean_kv_tokens
@@ -386,12 +407,13 @@ def memory_use(model: ModelSpec, policy: Policy, workload: Workload, options: Co
     decode_act = (n_seq * (2 * model.hidden + qkv_width + model.q_dim) * b
                   + mu * (2 * model.hidden + qkv_width + model.q_dim + ffn_width) * b + mu * model.vocab * 4)
     prefill_act = chunk * (3 * model.hidden + qkv_width + model.q_dim + ffn_width) * b + chunk * kvb
+    share = 1.0 / policy.gpus
     gpu = {
-        "resident weights": Lin(model.other_weight_bytes, all_layers),
-        "weight double buffer": Lin(2 * layer, -2 * layer),
-        "KV cache": Lin(0, 0, kv_all_layers) if policy.attention_on_gpu else Lin(),
+        "resident weights": Lin(model.other_weight_bytes, all_layers) * share,
+        "weight double buffer": Lin(2 * layer, -2 * layer) * share,
+        "KV cache": Lin(0, 0, kv_all_layers) * share if policy.attention_on_gpu else Lin(),
         # GPU attention over a partly CPU-resident cache: one micro-batch's CPU share of a layer's KV, twice.
-        "KV staging": Lin(2 * staged, 0, -2 * staged) if policy.attention_on_gpu else Lin(),
+        "KV staging": Lin(2 * staged, 0, -2 * staged) * share if policy.attention_on_gpu else Lin(),
         "activations": Lin(max(decode_act, prefill_act)),
     }
     cpu_kv = Lin(kv_all_layers, 0, -kv_all_layers) if policy.attention_on_gpu else Lin(kv_all_layers)
@@ -407,20 +429,23 @@ def memory_use(model: ModelSpec, policy: Policy, workload: Workload, options: Co
 
 
 # ----- evaluation -----
-def as_roofline(profile: HardwareProfile | HierarchicalRoofline) -> HierarchicalRoofline:
-    return profile if isinstance(profile, HierarchicalRoofline) else HierarchicalRoofline(profile)
+def as_roofline(profile: HardwareProfile | HierarchicalRoofline, gpus: int = 1) -> HierarchicalRoofline:
+    """The roofline of ``gpus`` GPUs of ``profile`` (a roofline of another GPU count: rebuilt from its profile)."""
+    if isinstance(profile, HierarchicalRoofline):
+        return profile if profile.gpus == gpus else HierarchicalRoofline(profile.profile, gpus)
+    return HierarchicalRoofline(profile, gpus)
 
 
 def decode_layer_time(policy: Policy, model: ModelSpec, profile, context_len: float) -> LayerTime:
     """Predicted time of one layer in one decode step at this context length, for any policy: compare it
     with a measured per-layer decode time."""
-    return decode_terms(as_roofline(profile), model, policy, context_len).evaluate(
+    return decode_terms(as_roofline(profile, policy.gpus), model, policy, context_len).evaluate(
         policy.weights_gpu_fraction, policy.kv_gpu_fraction)
 
 
 def prefill_layer_time(policy: Policy, model: ModelSpec, profile, workload: Workload,
                        options: CostOptions | None = None) -> LayerTime:
-    return prefill_terms(as_roofline(profile), model, policy, workload, options or CostOptions()).evaluate(
+    return prefill_terms(as_roofline(profile, policy.gpus), model, policy, workload, options or CostOptions()).evaluate(
         policy.weights_gpu_fraction, policy.kv_gpu_fraction)
 
 
@@ -428,12 +453,17 @@ def default_cpu_limit(profile: HardwareProfile, options: CostOptions) -> float:
     return options.cpu_memory_fraction * profile.cpu_memory
 
 
+def _whole_batch(policy: Policy) -> Policy:
+    """The batch as one micro-batch (the prefill's LM head), on the policy's GPUs."""
+    return Policy(policy.batch_size, policy.batch_size, gpus=policy.gpus)
+
+
 def objective(hrm: HierarchicalRoofline, model: ModelSpec, policy: Policy, workload: Workload,
               options: CostOptions) -> list[tuple[float, list[Lin]]]:
     """Seconds of one batch as ``sum_i weight_i * max(pieces_i)``: the prefill, then the decode steps."""
     head = head_seconds(hrm, model, policy)
     prefill = prefill_terms(hrm, model, policy, workload, options)
-    groups = [(1.0, [p * model.layers + head_seconds(hrm, model, Policy(policy.batch_size, policy.batch_size))
+    groups = [(1.0, [p * model.layers + head_seconds(hrm, model, _whole_batch(policy))
                      for p in prefill.all_pieces()])]
     for steps, context in decode_contexts(workload, options.decode_samples):
         terms = decode_terms(hrm, model, policy, context, workload)
@@ -446,12 +476,12 @@ def predict(policy: Policy, model: ModelSpec, profile, workload: Workload, gpu_m
     """Predicted times, throughput and memory of ``policy`` (any policy, not only a searched one).
     ``gpu_memory`` / ``cpu_memory``: the budgets to report against (default: the profile's capacities)."""
     options = options or CostOptions()
-    hrm = as_roofline(profile)
+    hrm = as_roofline(profile, policy.gpus)
     prof = hrm.profile
     x, y = policy.weights_gpu_fraction, policy.kv_gpu_fraction
     batch_s = sum(w * max(p.at(x, y) for p in pieces) for w, pieces in objective(hrm, model, policy, workload, options))
     prefill = prefill_terms(hrm, model, policy, workload, options).evaluate(x, y)
-    head_prefill = head_seconds(hrm, model, Policy(policy.batch_size, policy.batch_size))
+    head_prefill = head_seconds(hrm, model, _whole_batch(policy))
     prefill_s = model.layers * prefill.seconds + head_prefill
     mean_context = workload.prompt_len + (workload.gen_len + 1) / 2
     decode = decode_terms(hrm, model, policy, mean_context, workload).evaluate(x, y)
@@ -468,7 +498,7 @@ def predict(policy: Policy, model: ModelSpec, profile, workload: Workload, gpu_m
         gpu_limit=gpu_limit, gpu_usable=gpu_limit * (1 - options.gpu_margin), cpu_limit=cpu_limit,
         balance_batch_size=balance, uncalibrated=list(hrm.uncalibrated), notes=_notes(prof, gpu_limit, cpu_limit),
         routed_experts=model.active_experts(policy.batch_size) if policy.routed_experts else None,
-        experts=model.experts)
+        experts=model.experts, gpus=policy.gpus)
 
 
 def _notes(profile: HardwareProfile, gpu_limit: float, cpu_limit: float) -> list[str]:

@@ -27,6 +27,7 @@ import numpy as np
 
 from ..families.spec import ModelSpec, OpCost
 from .profile import HardwareProfile
+from .tensor_parallel import TensorParallel, group_profile
 
 
 class ProfileError(ValueError):
@@ -99,13 +100,16 @@ def _cpu_gpu_turning(cpu_flops: float, cpu_bw: float, gpu_flops: float, link_bw:
 
 
 class HierarchicalRoofline:
-    """Roofs, turning points and calibrated op times of one hardware profile."""
+    """Roofs, turning points and calibrated op times of one hardware profile; with ``gpus`` > 1, of that many of
+    its host's GPUs as one tensor-parallel group (:mod:`.tensor_parallel`: the roofs are the group's, the
+    all-reduces :attr:`tensor_parallel`'s)."""
 
-    def __init__(self, profile: HardwareProfile):
-        self.profile = profile
-        self.roofs = Roofs.from_profile(profile)
-        self.uncalibrated: list[str] = []
-        p = profile
+    def __init__(self, profile: HardwareProfile, gpus: int = 1):
+        self.profile = profile  # per GPU: budgets and capacities are per GPU
+        self.tensor_parallel, assumed = TensorParallel.from_profile(profile, gpus)
+        p = group_profile(profile, self.tensor_parallel)
+        self.roofs = Roofs.from_profile(p)
+        self.uncalibrated: list[str] = list(assumed)
 
         def term(name, value, fallback, why):
             if value is None:
@@ -138,6 +142,10 @@ class HierarchicalRoofline:
         self._attention_group = standard[0] / standard[1] if standard and standard[1] else 1.0
         if self._cpu_attention is None:
             self.uncalibrated.append("cpu_attention (CPU attention at the CPU copy bandwidth)")
+
+    @property
+    def gpus(self) -> int:
+        return self.tensor_parallel.gpus
 
     # ----- calibration terms -----
     def gemm_efficiency(self, rows: float, moe: bool = False) -> float:

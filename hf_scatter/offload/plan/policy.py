@@ -80,6 +80,7 @@ class Policy:
     weights_gpu_fraction: float = 0.0
     kv_gpu_fraction: float = 0.0
     routed_experts: bool = False
+    gpus: int = 1  # GPUs of one host splitting every projection (tensor parallelism); memory figures are per GPU
     prediction: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
@@ -93,6 +94,8 @@ class Policy:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if self.kv_gpu_fraction > 0 and not self.attention_on_gpu:
             raise ValueError("kv_gpu_fraction > 0 needs attention_on_gpu=True (CPU attention reads a CPU KV cache)")
+        if int(self.gpus) != self.gpus or self.gpus < 1:
+            raise ValueError(f"gpus must be a positive integer, got {self.gpus}")
         if self.routed_experts and not self.experts_on_gpu:
             raise ValueError("routed_experts=True streams the experts the GPU computes; it needs experts_on_gpu=True")
 
@@ -133,12 +136,15 @@ class Policy:
         p = self._predicted()
         d = p.decode_layer
         ms = _ms
-        text = (f"{p.model} on {p.hardware}, GPU budget {format_bytes(p.gpu_limit)}, CPU budget "
+        group = (f" over {self.gpus} GPUs (tensor parallel: each holds and streams its share of every weight, "
+                 "and the hidden states are all-reduced twice per layer)") if self.gpus > 1 else ""
+        text = (f"{p.model} on {p.hardware}{group}, GPU budget {format_bytes(p.gpu_limit)}{_each(self)}, CPU budget "
                 f"{format_bytes(p.cpu_limit)}: run batches of N={self.batch_size} requests in "
                 f"{_micro_batches_text(self)}, with {self.placement()}. ")
         streamed = d.link_weight_bytes
         if streamed > 0:
-            text += f"Each layer streams {format_bytes(streamed)} of weights to the GPU per decode step. "
+            text += (f"Each layer streams {format_bytes(streamed)} of weights to the GPU"
+                     f"{'s' if self.gpus > 1 else ''} per decode step. ")
         if p.routed_experts is not None:
             text += (f"Only the experts the batch's rows choose stream: about {p.routed_experts:.1f} of {p.experts} per "
                      "layer and decode step (uniform routing), fetched once the router has chosen. ")
@@ -173,7 +179,8 @@ class Policy:
         rows = [
             ["model", p.model],
             ["hardware profile", p.hardware],
-            ["GPU / CPU memory budget", f"{format_bytes(p.gpu_limit)} / {format_bytes(p.cpu_limit)}"],
+            ["GPUs (tensor parallel)", str(self.gpus)],
+            ["GPU / CPU memory budget", f"{format_bytes(p.gpu_limit)}{_each(self)} / {format_bytes(p.cpu_limit)}"],
             ["workload", p.workload],
             ["batch N / micro-batch mu (micro-batches)",
              f"{self.batch_size} / {self.micro_batch_size} ({self.num_micro_batches})"],
@@ -193,10 +200,34 @@ class Policy:
             ["decode step, all layers (mean)", ms(p.decode_step_s)],
             ["prefill per batch", _s(p.prefill_s)],
             ["predicted throughput", f"{p.tokens_per_s:,.1f} tokens/s"],
-            [f"GPU memory ({format_bytes(p.gpu_memory_total)})", breakdown(p.gpu_memory)],
+            [f"GPU memory{_each(self)} ({format_bytes(p.gpu_memory_total)})", breakdown(p.gpu_memory)],
             [f"CPU memory ({format_bytes(p.cpu_memory_total)})", breakdown(p.cpu_memory)],
         ]
         return markdown_table(["policy", "value"], rows)
+
+
+def _each(policy: Policy) -> str:
+    return " per GPU" if policy.gpus > 1 else ""
+
+
+def gpu_scaling_table(plans: dict) -> str:
+    """Plans of one workload at several GPU counts (``{gpus: policy}``, each predicted): throughput, scaling
+    against the fewest GPUs, the binding resource and the decode terms that move with the count."""
+    from ...common.markdown import markdown_table
+
+    first = plans[min(plans)].prediction
+    rows = []
+    for gpus, policy in sorted(plans.items()):
+        p = policy.prediction
+        d = p.decode_layer
+        rows.append([gpus, f"{p.tokens_per_s:,.1f}", f"{p.tokens_per_s / first.tokens_per_s:.2f}x",
+                     TERM_LABELS[d.bottleneck], f"{policy.batch_size} / {policy.micro_batch_size}",
+                     f"{policy.weights_gpu_fraction:.1%}", format_bytes(p.gpu_memory_total),
+                     _ms(max(d.terms["gpu_compute"], d.terms["gpu_launch"])), _ms(d.terms["cpu"]),
+                     _ms(d.terms["h2d"]), _ms(d.terms["host_memory"])])
+    return markdown_table(["GPUs", "tokens/s", f"vs {min(plans)} GPU{'s' if min(plans) > 1 else ''}",
+                           "bottleneck", "batch / micro-batch", "weights on GPU", "GPU memory per GPU",
+                           "GPU ms per layer", "CPU ms", "CPU->GPU ms", "host memory ms"], rows)
 
 
 def _expert_streaming_text(p) -> str:

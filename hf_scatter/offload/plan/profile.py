@@ -63,6 +63,11 @@ class HardwareProfile:
     cpu_attention: list = field(default_factory=list)
     cpu_op_s: float | None = None  # one small torch op on the CPU
     host_dram_bandwidth: float | None = None  # CPU copy + pinned H2D running at once, total bytes/s
+    # several GPUs of the host (tensor-parallel plans, :mod:`.tensor_parallel`)
+    gpus: int | None = None  # GPUs on the host
+    h2d_pinned_concurrent: list = field(default_factory=list)  # [[GPUs, total bytes/s]] pinned H2D to each at once
+    allreduce_bus_bandwidth: float | None = None  # NCCL all-reduce of a block's hidden states, bus bytes/s
+    allreduce_latency_s: float | None = None  # one small all-reduce
     notes: dict = field(default_factory=dict)
 
     # ----- persistence -----
@@ -83,8 +88,8 @@ class HardwareProfile:
         if "name" not in data:
             data["name"] = os.path.basename(origin)
         for key, value in data.items():
-            if key in ("gemm_efficiency", "moe_efficiency", "cpu_attention", "notes", "name", "host", "device",
-                       "source", "date"):
+            if key in ("gemm_efficiency", "moe_efficiency", "cpu_attention", "h2d_pinned_concurrent", "notes",
+                       "name", "host", "device", "source", "date"):
                 continue
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0):
                 raise ValueError(f"{origin}: {key} must be a positive number or null, got {value!r}")
@@ -114,7 +119,8 @@ class HardwareProfile:
         return dataclasses.replace(
             self, name=f"{gpu} (spec sheet) on {self.name}", device=gpu, source=f"{gpu} spec sheet + {self.source}",
             gpu_attention_bandwidth=None, gemm_efficiency=[], h2d_pinned=link, d2h_pinned=link,
-            duplex_pinned=2 * link, h2d_pageable=None, d2h_pageable=None, notes=notes, **spec)
+            duplex_pinned=2 * link, h2d_pageable=None, d2h_pageable=None, h2d_pinned_concurrent=[],
+            allreduce_bus_bandwidth=None, allreduce_latency_s=None, notes=notes, **spec)
 
     def summary_rows(self) -> list[list[str]]:
         """(quantity, value, source) rows for a Markdown table."""
@@ -146,6 +152,12 @@ class HardwareProfile:
              or "not measured"),
             ("CPU small op", "cpu_op_s", rate(self.cpu_op_s, "us", 1e-6)),
             ("host DRAM, CPU copy + H2D at once", "host_dram_bandwidth", rate(self.host_dram_bandwidth, "GB/s", 1e9)),
+            ("GPUs on the host", "gpus", "not measured" if self.gpus is None else str(self.gpus)),
+            ("pinned host->device to several GPUs at once (total)", "h2d_pinned_concurrent",
+             ", ".join(f"{int(n)} GPUs: {r / 1e9:,.1f} GB/s" for n, r in self.h2d_pinned_concurrent)
+             or "not measured"),
+            ("all-reduce bus bandwidth / latency", "allreduce_bus_bandwidth",
+             f"{rate(self.allreduce_bus_bandwidth, 'GB/s', 1e9)} / {rate(self.allreduce_latency_s, 'us', 1e-6)}"),
         ]
         return [[label, value, self.notes.get(key, self.source if getattr(self, key) not in (None, []) else "")]
                 for label, key, value in rows]

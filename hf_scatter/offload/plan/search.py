@@ -15,11 +15,12 @@ import math
 from ...common.units import format_bytes, parse_bytes
 from ..families.spec import ModelSpec
 from .cost_model import CostOptions, Lin, as_roofline, default_cpu_limit, memory_use, objective, predict
-from .hrm import HierarchicalRoofline
+from .hrm import HierarchicalRoofline, ProfileError
 from .known_profiles import load_profile
 from .policy import PlanError, Policy, Workload
 from .profile import HardwareProfile
 from .pwl import minimize
+from .tensor_parallel import check_divisible
 
 MAX_BATCH = 16384
 MAX_MICRO_BATCHES = 256  # CGOPipe pages a layer's weights into one page per micro-batch
@@ -30,23 +31,30 @@ def _powers_of_two_upto(limit: int) -> list[int]:
     return out + ([limit] if out[-1] != limit else [])
 
 
-def _resolve(model, profile) -> tuple[ModelSpec, HierarchicalRoofline]:
+def _resolve(model, profile, gpus: int) -> tuple[ModelSpec, HierarchicalRoofline]:
     spec = model if isinstance(model, ModelSpec) else ModelSpec.from_config(model)
+    check_divisible(spec, gpus)
     if not isinstance(profile, (HardwareProfile, HierarchicalRoofline)):
         profile = load_profile(profile)
-    return spec, as_roofline(profile)
+    return spec, as_roofline(profile, gpus)
 
 
 def search_policy(model, profile, workload: Workload, gpu_memory: int | float | str,
                   cpu_memory: int | float | str | None = None, options: CostOptions | None = None,
-                  max_batch: int = MAX_BATCH, placements=None) -> Policy:
+                  max_batch: int = MAX_BATCH, placements=None, gpus: int = 1) -> Policy:
     """The best :class:`Policy` (with its ``prediction``) for ``workload`` on ``profile`` within ``gpu_memory``
     (bytes or e.g. "16GiB") and ``cpu_memory`` (default: 90% of the profile's CPU memory). ``model``: a
     :class:`ModelSpec` or anything :meth:`ModelSpec.from_config` takes; ``profile``: a profile, or a known
     name / JSON path. ``placements``: the ``(attention_on_gpu, experts_on_gpu)`` pairs to consider (default
-    all four; the CGOPipe runtime executes ``(False, True)``). Raises :class:`PlanError` when nothing fits."""
+    all four; the CGOPipe runtime executes ``(False, True)``). ``gpus``: that many GPUs of the profile's host
+    as one tensor-parallel group, ``gpu_memory`` on each. Raises :class:`PlanError` when nothing fits."""
     options = options or CostOptions()
-    spec, hrm = _resolve(model, profile)
+    try:
+        spec, hrm = _resolve(model, profile, gpus)
+    except ProfileError:
+        raise
+    except ValueError as e:  # a GPU count the model cannot split or the host does not have
+        raise PlanError(str(e)) from None
     gpu_limit = parse_bytes(gpu_memory, "GPU memory")
     cpu_limit = (parse_bytes(cpu_memory, "CPU memory") if cpu_memory is not None
                  else default_cpu_limit(hrm.profile, options))
@@ -55,7 +63,7 @@ def search_policy(model, profile, workload: Workload, gpu_memory: int | float | 
         raise PlanError(f"GPU memory budget {format_bytes(gpu_limit)} exceeds the {format_bytes(capacity)} of the GPU "
                         f"in profile {hrm.profile.name!r}: lower --gpu-memory")
     gpu_usable = gpu_limit * (1 - options.gpu_margin)
-    _check_feasible(spec, workload, gpu_usable, cpu_limit, options)
+    _check_feasible(spec, workload, gpu_usable, cpu_limit, options, gpus)
 
     cap = min(max_batch, workload.num_requests or max_batch)
     best = None
@@ -68,7 +76,7 @@ def search_policy(model, profile, workload: Workload, gpu_memory: int | float | 
                     if placements is not None and (attention_on_gpu, experts_on_gpu) not in placements:
                         continue
                     for routed in _routed_choices(spec, n, experts_on_gpu):
-                        template = Policy(n, mu, attention_on_gpu, experts_on_gpu, routed_experts=routed)
+                        template = Policy(n, mu, attention_on_gpu, experts_on_gpu, routed_experts=routed, gpus=gpus)
                         gpu_mem, cpu_mem = memory_use(spec, template, workload, options)
                         gpu_total, cpu_total = sum(gpu_mem.values(), Lin()), sum(cpu_mem.values(), Lin())
                         constraints = [gpu_total / gpu_usable + (-1.0), cpu_total / cpu_limit + (-1.0)]
@@ -79,9 +87,9 @@ def search_policy(model, profile, workload: Workload, gpu_memory: int | float | 
                         x, y, seconds = solution
                         key = (seconds / (n * workload.gen_len), gpu_total.at(x, y), n)
                         if best is None or _better(key, best[0]):
-                            best = (key, Policy(n, mu, attention_on_gpu, experts_on_gpu, x, y, routed))
+                            best = (key, Policy(n, mu, attention_on_gpu, experts_on_gpu, x, y, routed, gpus))
     if best is None:
-        raise PlanError(f"no policy fits {spec.name} in {format_bytes(gpu_limit)} of GPU and {format_bytes(cpu_limit)} "
+        raise PlanError(f"no policy fits {spec.name} in {format_bytes(gpu_limit)} of GPU{_per_gpu(gpus)} and {format_bytes(cpu_limit)} "
                         f"of CPU memory for {workload.describe()}: give more memory or shorten prompt/generation")
     policy = best[1]
     prediction = predict(policy, spec, hrm, workload, gpu_limit, cpu_limit, options)
@@ -108,21 +116,26 @@ def _better(key, incumbent) -> bool:
     return key[1:] < incumbent[1:]
 
 
+def _per_gpu(gpus: int) -> str:
+    return f" on each of {gpus} GPUs" if gpus > 1 else ""
+
+
 def _check_feasible(spec: ModelSpec, workload: Workload, gpu_usable: float, cpu_limit: float,
-                    options: CostOptions) -> None:
-    """The two ways a plan is impossible whatever the policy, each with its own message."""
-    if spec.weight_bytes > gpu_usable + cpu_limit:
+                    options: CostOptions, gpus: int = 1) -> None:
+    """The two ways a plan is impossible whatever the policy, each with its own message (``gpu_usable``: per
+    GPU, ``gpus`` of them)."""
+    if spec.weight_bytes > gpus * gpu_usable + cpu_limit:
         raise PlanError(
             f"{spec.name} has {format_bytes(spec.weight_bytes)} of weights but the GPU ({format_bytes(gpu_usable)} "
-            f"usable) and CPU ({format_bytes(cpu_limit)}) budgets together hold only "
-            f"{format_bytes(gpu_usable + cpu_limit)}: raise --cpu-memory / --gpu-memory or use a machine with more "
-            "memory (offloading to disk is not supported)")
-    smallest = Policy(1, 1, attention_on_gpu=False, experts_on_gpu=True)
+            f"usable{_per_gpu(gpus)}) and CPU ({format_bytes(cpu_limit)}) budgets together hold only "
+            f"{format_bytes(gpus * gpu_usable + cpu_limit)}: raise --cpu-memory / --gpu-memory or use a machine "
+            "with more memory (offloading to disk is not supported)")
+    smallest = Policy(1, 1, attention_on_gpu=False, experts_on_gpu=True, gpus=gpus)
     gpu_mem, _ = memory_use(spec, smallest, workload, options)
     floor = sum(v.at(0.0, 0.0) for v in gpu_mem.values())
     if floor > gpu_usable:
         raise PlanError(
-            f"{format_bytes(gpu_usable)} of usable GPU memory is too small for {spec.name}: the embedding and LM head "
+            f"{format_bytes(gpu_usable)} of usable GPU memory{_per_gpu(gpus)} is too small for {spec.name}: the embedding and LM head "
             f"({format_bytes(spec.other_weight_bytes)}) plus a double buffer for one streamed layer "
             f"({format_bytes(2 * spec.largest_layer_weight_bytes)}) and activations need at least {format_bytes(floor)} "
             f"(plus the {options.gpu_margin:.0%} fragmentation margin): raise --gpu-memory")

@@ -1,0 +1,112 @@
+"""Several GPUs of one host as one tensor-parallel group (MoE-Lightning, sec. 5): what changes in the model.
+
+Every projection is split across the ``N`` GPUs as Megatron-LM splits it (attention by heads, each expert's
+gate/up by columns and down by rows), so each GPU holds and streams ``1/N`` of every weight over its own host
+link and computes ``1/N`` of every matrix product; the hidden states are replicated, and each block ends in an
+all-reduce of the micro-batch's hidden states (two per layer: after attention, after the FFN). The host is
+shared: CPU attention does the same total work (each rank over its heads, their dispatch in parallel), and
+every link's copies come out of one host memory.
+
+So the group is planned as one wider GPU (:func:`group_profile`: ``N`` times the compute, HBM bandwidth and
+memory, the links' measured aggregate) plus the all-reduces (:meth:`TensorParallel.allreduce_seconds`) on the
+GPU's critical path, with replicated activations counted on every GPU. More GPU memory keeps more weights
+resident, so less crosses the links per token: the reason the paper's throughput grows faster than ``N``
+until the shared CPU or host memory binds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .profile import HardwareProfile
+
+# Assumptions where the profile has no multi-GPU measurement (each listed as uncalibrated where used): NVLink 4
+# (H100 SXM) moves 450 GB/s per direction per GPU, and a small NCCL all-reduce over NVLink takes ~20 us.
+NVLINK4_BUS_BANDWIDTH = 450e9
+ALLREDUCE_LATENCY_S = 20e-6
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """``gpus`` GPUs splitting every projection: their host links' aggregate and their all-reduce."""
+
+    gpus: int
+    link_scale: float  # host->device bandwidth of the group over one GPU's (gpus where the links are independent)
+    allreduce_bus_bandwidth: float  # bytes/s, NCCL's bus bandwidth: 2 (N - 1) / N x size / time
+    allreduce_latency_s: float
+
+    def allreduce_seconds(self, nbytes: float) -> float:
+        """One all-reduce of ``nbytes`` over the group (ring): nothing on one GPU."""
+        if self.gpus == 1:
+            return 0.0
+        return self.allreduce_latency_s + 2 * (self.gpus - 1) / self.gpus * nbytes / self.allreduce_bus_bandwidth
+
+    @classmethod
+    def from_profile(cls, profile: HardwareProfile, gpus: int) -> tuple["TensorParallel", list[str]]:
+        """The group of ``gpus`` of ``profile``'s host, and the terms it had to assume (uncalibrated)."""
+        if int(gpus) != gpus or gpus < 1:
+            raise ValueError(f"gpus must be a positive integer, got {gpus}")
+        if profile.gpus is not None and gpus > profile.gpus:
+            raise ValueError(f"{gpus} GPUs asked but profile {profile.name!r} was measured on a host of "
+                             f"{profile.gpus}: plan for at most {profile.gpus}, or profile a larger host")
+        if gpus == 1:
+            return cls(1, 1.0, math.inf, 0.0), []
+        assumed = []
+        scale = _link_scale(profile, gpus)
+        if scale is None:
+            scale = float(gpus)
+            assumed.append("h2d_pinned_concurrent (each GPU's host link taken as independent: not measured)")
+        bus = profile.allreduce_bus_bandwidth
+        if bus is None:
+            bus = NVLINK4_BUS_BANDWIDTH
+            assumed.append("allreduce_bus_bandwidth (NVLink 4 spec, 450 GB/s: not measured)")
+        latency = profile.allreduce_latency_s
+        if latency is None:
+            latency = ALLREDUCE_LATENCY_S
+            assumed.append("allreduce_latency_s (20 us assumed: not measured)")
+        return cls(int(gpus), scale, bus, latency), assumed
+
+
+def _link_scale(profile: HardwareProfile, gpus: int) -> float | None:
+    """Measured aggregate pinned host->device bandwidth to ``gpus`` GPUs at once over one GPU's, interpolated
+    between the measured GPU counts (None where nothing was measured at or beyond ``gpus``)."""
+    points = sorted((int(n), float(rate)) for n, rate in profile.h2d_pinned_concurrent or [])
+    if not points or points[-1][0] < gpus or not profile.h2d_pinned:
+        return None
+    counts, rates = zip(*([(1, profile.h2d_pinned)] + [p for p in points if p[0] > 1]))
+    return float(np.interp(gpus, counts, rates)) / profile.h2d_pinned
+
+
+def group_profile(profile: HardwareProfile, tp: TensorParallel) -> HardwareProfile:
+    """``profile`` with its GPU widened to the group: compute, HBM bandwidth, memory and attention bandwidth
+    times ``N``, the host links at their aggregate; the CPU, host memory and per-op overheads unchanged (each
+    rank launches its own kernels in parallel)."""
+    if tp.gpus == 1:
+        return profile
+    n = tp.gpus
+
+    def times(value, k):
+        return None if value is None else value * k
+
+    return dataclasses.replace(
+        profile, name=f"{n} x {profile.name}",
+        gpu_flops=times(profile.gpu_flops, n), gpu_bandwidth=times(profile.gpu_bandwidth, n),
+        gpu_memory=times(profile.gpu_memory, n), gpu_attention_bandwidth=times(profile.gpu_attention_bandwidth, n),
+        h2d_pinned=times(profile.h2d_pinned, tp.link_scale), d2h_pinned=times(profile.d2h_pinned, tp.link_scale),
+        duplex_pinned=times(profile.duplex_pinned, tp.link_scale))
+
+
+def check_divisible(model, gpus: int) -> None:
+    """Tensor parallelism splits the attention heads, the KV heads and every expert's columns ``gpus`` ways;
+    raises ValueError naming what does not divide."""
+    if gpus == 1:
+        return
+    parts = {"query heads": model.heads, "KV heads": model.kv_heads, "expert columns": model.intermediate}
+    odd = [f"{count} {what}" for what, count in parts.items() if count % gpus]
+    if odd:
+        raise ValueError(f"tensor parallelism over {gpus} GPUs splits the heads and the experts' columns, but "
+                         f"{model.name} has {', '.join(odd)}: plan for a GPU count that divides them")
