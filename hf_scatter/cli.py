@@ -156,7 +156,7 @@ def _read_report(path: str, suite, name: str) -> tuple[dict, str]:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from .bench import suite as bench_suite
-    from .bench.availability import BenchUnavailable, require_cuda
+    from .bench.availability import BenchUnavailable, RunStopped, require_cuda
 
     suite = bench_suite(args.suite)
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "suite", "func", *_BENCH_OPTIONS)}
@@ -179,6 +179,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             report = suite.run(**flags)
         except BenchUnavailable as e:
             raise UsageError(str(e)) from None
+        except RunStopped as e:  # a run that stopped part-way keeps what it measured
+            if e.report is not None:
+                if args.out:
+                    write_json(args.out, e.report, default=float)
+                print(suite.to_markdown(e.report))
+            print(f"hf-scatter: error: {e}", file=sys.stderr)
+            return 1
         if report is None:  # a rank other than 0 of a distributed run: rank 0 alone writes and prints
             return 0
     if args.out:

@@ -420,6 +420,33 @@ def test_bench_train_batch_sweep_reports_each_variant_at_its_fastest_batch(monke
     assert f"| {VARIANTS[0]} | none | 1 |" in train.to_markdown(report)
 
 
+def test_a_sweep_stopped_by_out_of_memory_keeps_and_writes_what_ran(monkeypatch, tmp_path, capsys):
+    """Under several processes one batch out of memory stops the run (the ranks would wait on each other): the
+    command still writes the batches measured before it, says where it stopped, and exits 1."""
+    import torch
+
+    from hf_scatter.bench import train
+
+    monkeypatch.setenv("HF_SCATTER_KERNELS", "torch")
+    real = train._run_rows
+
+    def runs_out_at_two_rows(report, impl, shape, *args, **kwargs):  # as _run_rows does on several ranks
+        if shape.batch == 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.91 GiB")
+        return real(report, impl, shape, *args, **kwargs)
+
+    monkeypatch.setattr(train, "_run_rows", runs_out_at_two_rows)
+    out = tmp_path / "r.json"
+    code = main(["bench", "train", "--shape", "smoke", "--configs", VARIANTS[1], "--batch", "1", "2", "4",
+                 "--steps", "1", "--no-breakdown", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 1 and "ran out of memory at 2 rows per GPU" in err and "--batch below 2" in err
+    report = json.loads(out.read_text())
+    r = report["results"][VARIANTS[1]]
+    assert r["rows_per_rank"] == 1 and [e["rows_per_rank"] for e in r["batch_sweep"]] == [1, 2]
+    assert r["batch_sweep"][1]["skipped"].startswith("out of memory") and "stopped" in report
+
+
 def test_bench_train_baseline_of_a_sweep_needs_one_batch_in_common(tmp_path):
     from hf_scatter.bench import train
 

@@ -36,7 +36,7 @@ from ..common.shapes import BUILTIN_MODELS, builtin_config
 from ..common.timing import run_header
 from ..offload.families.spec import ModelSpec
 from . import engines
-from .availability import require_cuda
+from .availability import RunStopped, require_cuda
 
 
 @dataclasses.dataclass(frozen=True)
@@ -603,8 +603,17 @@ def _run_one(report: dict, impl: str, plan: _Plan, warmup: int, steps: int, brea
     sweep = []
     for rows in plan.batches:
         why = _will_not_fit(sweep, rows) if sweep else None
-        r = None if why else _run_rows(report, impl, dataclasses.replace(plan.shapes[impl], batch=rows), plan,
-                                       warmup, steps, breakdown, comm_profile, me, in_sweep=True)
+        try:
+            r = None if why else _run_rows(report, impl, dataclasses.replace(plan.shapes[impl], batch=rows),
+                                           plan, warmup, steps, breakdown, comm_profile, me, in_sweep=True)
+        except torch.cuda.OutOfMemoryError as error:  # several processes: all stop, the batches so far are kept
+            sweep.append({"rows_per_rank": rows, "skipped": "out of memory: the run stopped here"})
+            _keep_fastest(report, impl, sweep, me)
+            why = (f"{impl} ran out of memory at {rows} rows per GPU, which the sweep's prediction let through; "
+                   f"under {plan.setup.world} processes that stops the run. The report keeps what ran before it: "
+                   f"rerun the rest with --batch below {rows}.")
+            report["stopped"] = why
+            raise RunStopped(report if me == 0 else None, why) from error
         if r is None:
             why = why or "out of memory"
             sweep += [{"rows_per_rank": rest, "skipped": why if rest == rows else f"after {rows} rows: {why}"}
@@ -613,15 +622,22 @@ def _run_one(report: dict, impl: str, plan: _Plan, warmup: int, steps: int, brea
                 print(f"  {impl:20s} {rows} rows per GPU and more skipped: {why}", flush=True)
             break
         sweep.append(r)
+    _keep_fastest(report, impl, sweep, me)
+
+
+def _keep_fastest(report: dict, impl: str, sweep: list[dict], me: int) -> None:
+    """Rank 0's report takes the sweep's fastest batch as the variant's figures, every batch under
+    ``batch_sweep``."""
     measured = [e for e in sweep if "skipped" not in e]
     if me != 0:
         return
     if not measured:
-        report.setdefault("out_of_memory", {})[impl] = f"out of memory at every batch of {list(plan.batches)}"
+        report.setdefault("out_of_memory", {})[impl] = f"out of memory at every batch of {[e['rows_per_rank'] for e in sweep]}"
         return
     best = max(measured, key=lambda e: e["tokens_per_s"])
     report["results"][impl] = {**best, "batch_sweep": sweep}
     print(f"  {impl:20s} fastest at {best['rows_per_rank']} rows per GPU", flush=True)
+
 
 
 # Largest share of a GPU's memory a sweep lets its predicted peak take: the rest is the allocator's slack
