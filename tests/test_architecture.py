@@ -160,6 +160,19 @@ def test_no_module_takes_a_private_name_from_another():
     assert not taken, "\n".join(taken)
 
 
+def test_no_module_writes_its_globals():
+    """Names a module makes at run time go into a table it owns (pickle finds them through the module's
+    ``__getattr__``), never into ``globals()``, where nobody reading the module would look for them."""
+    writes = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(open(path).read())):
+            target = node.value if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store) else None
+            call = target if isinstance(target, ast.Call) else None
+            if call is not None and isinstance(call.func, ast.Name) and call.func.id == "globals":
+                writes.append(f"{path}:{node.lineno}: {name} writes globals()")
+    assert not writes, "\n".join(writes)
+
+
 def _public_names(package: str) -> set[str]:
     import importlib
 

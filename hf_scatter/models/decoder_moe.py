@@ -34,15 +34,28 @@ from .registry import Family, PatchOptions, register_family
 ROUTER_TOPK = "router_topk"
 
 
+# Every class fused_subclass made, by name. Pickle finds a patched module's class as an attribute of this
+# module (its __module__ and __qualname__): the module's __getattr__ below looks it up here.
+FUSED_CLASSES: dict[str, type] = {}
+
+
 def fused_subclass(vanilla: type, impl: str, forward: Callable) -> type:
     """``Fused<vanilla>``: ``vanilla`` with ``forward`` replaced and ``hf_scatter_impl = impl`` (made once)."""
     name = f"Fused{vanilla.__name__}"
-    made = globals().get(name)
+    made = FUSED_CLASSES.get(name)
     if made is None or made.__bases__ != (vanilla,):
         made = type(name, (vanilla,), {"__module__": __name__, "__qualname__": name, "forward": forward,
                                        "hf_scatter_impl": impl})
-        globals()[name] = made
+        FUSED_CLASSES[name] = made
     return made
+
+
+def __getattr__(name: str) -> type:
+    """A class :func:`fused_subclass` made (how pickle and ``copy`` find it by name)."""
+    try:
+        return FUSED_CLASSES[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
 
 
 # ------------------------------------------------------------------------------------ shared forwards

@@ -17,6 +17,7 @@ inside ``torch.compile``. Anything else runs the vanilla forward unchanged.
 from __future__ import annotations
 
 import inspect
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -71,12 +72,25 @@ def fused_loss_forward(self, *args, labels=None, logits_to_keep=0, **kwargs):
     return type(out)(loss=loss, **{k: v for k, v in out.items() if k not in ("loss", "logits")})
 
 
+# Every forward _forward_for made, by name. Pickle finds a patched model's forward as an attribute of this
+# module (its __module__ and __qualname__): the module's __getattr__ below looks it up here.
+FORWARDS: dict[str, Callable] = {}
+
+
+def __getattr__(name: str) -> Callable:
+    """A forward :func:`_forward_for` made (how pickle finds it by name)."""
+    try:
+        return FORWARDS[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+
+
 def _forward_for(cls: type):
     """:func:`fused_loss_forward` for ``cls``, showing ``cls.forward``'s signature (the Trainer keeps the
-    dataset columns that the forward's signature names). Made once per class and kept here by name, so
-    patched models pickle."""
+    dataset columns that the forward's signature names). Made once per class and kept in :data:`FORWARDS` by
+    name, so patched models pickle."""
     name = f"fused_loss_forward_{cls.__name__}"
-    made = globals().get(name)
+    made = FORWARDS.get(name)
     if made is None:
         def made(self, *args, **kwargs):
             return fused_loss_forward(self, *args, **kwargs)
@@ -86,7 +100,7 @@ def _forward_for(cls: type):
         made.__doc__ = cls.forward.__doc__
         made.__signature__ = inspect.signature(cls.forward)
         made.hf_scatter_impl = FUSED_LOSS
-        globals()[name] = made
+        FORWARDS[name] = made
     return made
 
 
