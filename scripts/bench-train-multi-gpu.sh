@@ -9,7 +9,9 @@
 #   phases: none (unwrapped, one GPU), one (none, then FSDP2 on one GPU), two (FSDP2 on 2), four (FSDP2 on 4), ep (expert parallelism),
 #   zero3 (DeepSpeed ZeRO-3 on 4 GPUs: on 2 its float32 weights and Adam states, 8 bytes per parameter per GPU,
 #   leave too little room even at 2 rows per GPU; needs deepspeed and accelerate), tuned (FSDP2 on 4 with bf16 gradient reduction, explicit prefetch and the
-#   parameters kept gathered from forward to backward; Qwen3 and Mixtral), ep4 (expert parallelism on 4 only)
+#   parameters kept gathered from forward to backward; Qwen3 and Mixtral), ep4 (expert parallelism on 4 only),
+#   large (GPT-OSS-120B's layers and DeepSeek-V2-Lite, tuned FSDP2 and expert parallelism on 4; GPTOSS_ROWS,
+#   DEEPSEEK_ROWS)
 set -uo pipefail
 out=${OUT:-/tmp/hf-scatter-out}
 mkdir -p "$out"
@@ -17,8 +19,14 @@ export PYTHONPATH=${PYTHONPATH:-$PWD} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_
 for pkg in conversion eval; do [ -e hf_scatter/$pkg ] || ln -s ../$pkg hf_scatter/$pkg; done
 read -ra QROWS <<<"${QWEN_ROWS:-4}"
 read -ra MROWS <<<"${MIXTRAL_ROWS:-4}"
+read -ra GROWS <<<"${GPTOSS_ROWS:-2 4 8}"
+read -ra DROWS <<<"${DEEPSEEK_ROWS:-2 4 8}"
 QWEN=(--shape qwen3-30b-a3b --layers 8 --batch "${QROWS[@]}")
 MIXTRAL=(--shape mixtral-8x7b --layers 4 --batch "${MROWS[@]}")
+# Neither fits one GPU for training (GPT-OSS-120B's 4 layers: 12.7B parameters; DeepSeek-V2-Lite: 15.7B), so
+# their rows have no unwrapped baseline and no scaling efficiency.
+GPTOSS=(--shape gpt-oss-120b --layers 4 --batch "${GROWS[@]}")
+DEEPSEEK=(--shape deepseek-v2-lite --batch "${DROWS[@]}")
 row() {  # row NAME GPUS ENGINE SHAPE_ARGS... : one torchrun on the listed GPUs
     local name=$1 gpus=$2 engine=$3; shift 3
     local n; n=$(awk -F, '{print NF}' <<<"$gpus")
@@ -40,6 +48,10 @@ TUNED=(--reduce-dtype bfloat16 --prefetch next --reshard-after-forward false)
 phase_tuned() {
     row qwen3-tuned 0,1,2,3 fsdp2 "${QWEN[@]}" "${TUNED[@]}"; row mixtral-tuned 0,1,2,3 fsdp2 "${MIXTRAL[@]}" "${TUNED[@]}"
 }
+phase_large() {  # GPT-OSS-120B layers and the whole DeepSeek-V2-Lite: tuned FSDP2 and expert parallelism on 4
+    row gptoss-tuned 0,1,2,3 fsdp2 "${GPTOSS[@]}" "${TUNED[@]}"; row gptoss 0,1,2,3 ep "${GPTOSS[@]}"
+    row deepseek-tuned 0,1,2,3 fsdp2 "${DEEPSEEK[@]}" "${TUNED[@]}"; row deepseek 0,1,2,3 ep "${DEEPSEEK[@]}"
+}
 phase_ep4() { row qwen3 0,1,2,3 ep "${QWEN[@]}"; row mixtral 0,1,2,3 ep "${MIXTRAL[@]}"; }
 phase_ep() { phase_ep4; row qwen3 0,1 ep "${QWEN[@]}"; row mixtral 0,1 ep "${MIXTRAL[@]}"; }
 
@@ -53,7 +65,7 @@ python3 - "$out" <<'PY'
 import json, os, sys
 from hf_scatter.bench.train import combine_rows, plot_scaling, scaling_table
 out = sys.argv[1]
-order = [f"{m}-{e}-{n}gpu" for m in ("qwen3", "mixtral") for e, n in
+order = [f"{m}-{e}-{n}gpu" for m in ("qwen3", "mixtral", "gptoss", "deepseek") for e, n in
          (("none", 1), ("fsdp2", 1), ("fsdp2", 2), ("fsdp2", 4), ("tuned-fsdp2", 4), ("ep", 2), ("ep", 4),
           ("zero3", 4))]
 rows = [json.load(open(f"{out}/train-{o}.json")) for o in order if os.path.exists(f"{out}/train-{o}.json")]
