@@ -24,29 +24,31 @@ from ..kernels.library_gemm import grouped_mm_applies, grouped_mm_weight_grad
 from ..kernels.scatter2scatter import scatter2scatter, scatter2scatter_unchecked
 
 
-def weight_to_save(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """``(tensor, transposed)`` to save for backward in place of an expert weight: a transposed view of a
-    parameter (the Hugging Face layout read as [E, d_in, d_out]) is saved as the parameter itself.
+def weight_to_save(weight: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
+    """``(tensor, view)`` to save for backward in place of an expert weight: a view of a contiguous parameter
+    (the Hugging Face layout read as [E, d_in, d_out] by a transpose, DBRX's 2-D tensors read as 3-D) is saved
+    as the parameter itself, with the view's shape, strides and offset to rebuild it in backward.
 
     An engine that frees a gathered parameter by giving it new, empty data (DeepSpeed ZeRO-3) frees nothing
     that a saved view still holds: the view would keep every layer's whole gathered weight until backward (on
     4 Mixtral-8x7B layers, 11 GiB more per GPU). The parameter sees its data freed after forward and gathered
-    again before backward. FSDP2 frees the storage itself, which a view shares, so either way works there.
-    Under ``torch.compile`` (which traces no view bases) the tensor is saved as it is."""
+    again (contiguous, the same shape) before backward. FSDP2 frees the storage itself, which a view shares,
+    so either way works there. Under ``torch.compile`` (which traces no view bases) the tensor is saved as it
+    is."""
     if torch.compiler.is_compiling():
-        return weight, False
+        return weight, None
     base = weight._base
-    if base is not None and base.dim() == 3 and base.dtype == weight.dtype \
-            and weight.shape == (base.shape[0], base.shape[2], base.shape[1]) \
-            and weight.stride() == (base.stride(0), base.stride(2), base.stride(1)) \
-            and weight.storage_offset() == base.storage_offset():
-        return base, True
-    return weight, False
+    if base is None or base.dtype != weight.dtype or not base.is_contiguous():
+        return weight, None
+    return base, (tuple(weight.shape), tuple(weight.stride()), weight.storage_offset() - base.storage_offset())
 
 
-def saved_weight(saved: torch.Tensor, transposed: bool) -> torch.Tensor:
+def saved_weight(saved: torch.Tensor, view: tuple | None) -> torch.Tensor:
     """The expert weight :func:`weight_to_save` stood in for, read from the tensor's data as it is now."""
-    return saved.transpose(1, 2) if transposed else saved
+    if view is None:
+        return saved
+    shape, stride, offset = view
+    return saved.as_strided(shape, stride, saved.storage_offset() + offset)
 
 
 def grouped_copy_pays(width: int, other_width: int) -> bool:
@@ -95,7 +97,7 @@ class _ParallelLinear(torch.autograd.Function):
         if gates is not None:
             y = gate_mix_unchecked(y, gates)
         ctx.k, ctx.grouped_in, ctx.grouped_out = k, grouped_in, grouped_out
-        kept, ctx.transposed = weight_to_save(weight)
+        kept, ctx.weight_view = weight_to_save(weight)
         ctx.save_for_backward(x, kept, bias, gates, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets)
         return y
 
@@ -103,7 +105,7 @@ class _ParallelLinear(torch.autograd.Function):
     @profiled("hf_scatter::parallel_linear.backward")
     def backward(ctx, dy):
         x, kept, bias, gates, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets = ctx.saved_tensors
-        weight = saved_weight(kept, ctx.transposed)
+        weight = saved_weight(kept, ctx.weight_view)
         k, grouped_in, grouped_out = ctx.k, ctx.grouped_in, ctx.grouped_out
         need_x, need_w, need_b, need_g = ctx.needs_input_grad[:4]
         routing = (sorted_expert_idxs, sorted_scattered_idxs, expert_offsets)

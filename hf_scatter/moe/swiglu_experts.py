@@ -78,7 +78,7 @@ class _SwiGLUExperts(torch.autograd.Function):
         y, gate_up = _forward(x, w_in, w_out, gates, b_in, b_out, form, k, routing)
         ctx.k, ctx.form = k, form
         ctx.consumed = False
-        (w_in_kept, ctx.w_in_transposed), (w_out_kept, ctx.w_out_transposed) = map(weight_to_save, (w_in, w_out))
+        (w_in_kept, ctx.w_in_view), (w_out_kept, ctx.w_out_view) = map(weight_to_save, (w_in, w_out))
         ctx.save_for_backward(x, w_in_kept, w_out_kept, gates, b_in, b_out, gate_up, *routing)  # h: recomputed
         return y
 
@@ -90,7 +90,7 @@ class _SwiGLUExperts(torch.autograd.Function):
                                "their activations (run the forward again rather than retain_graph=True)")
         ctx.consumed = True
         x, w_in, w_out, gates, b_in, b_out, gate_up, sorted_expert_idxs, idx, expert_offsets = ctx.saved_tensors
-        w_in, w_out = saved_weight(w_in, ctx.w_in_transposed), saved_weight(w_out, ctx.w_out_transposed)
+        w_in, w_out = saved_weight(w_in, ctx.w_in_view), saved_weight(w_out, ctx.w_out_view)
         routing = (sorted_expert_idxs, idx, expert_offsets)
         k, form = ctx.k, ctx.form
         need_x, need_w_in, need_w_out, need_g, need_b_in, need_b_out = ctx.needs_input_grad[:6]
