@@ -166,9 +166,14 @@ def test_no_module_writes_its_globals():
     writes = []
     for name, path in modules().items():
         for node in ast.walk(ast.parse(open(path).read())):
-            target = node.value if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store) else None
-            call = target if isinstance(target, ast.Call) else None
-            if call is not None and isinstance(call.func, ast.Name) and call.func.id == "globals":
+            if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store):  # globals()[name] = ...
+                target = node.value
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in (
+                    "update", "setdefault", "pop", "__setitem__"):  # globals().update(...) and the like
+                target = node.func.value
+            else:
+                continue
+            if isinstance(target, ast.Call) and isinstance(target.func, ast.Name) and target.func.id == "globals":
                 writes.append(f"{path}:{node.lineno}: {name} writes globals()")
     assert not writes, "\n".join(writes)
 

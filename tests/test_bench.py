@@ -58,6 +58,22 @@ def test_multi_gpu_table_and_plot_from_the_saved_rows(tmp_path):
     assert (tmp_path / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_multi_gpu_table_leaves_out_a_row_without_both_sides(tmp_path):
+    """A row whose default ran out of memory at every batch (or that stopped before hf-scatter ran) has no
+    ratio to show: the table says it left the row out, and the plot draws the others."""
+    from hf_scatter.bench.train import plot_scaling, scaling_table
+
+    combined = json.loads((RESULTS / "train-multi-gpu-h100.json").read_text())
+    first = combined["rows"][1]
+    combined["rows"][1] = {**first, "results": {k: v for k, v in first["results"].items()
+                                               if k.endswith("-hf-scatter")}}
+    table = scaling_table(combined)
+    assert len([line for line in table.splitlines() if line.startswith("| ")]) - 1 == len(combined["rows"]) - 1
+    assert "Rows without figures for both sides (left out): qwen3-30b-a3b, 8 layers, fsdp2, 1 GPUs." in table
+    plot_scaling(combined, str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").exists()
+
+
 def test_call_costs_table_shows_host_gpu_time_and_launches_of_decode_calls():
     from hf_scatter.bench.moe import call_costs_table
 
@@ -404,7 +420,7 @@ def test_bench_train_batch_sweep_skips_every_batch_the_measured_memory_says_will
 
 def test_bench_train_batch_sweep_reports_each_variant_at_its_fastest_batch(monkeypatch, capsys):
     """--batch 1 2: each variant ran at both (smallest first), its figures are its fastest batch's, every
-    batch's are kept, the table says the rows; a baseline is taken where one of the sweep's batches matches."""
+    batch's are kept, the table says the rows."""
     from hf_scatter.bench import train
 
     monkeypatch.setenv("HF_SCATTER_KERNELS", "torch")
@@ -454,6 +470,11 @@ def test_bench_train_baseline_of_a_sweep_needs_one_batch_in_common(tmp_path):
     (tmp_path / "b.json").write_text(json.dumps(report))
     train.check_flags(shape="smoke", impls=["qwen3_moe-hf-scatter"], batch=[train.SMOKE.batch, 8],
                       baseline=str(tmp_path / "b.json"))
+    sweep = {"config": dataclasses.asdict(train.SMOKE), "results": {"qwen3_moe-hf-scatter": {
+        "tokens_per_s": 2.0, "rows_per_rank": 8, "batch_sweep": [{"rows_per_rank": 2, "tokens_per_s": 1.0},
+                                                                   {"rows_per_rank": 8, "tokens_per_s": 2.0}]}}}
+    (tmp_path / "s.json").write_text(json.dumps(sweep))  # one batch against a sweep that ran it: taken
+    train.check_flags(shape="smoke", impls=["qwen3_moe-hf-scatter"], batch=8, baseline=str(tmp_path / "s.json"))
     with pytest.raises(ValueError, match=r"another shape or batch there .* rows \[3, 8\]"):
         train.check_flags(shape="smoke", impls=["qwen3_moe-hf-scatter"], batch=[3, 8], baseline=str(tmp_path / "b.json"))
     assert train._rows_tokens_per_s({"tokens_per_s": 5.0, "rows_per_rank": 8, "batch_sweep": [

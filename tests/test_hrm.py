@@ -571,6 +571,12 @@ def test_plans_over_gpus_refuse_what_cannot_split_or_is_not_there():
         search_policy(MIXTRAL, two_gpu_host(), Workload(512, 64), "16GiB", gpus=8)
     with pytest.raises(ValueError, match="gpus must be a positive integer"):
         Policy(8, 8, gpus=0)
+    two = search_policy(small_moe(), HierarchicalRoofline(two_gpu_host(), 2), Workload(64, 8), "16GiB")
+    assert two.gpus == 2  # a roofline of two GPUs plans for two
+    from hf_scatter.offload import offload
+
+    with pytest.raises(PlanError, match="runs on one GPU so far: plan with gpus=1"):  # before the model is read
+        offload(None, policy=Policy(8, 8, gpus=2))
     from hf_scatter.offload.plan.cost_model import decode_terms
 
     with pytest.raises(ValueError, match=r"runs on 2 GPU\(s\) but the roofline models 1"):

@@ -443,3 +443,26 @@ def test_on_off_environment_variables_read_the_usual_words(monkeypatch, value, w
     else:
         monkeypatch.setenv("HF_SCATTER_GROUPED_MM", value)
     assert env_switch("HF_SCATTER_GROUPED_MM") is want
+
+
+def test_a_weight_view_is_saved_as_its_parameter_and_rebuilt_from_the_data_gathered_again():
+    """DBRX reads its [E*I, H] parameters as [E, H, I] (a reshape, then a transpose): the parameter is what is
+    saved, and backward rebuilds the view from whatever data it holds then, here gathered again into new
+    memory at a non-zero offset, as ZeRO-3 does. A slice of a parameter is saved as itself (its base would
+    keep more than the weight), and a parameter that comes back in another layout is a clear error."""
+    from hf_scatter.moe.parallel_linear import saved_weight, weight_to_save
+
+    E, I, H = 3, 5, 4
+    param = torch.nn.Parameter(torch.randn(E * I, H))
+    view = param.view(E, I, H).transpose(1, 2)
+    kept, how = weight_to_save(view)
+    assert kept is param and how is not None
+    torch.testing.assert_close(saved_weight(kept, how), view, rtol=0, atol=0)
+    gathered = torch.randn(7 + E * I * H)[7:].view(E * I, H)  # new memory, storage offset 7
+    param.data = gathered
+    torch.testing.assert_close(saved_weight(param, how), gathered.view(E, I, H).transpose(1, 2), rtol=0, atol=0)
+    part = param[:, :2]
+    assert weight_to_save(part) == (part, None)
+    param.data = torch.randn(H, E * I).t()  # the same shape, but not contiguous
+    with pytest.raises(RuntimeError, match="came back as"):
+        saved_weight(param, how)

@@ -540,9 +540,8 @@ def _read_baseline(path: str, shapes: dict[str, TrainConfig], sweep: tuple[int, 
         if saved is None:
             continue
         theirs = TrainConfig(**{k: v for k, v in saved.items() if k in fields})
-        same = theirs == shape if not sweep else (
-            dataclasses.replace(theirs, batch=shape.batch) == shape
-            and any(_rows_tokens_per_s(results[impl], theirs.batch, rows) for rows in sweep))
+        same = dataclasses.replace(theirs, batch=shape.batch) == shape and any(
+            _rows_tokens_per_s(results[impl], theirs.batch, rows) for rows in sweep or (shape.batch,))
         if not same:
             raise ValueError(f"--baseline {path}: {family} ran at another shape or batch there ({saved}) than "
                              f"here ({dataclasses.asdict(shape)}" + (f", rows {list(sweep)})" if sweep else ")"))
@@ -602,7 +601,8 @@ def _run_one(report: dict, impl: str, plan: _Plan, warmup: int, steps: int, brea
         return
     sweep = []
     for rows in plan.batches:
-        why = _will_not_fit(sweep, rows) if sweep else None
+        # one process tries every batch (running out of memory there is caught); several skip what will not fit
+        why = _will_not_fit(sweep, rows) if sweep and plan.setup.world > 1 else None
         try:
             r = None if why else _run_rows(report, impl, dataclasses.replace(plan.shapes[impl], batch=rows),
                                            plan, warmup, steps, breakdown, comm_profile, me, in_sweep=True)
@@ -842,11 +842,13 @@ def _engine_label(report: dict, short: bool = False) -> str:
     return f"{report['engine']}, tuned" if short else f"{report['engine']} ({', '.join(changed)})"
 
 
-def _default_and_ours(report: dict) -> tuple[dict, dict]:
-    """A row's family default (``BASELINES``) and plain hf-scatter variant."""
+def _default_and_ours(report: dict) -> tuple[dict, dict] | None:
+    """A row's family default (``BASELINES``) and plain hf-scatter variant; None if either has no figures
+    (out of memory at every batch, or a run that stopped before it)."""
     res = report["results"]
-    return (next(r for impl, r in res.items() if BASELINES[impl.split("-")[0]] == impl),
-            next(r for impl, r in res.items() if impl.split("-", 1)[1] == "hf-scatter"))
+    default = next((r for impl, r in res.items() if BASELINES[impl.split("-")[0]] == impl), None)
+    ours = next((r for impl, r in res.items() if impl.split("-", 1)[1] == "hf-scatter"), None)
+    return (default, ours) if default is not None and ours is not None else None
 
 
 def scaling_table(combined: dict) -> str:
@@ -854,9 +856,13 @@ def scaling_table(combined: dict) -> str:
     hf-scatter side by side; tokens/s per GPU (higher is better) and their ratio, model TFLOP/s per GPU, scaling
     efficiency against the unwrapped one-GPU run, peak allocated memory per GPU (max over ranks) and the
     communication no computation hid (exposed NCCL time, max over ranks), default / hf-scatter."""
-    lines = []
+    lines, incomplete = [], []
     for report in combined["rows"]:
-        default, ours = _default_and_ours(report)
+        pair = _default_and_ours(report)
+        if pair is None:
+            incomplete.append(f"{_row_name(report)}, {_engine_label(report)}, {report['world']} GPUs")
+            continue
+        default, ours = pair
         exposed = [r["comm_ms"]["exposed_comm_ms"] if isinstance(r["comm_ms"], dict) else None
                    for r in (default, ours)]
         eff = [r.get("efficiency") for r in (default, ours)]
@@ -875,7 +881,8 @@ def scaling_table(combined: dict) -> str:
                            "hf-scatter tok/s per GPU", "hf-scatter vs default", "TFLOP/s per GPU (default / ours)",
                            "scaling efficiency (default / ours)", "peak GiB per GPU (default / ours)",
                            "exposed comm ms per step (default / ours)",
-                           "hf-scatter at the default's rows: vs default, peak GiB"], lines)
+                           "hf-scatter at the default's rows: vs default, peak GiB"], lines) + (
+        f"\n\nRows without figures for both sides (left out): {'; '.join(incomplete)}." if incomplete else "")
 
 
 def _at_defaults_rows(default: dict, ours: dict) -> str:
@@ -904,6 +911,7 @@ def plot_scaling(combined: dict, path: str) -> None:
     styles = {"fsdp2": "-o", "ep": "--s", "zero3": ":^"}
     for ax, shape in zip(axes[0], shapes):
         rows = [r for r in combined["rows"] if _row_name(r) == shape]
+        rows = [r for r in rows if _default_and_ours(r) is not None]
         for report in (r for r in rows if r["engine"] == "none"):
             for ours, r in enumerate(_default_and_ours(report)):
                 ax.axhline(r["tokens_per_s"] / 1e3, color="tab:orange" if ours else "tab:gray", linestyle=":",

@@ -38,16 +38,23 @@ def weight_to_save(weight: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
     if torch.compiler.is_compiling():
         return weight, None
     base = weight._base
-    if base is None or base.dtype != weight.dtype or not base.is_contiguous():
+    # a whole-tensor view only: saving the base of a slice would keep (or offload) more than the weight
+    if base is None or base.dtype != weight.dtype or not base.is_contiguous() or base.numel() != weight.numel():
         return weight, None
-    return base, (tuple(weight.shape), tuple(weight.stride()), weight.storage_offset() - base.storage_offset())
+    return base, (tuple(base.shape), tuple(weight.shape), tuple(weight.stride()),
+                  weight.storage_offset() - base.storage_offset())
 
 
 def saved_weight(saved: torch.Tensor, view: tuple | None) -> torch.Tensor:
-    """The expert weight :func:`weight_to_save` stood in for, read from the tensor's data as it is now."""
+    """The expert weight :func:`weight_to_save` stood in for, read from the tensor's data as it is now (gathered
+    again, by an engine that freed it, into a contiguous tensor of the same shape)."""
     if view is None:
         return saved
-    shape, stride, offset = view
+    base_shape, shape, stride, offset = view
+    if tuple(saved.shape) != base_shape or not saved.is_contiguous():
+        raise RuntimeError(f"hf_scatter: an expert weight saved for backward as its parameter {base_shape} came "
+                           f"back as {tuple(saved.shape)} (contiguous: {saved.is_contiguous()}); the engine "
+                           f"that freed it gathered it into another layout")
     return saved.as_strided(shape, stride, saved.storage_offset() + offset)
 
 

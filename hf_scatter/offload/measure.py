@@ -289,8 +289,11 @@ def _multi_gpu(p: HardwareProfile, quick: bool) -> None:
         for i in range(k):
             torch.cuda.synchronize(i)
 
-    p.h2d_pinned_concurrent = [[k, k * copy_bytes / _median_s(lambda k=k: copies(k))] for k in range(2, count + 1)]
-    p.notes["h2d_pinned_concurrent"] = "measured: pinned copies to that many GPUs issued together, total bytes/s"
+    one = copy_bytes / _median_s(lambda: copies(1))  # the same method at one GPU: the ratios compare alike
+    p.h2d_pinned_concurrent = [[k, k * copy_bytes / _median_s(lambda k=k: copies(k)) * p.h2d_pinned / one]
+                               for k in range(2, count + 1)] if p.h2d_pinned else []
+    p.notes["h2d_pinned_concurrent"] = ("measured: pinned copies to that many GPUs issued together, total bytes/s, "
+                                        "scaled to h2d_pinned by the same copies to one GPU")
     import torch.cuda.nccl as nccl
 
     def allreduce_seconds(numel):
@@ -305,10 +308,12 @@ def _multi_gpu(p: HardwareProfile, quick: bool) -> None:
         return _median_s(once)
 
     block = 4 * 2**20
-    p.allreduce_bus_bandwidth = 2 * (count - 1) / count * block / allreduce_seconds(block // 2)
     p.allreduce_latency_s = allreduce_seconds(2048)
+    # the model adds the latency to the bytes' time: the bandwidth is the block's time beyond it
+    beyond = allreduce_seconds(block // 2) - p.allreduce_latency_s
+    p.allreduce_bus_bandwidth = 2 * (count - 1) / count * block / max(beyond, 1e-9)
     p.notes["allreduce_bus_bandwidth"] = (f"measured: NCCL all-reduce of 4 MiB of bf16 over the {count} GPUs "
-                                          "(torch.cuda.nccl, one process), bus bandwidth 2 (N-1)/N x size / time")
+                                          "(torch.cuda.nccl, one process), bus bandwidth 2 (N-1)/N x size / (time - latency)")
     p.notes["allreduce_latency_s"] = f"measured: NCCL all-reduce of 4 KiB over the {count} GPUs"
 
 

@@ -33,28 +33,31 @@ def _powers_of_two_upto(limit: int) -> list[int]:
 
 def _resolve(model, profile, gpus: int) -> tuple[ModelSpec, HierarchicalRoofline]:
     spec = model if isinstance(model, ModelSpec) else ModelSpec.from_config(model)
-    check_divisible(spec, gpus)
     if not isinstance(profile, (HardwareProfile, HierarchicalRoofline)):
         profile = load_profile(profile)
-    return spec, as_roofline(profile, gpus)
+    try:  # a GPU count the model cannot split or the host does not have
+        check_divisible(spec, gpus)
+        return spec, as_roofline(profile, gpus)
+    except ProfileError:
+        raise
+    except ValueError as e:
+        raise PlanError(str(e)) from None
 
 
 def search_policy(model, profile, workload: Workload, gpu_memory: int | float | str,
                   cpu_memory: int | float | str | None = None, options: CostOptions | None = None,
-                  max_batch: int = MAX_BATCH, placements=None, gpus: int = 1) -> Policy:
+                  max_batch: int = MAX_BATCH, placements=None, gpus: int | None = None) -> Policy:
     """The best :class:`Policy` (with its ``prediction``) for ``workload`` on ``profile`` within ``gpu_memory``
     (bytes or e.g. "16GiB") and ``cpu_memory`` (default: 90% of the profile's CPU memory). ``model``: a
     :class:`ModelSpec` or anything :meth:`ModelSpec.from_config` takes; ``profile``: a profile, or a known
     name / JSON path. ``placements``: the ``(attention_on_gpu, experts_on_gpu)`` pairs to consider (default
     all four; the CGOPipe runtime executes ``(False, True)``). ``gpus``: that many GPUs of the profile's host
-    as one tensor-parallel group, ``gpu_memory`` on each. Raises :class:`PlanError` when nothing fits."""
+    as one tensor-parallel group, ``gpu_memory`` on each (default: a roofline's own count, else 1). Raises
+    :class:`PlanError` when nothing fits."""
     options = options or CostOptions()
-    try:
-        spec, hrm = _resolve(model, profile, gpus)
-    except ProfileError:
-        raise
-    except ValueError as e:  # a GPU count the model cannot split or the host does not have
-        raise PlanError(str(e)) from None
+    if gpus is None:
+        gpus = profile.gpus if isinstance(profile, HierarchicalRoofline) else 1
+    spec, hrm = _resolve(model, profile, gpus)
     gpu_limit = parse_bytes(gpu_memory, "GPU memory")
     cpu_limit = (parse_bytes(cpu_memory, "CPU memory") if cpu_memory is not None
                  else default_cpu_limit(hrm.profile, options))

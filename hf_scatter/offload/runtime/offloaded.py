@@ -113,6 +113,9 @@ def offload(model, gpu_memory: int | float | str = "16GiB", cpu_memory: int | fl
     of ``model`` (it then holds meta tensors and cannot run by itself) instead of keeping a second copy in
     host memory.
     """
+    if policy is not None and policy.gpus != 1:
+        raise PlanError(f"the policy is planned for {policy.gpus} GPUs, but offloaded generation runs on one GPU "
+                        f"so far: plan with gpus=1 (hf-scatter plan --gpus 1), or leave policy out")
     if isinstance(model, (str, os.PathLike)):
         from transformers import AutoModelForCausalLM
 
