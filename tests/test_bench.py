@@ -476,7 +476,8 @@ def test_bench_train_baseline_of_a_sweep_needs_one_batch_in_common(tmp_path):
     (tmp_path / "s.json").write_text(json.dumps(sweep))  # one batch against a sweep that ran it: taken
     train.check_flags(shape="smoke", impls=["qwen3_moe-hf-scatter"], batch=8, baseline=str(tmp_path / "s.json"))
     with pytest.raises(ValueError, match=r"another shape or batch there .* rows \[3, 8\]"):
-        train.check_flags(shape="smoke", impls=["qwen3_moe-hf-scatter"], batch=[3, 8], baseline=str(tmp_path / "b.json"))
+        train.check_flags(shape="smoke", impls=["qwen3_moe-hf-scatter"], batch=[3, 8],
+                          baseline=str(tmp_path / "b.json"))
     assert train._rows_tokens_per_s({"tokens_per_s": 5.0, "rows_per_rank": 8, "batch_sweep": [
         {"rows_per_rank": 4, "tokens_per_s": 3.0}, {"rows_per_rank": 8, "tokens_per_s": 5.0},
         {"rows_per_rank": 16, "skipped": "out of memory"}]}, 4, 4) == 3.0

@@ -565,7 +565,8 @@ def run(impls=None, cfg: TrainConfig | None = None, warmup: int = 3, steps: int 
         prefetch: str = "none", device: str | None = None) -> dict | None:
     """``cfg``: one shape for every implementation (the smoke test); None runs each family at its
     :data:`FAMILY_SHAPES` entry, ``shape`` a published model's (or the smoke shape). ``batch``: sequences per
-    step and rank instead of the shape's; several: a sweep, each variant reported at its fastest. ``device``: cuda, or cpu for the smoke shape where no GPU is (the
+    step and rank instead of the shape's; several: a sweep, each variant reported at its fastest. ``device``:
+    cuda, or cpu for the smoke shape where no GPU is (the
     tests' gloo runs). Returns the report on rank 0, None on the other ranks (rank 0 alone writes and prints)."""
     plan = _plan(impls, cfg, engine, fsdp, shape, layers, batch, seq, baseline, reshard_after_forward, reduce_dtype,
                  prefetch, device)
@@ -579,7 +580,8 @@ def run(impls=None, cfg: TrainConfig | None = None, warmup: int = 3, steps: int 
         me = engines.rank()
         report = {**run_header(), "dtype": "bfloat16" if cuda else "float32", "config": next(iter(families.values())),
                   "configs": families, "shape": shape, "warmup": warmup, "steps": steps,
-                  "liger_autotune": liger_autotune, "fsdp": setup.engine == "fsdp2", **setup.describe(plan.batches[0] if plan.batches else rows, cuda),
+                  "liger_autotune": liger_autotune, "fsdp": setup.engine == "fsdp2",
+                  **setup.describe(plan.batches[0] if plan.batches else rows, cuda),
                   "rows_per_rank": rows, "comm_profile": comm_profile, "flops": "Megatron-LM's count plus the "
                   "router (model_flops in hf_scatter/bench/train.py, docs/distributed.md)", "results": {}}
         if plan.baseline:
@@ -632,12 +634,12 @@ def _keep_fastest(report: dict, impl: str, sweep: list[dict], me: int) -> None:
     if me != 0:
         return
     if not measured:
-        report.setdefault("out_of_memory", {})[impl] = f"out of memory at every batch of {[e['rows_per_rank'] for e in sweep]}"
+        tried = [e["rows_per_rank"] for e in sweep]
+        report.setdefault("out_of_memory", {})[impl] = f"out of memory at every batch of {tried}"
         return
     best = max(measured, key=lambda e: e["tokens_per_s"])
     report["results"][impl] = {**best, "batch_sweep": sweep}
     print(f"  {impl:20s} fastest at {best['rows_per_rank']} rows per GPU", flush=True)
-
 
 
 # Largest share of a GPU's memory a sweep lets its predicted peak take: the rest is the allocator's slack
@@ -875,7 +877,8 @@ def scaling_table(combined: dict) -> str:
                       " / ".join("" if e is None else f"{e:.0%}" for e in eff) if any(e is not None for e in eff)
                       else "",
                       f"{_gib(default['peak_gib'])} / {_gib(ours['peak_gib'])}",
-                      " / ".join("n/a" if e is None else f"{e:.0f}" for e in exposed), _at_defaults_rows(default, ours)])
+                      " / ".join("n/a" if e is None else f"{e:.0f}" for e in exposed),
+                      _at_defaults_rows(default, ours)])
     return markdown_table(["model layers", "engine", "GPUs", "rows per GPU (default / ours where they differ)",
                            "default tok/s per GPU",
                            "hf-scatter tok/s per GPU", "hf-scatter vs default", "TFLOP/s per GPU (default / ours)",
@@ -932,7 +935,8 @@ def plot_scaling(combined: dict, path: str) -> None:
         ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)  # below: never over a point
     first = combined["rows"][0]
     swept = any(isinstance(r["rows_per_rank"], list) for r in combined["rows"])
-    rows = "each side at its fastest batch" if swept else f"{first['config']['batch']} x {first['config']['seq']} tokens per GPU"
+    rows = ("each side at its fastest batch" if swept
+            else f"{first['config']['batch']} x {first['config']['seq']} tokens per GPU")
     fig.suptitle(f"Training step, {rows}, bf16 AdamW, {first['device']}", fontsize=10)
     fig.tight_layout()
     save_figure(fig, path)

@@ -313,7 +313,8 @@ def _multi_gpu(p: HardwareProfile, quick: bool) -> None:
     beyond = allreduce_seconds(block // 2) - p.allreduce_latency_s
     p.allreduce_bus_bandwidth = 2 * (count - 1) / count * block / max(beyond, 1e-9)
     p.notes["allreduce_bus_bandwidth"] = (f"measured: NCCL all-reduce of 4 MiB of bf16 over the {count} GPUs "
-                                          "(torch.cuda.nccl, one process), bus bandwidth 2 (N-1)/N x size / (time - latency)")
+                                          "(torch.cuda.nccl, one process), bus bandwidth 2 (N-1)/N x size / "
+                                          "(time - latency)")
     p.notes["allreduce_latency_s"] = f"measured: NCCL all-reduce of 4 KiB over the {count} GPUs"
 
 

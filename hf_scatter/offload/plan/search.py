@@ -92,7 +92,8 @@ def search_policy(model, profile, workload: Workload, gpu_memory: int | float | 
                         if best is None or _better(key, best[0]):
                             best = (key, Policy(n, mu, attention_on_gpu, experts_on_gpu, x, y, routed, gpus))
     if best is None:
-        raise PlanError(f"no policy fits {spec.name} in {format_bytes(gpu_limit)} of GPU{_per_gpu(gpus)} and {format_bytes(cpu_limit)} "
+        raise PlanError(f"no policy fits {spec.name} in {format_bytes(gpu_limit)} of GPU{_per_gpu(gpus)} and "
+                        f"{format_bytes(cpu_limit)} "
                         f"of CPU memory for {workload.describe()}: give more memory or shorten prompt/generation")
     policy = best[1]
     prediction = predict(policy, spec, hrm, workload, gpu_limit, cpu_limit, options)
@@ -138,7 +139,8 @@ def _check_feasible(spec: ModelSpec, workload: Workload, gpu_usable: float, cpu_
     floor = sum(v.at(0.0, 0.0) for v in gpu_mem.values())
     if floor > gpu_usable:
         raise PlanError(
-            f"{format_bytes(gpu_usable)} of usable GPU memory{_per_gpu(gpus)} is too small for {spec.name}: the embedding and LM head "
+            f"{format_bytes(gpu_usable)} of usable GPU memory{_per_gpu(gpus)} is too small for {spec.name}: the "
+            f"embedding and LM head "
             f"({format_bytes(spec.other_weight_bytes)}) plus a double buffer for one streamed layer "
             f"({format_bytes(2 * spec.largest_layer_weight_bytes)}) and activations need at least {format_bytes(floor)} "
             f"(plus the {options.gpu_margin:.0%} fragmentation margin): raise --gpu-memory")
