@@ -351,14 +351,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         if args.plot and len(args.gpus) > 1:
             raise PlanError("--plot draws one plan: give one --gpus count with it")
         placements = [CGOPIPE_PLACEMENT] if args.placement == "cgopipe" else None
-        plans = {}
-        for gpus in args.gpus:  # checked (divisibility, the host's GPU count) before the first search
-            HierarchicalRoofline(profile, gpus)
+        hrms = {gpus: HierarchicalRoofline(profile, gpus) for gpus in args.gpus}  # the host's GPU count, checked
+        for gpus in args.gpus:  # and what the model can split, before the first search
             check_divisible(model, gpus)
-        for gpus in tqdm(args.gpus, desc="plan", disable=len(args.gpus) == 1):
-            hrm = HierarchicalRoofline(profile, gpus)
-            plans[gpus] = (hrm, search_policy(model, hrm, workload, gpu_memory, args.cpu_memory,
-                                              placements=placements, gpus=gpus))
+        plans = {gpus: (hrm, search_policy(model, hrm, workload, gpu_memory, args.cpu_memory, placements=placements,
+                                           gpus=gpus))
+                 for gpus, hrm in tqdm(hrms.items(), desc="plan", disable=len(hrms) == 1)}
     except (ValueError, FileNotFoundError) as e:
         raise UsageError(str(e)) from None
     print(model.describe() + "\n")

@@ -523,7 +523,6 @@ def _read_baseline(path: str, shapes: dict[str, TrainConfig], sweep: tuple[int, 
     try:
         with open(path) as f:
             report = json.load(f)
-        configs = report.get("configs") or {}
         world, engine = report.get("world", 1), report.get("engine", "fsdp2" if report.get("fsdp") else "none")
         results = report["results"]
     except OSError as e:
@@ -536,7 +535,7 @@ def _read_baseline(path: str, shapes: dict[str, TrainConfig], sweep: tuple[int, 
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     for impl, shape in shapes.items():
         family = impl.split("-", 1)[0]
-        saved = configs.get(family, report.get("config")) if impl in results else None
+        saved = _family_config(report, family) if impl in results else None
         if saved is None:
             continue
         theirs = TrainConfig(**{k: v for k, v in saved.items() if k in fields})
@@ -546,6 +545,20 @@ def _read_baseline(path: str, shapes: dict[str, TrainConfig], sweep: tuple[int, 
             raise ValueError(f"--baseline {path}: {family} ran at another shape or batch there ({saved}) than "
                              f"here ({dataclasses.asdict(shape)}" + (f", rows {list(sweep)})" if sweep else ")"))
     return report
+
+
+def _family_config(report: dict, family: str) -> dict | None:
+    """The shape a report ran ``family`` at (reports before ``configs`` hold one ``config``)."""
+    return (report.get("configs") or {}).get(family, report.get("config"))
+
+
+def _reference_tokens_per_s(report: dict, impl: str, rows: int) -> float | None:
+    """An unwrapped report's tokens/s per GPU for ``impl`` at ``rows`` per rank: what scaling efficiency divides
+    by; None if it did not run that batch."""
+    result = report.get("results", {}).get(impl)
+    if result is None:
+        return None
+    return _rows_tokens_per_s(result, (_family_config(report, impl.split("-", 1)[0]) or {}).get("batch"), rows)
 
 
 def _rows_tokens_per_s(result: dict, batch: int, rows: int) -> float | None:
@@ -575,13 +588,14 @@ def run(impls=None, cfg: TrainConfig | None = None, warmup: int = 3, steps: int 
     os.environ.setdefault("LIGER_FUSED_MOE_AUTOTUNE", "1" if liger_autotune == "on" else "0")  # read at import
     setup, cuda = plan.setup, plan.device == "cuda"
     families = {impl.split("-", 1)[0]: dataclasses.asdict(s) for impl, s in plan.shapes.items()}
-    rows = list(plan.batches) or next(iter(plan.shapes.values())).batch
+    first_rows = next(iter(plan.shapes.values())).batch  # the sweep's smallest batch
+    rows = list(plan.batches) or first_rows
     with engines.process_group(setup.engine != "none", plan.device):
         me = engines.rank()
         report = {**run_header(), "dtype": "bfloat16" if cuda else "float32", "config": next(iter(families.values())),
                   "configs": families, "shape": shape, "warmup": warmup, "steps": steps,
                   "liger_autotune": liger_autotune, "fsdp": setup.engine == "fsdp2",
-                  **setup.describe(plan.batches[0] if plan.batches else rows, cuda),
+                  **setup.describe(first_rows, cuda),
                   "rows_per_rank": rows, "comm_profile": comm_profile, "flops": "Megatron-LM's count plus the "
                   "router (model_flops in hf_scatter/bench/train.py, docs/distributed.md)", "results": {}}
         if plan.baseline:
@@ -699,13 +713,9 @@ def _run_rows(report: dict, impl: str, shape: TrainConfig, plan: _Plan, warmup: 
     ranks = engines.gather({"rank": me, **{k: v for k, v in mine.items() if not k.startswith("breakdown")}})
     r = {"engine": setup.engine, "world": setup.world, "rows_per_rank": shape.batch, **engines.aggregate(ranks),
          **{k: v for k, v in mine.items() if k.startswith("breakdown")}}
-    base = (plan.baseline or {}).get("results", {}).get(impl)
-    if base:
-        family = impl.split("-", 1)[0]
-        batch = (plan.baseline.get("configs") or {}).get(family, plan.baseline.get("config") or {}).get("batch")
-        reference = _rows_tokens_per_s(base, batch, shape.batch)
-        if reference:
-            r["efficiency"] = r["tokens_per_s"] / reference
+    reference = _reference_tokens_per_s(plan.baseline, impl, shape.batch) if plan.baseline else None
+    if reference:
+        r["efficiency"] = r["tokens_per_s"] / reference
     if me == 0:
         peak = f"peak {r['peak_gib']:.1f} GiB  " if r["peak_gib"] is not None else ""
         rows = f" [{shape.batch} rows]" if in_sweep else ""
@@ -819,8 +829,8 @@ def combine_rows(reports: list[dict], command: str) -> dict:
         if report.get("engine") == "none" or report.get("baseline") or base is None:
             continue
         for impl, r in report["results"].items():
-            if impl in base["results"] and "efficiency" not in r:
-                reference = _rows_tokens_per_s(base["results"][impl], base["config"]["batch"], r["rows_per_rank"])
+            if "efficiency" not in r:
+                reference = _reference_tokens_per_s(base, impl, r["rows_per_rank"])
                 if reference:
                     r["efficiency"] = r["tokens_per_s"] / reference
                     r["efficiency_from"] = f"the unwrapped row of {base['date']}"

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..common.made_names import module_getattr
 from ..kernels.router import router_topk
 from .class_patch import apply_swaps, vanilla_class
 from .experts import SCATTERMOE, patch_interface_experts
@@ -50,12 +51,7 @@ def fused_subclass(vanilla: type, impl: str, forward: Callable) -> type:
     return made
 
 
-def __getattr__(name: str) -> type:
-    """A class :func:`fused_subclass` made (how pickle and ``copy`` find it by name)."""
-    try:
-        return FUSED_CLASSES[name]
-    except KeyError:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+__getattr__ = module_getattr(FUSED_CLASSES, __name__)
 
 
 # ------------------------------------------------------------------------------------ shared forwards

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..common.made_names import module_getattr
 from ..kernels.linear_cross_entropy import linear_cross_entropy
 from .class_patch import set_instance_method
 
@@ -77,12 +78,7 @@ def fused_loss_forward(self, *args, labels=None, logits_to_keep=0, **kwargs):
 FORWARDS: dict[str, Callable] = {}
 
 
-def __getattr__(name: str) -> Callable:
-    """A forward :func:`_forward_for` made (how pickle finds it by name)."""
-    try:
-        return FORWARDS[name]
-    except KeyError:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+__getattr__ = module_getattr(FORWARDS, __name__)
 
 
 def _forward_for(cls: type):
