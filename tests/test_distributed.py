@@ -20,6 +20,14 @@ from hf_scatter.tiny import DECODER_FAMILIES, TINY_BUILDERS
 
 SIZES = dict(hidden=72, experts=6, top_k=3, intermediate=40)  # odd sizes; 6 experts: 3 per rank
 WORLD, STEPS, ROWS, LENGTH = 2, 3, 4, 12
+
+
+def _engine_only_on_the_cpu(monkeypatch) -> None:
+    """The kernels' torch reference inside ZeRO-3 and expert parallelism on the CPU: these tests are about what
+    the engine does around the patched model (the same ops and autograd functions run, only their bodies
+    differ), and the FSDP2 test keeps the Triton interpreter in the loop. On a GPU, the kernels."""
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("HF_SCATTER_KERNELS", "torch")
 ENGINE_FAMILIES = ("mixtral", "qwen3_moe")  # each engine trains both in one pair of processes
 ZERO3_FAMILIES = ("dbrx",) + DECODER_FAMILIES  # loaded partitioned in one process (Mixtral: the 2-process test)
 TOL = dict(rtol=1e-5, atol=1e-6)  # fp32: the ranks' gradients are averaged in another order than one process sums them
@@ -171,6 +179,7 @@ def _zero3_worker(rank: int, root: str, init_file: str, out: str) -> None:
 
 def test_deepspeed_zero3_training_equals_one_process_and_saves_a_vanilla_checkpoint(tmp_path, monkeypatch):
     pytest.importorskip("deepspeed")
+    _engine_only_on_the_cpu(monkeypatch)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # DeepSpeed's CPU accelerator, also on a GPU machine
     for family in ENGINE_FAMILIES:
         torch.manual_seed(0)
@@ -393,6 +402,7 @@ def _expert_parallel_worker(rank: int, root: str, init_file: str, out: str,
 
 
 def test_expert_parallel_training_equals_one_process(tmp_path, monkeypatch):
+    _engine_only_on_the_cpu(monkeypatch)
     # On CPU with gloo: transformers would place each rank on its own GPU where one is visible.
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     for family in ENGINE_FAMILIES:

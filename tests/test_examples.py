@@ -29,7 +29,9 @@ def test_trainer_recipes_of_every_engine_train_alike_and_save_vanilla_checkpoint
     engines = ["fsdp2", "zero3"] + (["ep"] if "ep_size" in {f.name for f in dataclasses.fields(DistributedConfig)}
                                     else [])
     script = EXAMPLES / "trainer_distributed.py"
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    # the engines and the Trainer are under test: the kernels' torch reference (tests/test_distributed.py runs
+    # the interpreter under FSDP2)
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", HF_SCATTER_KERNELS="torch")
     trained = {}
     for engine in engines:
         out = tmp_path / engine

@@ -27,7 +27,8 @@ DENSE_MLP = {"deepseek_v3", "deepseek_v2", "qwen2_moe"} | LINEAR_ATTENTION
 
 
 # Tests whose subject is how a patched model fits transformers (generate, gradient checkpointing, pickling, patch
-# switching, accelerate hooks), not the kernels' arithmetic: on the CPU these families keep the Triton interpreter
+# switching, accelerate hooks, the fused loss's wiring, autocast, torch.compile's tracing), not the kernels'
+# arithmetic: on the CPU these families keep the Triton interpreter
 # in the loop and the others run the kernels' torch reference (the kernels, and every family's logits and
 # gradients, are held to references under the interpreter by the other tests). On a GPU every family runs Triton.
 INTERPRETED_FAMILIES = {"mixtral", "qwen3_moe"}
@@ -35,8 +36,8 @@ INTERPRETED_FAMILIES = {"mixtral", "qwen3_moe"}
 
 @pytest.fixture
 def integration_kernels(monkeypatch):
-    def choose(family: str) -> None:
-        if not torch.cuda.is_available() and family not in INTERPRETED_FAMILIES:
+    def choose(family: str, interpreted: bool = True) -> None:
+        if not torch.cuda.is_available() and not (interpreted and family in INTERPRETED_FAMILIES):
             monkeypatch.setenv("HF_SCATTER_KERNELS", "torch")
 
     return choose
@@ -285,9 +286,10 @@ def test_bad_input_gets_clear_errors():
 
 
 @pytest.mark.parametrize("family,items", [(f, None) for f in FAMILIES] + [("qwen3_moe", 17)])
-def test_training_loss_is_fused_and_equals_vanilla(family, items, device):
+def test_training_loss_is_fused_and_equals_vanilla(family, items, device, integration_kernels):
     """Training with labels: no logits are made, and loss (router aux loss included) and every gradient are
     vanilla's; padded labels, and the Trainer's num_items_in_batch."""
+    integration_kernels(family, interpreted=items is None)  # the item count is wiring: once interpreted is enough
     vanilla, patched = vanilla_and_patched(family, device, output_router_logits=family != "dbrx")
     assert hf_scatter.patch_report(patched)[""] == "fused_linear_cross_entropy"
     ids = _ids(device)
@@ -339,7 +341,8 @@ _COMPILE_FAMILIES = [pytest.param(f, marks=pytest.mark.xfail(
 
 
 @pytest.mark.parametrize("family", _COMPILE_FAMILIES)
-def test_torch_compile_fullgraph_forward_and_backward(family, device):
+def test_torch_compile_fullgraph_forward_and_backward(family, device, integration_kernels):
+    integration_kernels(family)
     # one MoE layer: the compiled graph repeats each layer's code (the hybrid stacks keep a layer of each kind)
     _, patched = vanilla_and_patched(family, device, **({} if family in LINEAR_ATTENTION else {"layers": 1}))
     reference = copy.deepcopy(patched)
@@ -356,8 +359,9 @@ def test_torch_compile_fullgraph_forward_and_backward(family, device):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_bf16_autocast_runs_in_bf16_and_stays_close(family, device):
+def test_bf16_autocast_runs_in_bf16_and_stays_close(family, device, integration_kernels):
     """Vanilla DBRX cannot run under autocast (its index_add_ mixes dtypes); the patched one can."""
+    integration_kernels(family)
     vanilla, patched = vanilla_and_patched(family, device)
     ids = _ids(device)
     want = vanilla(ids).logits
