@@ -35,6 +35,46 @@ def test_bench_replot_renders_table_and_png_from_saved_json(suite, saved, tmp_pa
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_fsdp2_builder_shards_a_bf16_model_with_float32_modules_and_steps_it_like_the_unwrapped_one():
+    """DeepSeek-V2 built in bf16 keeps its router weight in float32 (transformers' _keep_in_fp32_modules), and one
+    FSDP2 group must hold one dtype: the builder gives that module a group of its own that computes in float32,
+    so the model takes the unwrapped model's loss and router gradients. The optimizer keeps DTensors and plain
+    tensors in separate groups (a fused step takes one kind at a time: transformers 5.17's expert parallelism
+    leaves both kinds in one model)."""
+    import copy
+
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+
+    import hf_scatter
+    from hf_scatter.bench import engines
+    from hf_scatter.tiny import TINY_BUILDERS
+
+    config = TINY_BUILDERS["deepseek_v2"](hidden=32, experts=4, top_k=2, intermediate=16).config
+    torch.manual_seed(0)
+    model = hf_scatter.patch_model(AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16))
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16, torch.float32}
+    unwrapped = copy.deepcopy(model)
+    ids = torch.randint(config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with pytest.MonkeyPatch.context() as env, engines.process_group(True, "cpu"):
+        env.setenv("HF_SCATTER_KERNELS", "torch")  # the engine's set-up is under test, not the kernels
+        engines.fully_shard_layers(model, torch.bfloat16)
+        router = model.model.layers[1].mlp.gate
+        assert isinstance(router.weight, DTensor) and router.weight.dtype == torch.float32
+        step, opt = engines.adamw_step(model, ids)
+        kinds = [{isinstance(p, DTensor) for p in group["params"]} for group in opt.param_groups]
+        assert all(len(kind) == 1 for kind in kinds)
+        got = model(input_ids=ids, labels=ids).loss
+        got.backward()
+        want = unwrapped(input_ids=ids, labels=ids).loss
+        want.backward()
+        assert got.item() == want.item()
+        grad = router.weight.grad.full_tensor()
+        assert grad.dtype == torch.float32
+        torch.testing.assert_close(grad, unwrapped.model.layers[1].mlp.gate.weight.grad)
+        step()
+
+
 def test_multi_gpu_table_and_plot_from_the_saved_rows(tmp_path):
     """The docs' multi-GPU table: one line per row (shape, engine and the FSDP2 settings it changed, GPUs),
     hf-scatter against the family default of that row, and the scaling plot, from the file

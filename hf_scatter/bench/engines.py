@@ -107,16 +107,40 @@ def fully_shard_layers(model, param_dtype: torch.dtype, options: Fsdp2Options = 
     norm, LM head), with ``param_dtype`` parameters in compute. Call after patching."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=getattr(torch, options.reduce_dtype))
+    reduce_dtype = getattr(torch, options.reduce_dtype)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     base = model.base_model
     layers = list(getattr(base, "layers", None) or base.blocks)  # DBRX: transformer.blocks
     for layer in layers:
+        _shard_kept_in_float32(layer, reduce_dtype, options.reshard_after_forward)
         fully_shard(layer, mp_policy=policy, reshard_after_forward=options.reshard_after_forward)
+    _shard_kept_in_float32(model, reduce_dtype, True)
     fully_shard(model, mp_policy=policy)  # the root keeps its parameters for backward whatever the setting
     if options.prefetch == "next":
         for layer, following in zip(layers, layers[1:]):
             layer.set_modules_to_forward_prefetch([following])
             following.set_modules_to_backward_prefetch([layer])
+
+
+def _shard_kept_in_float32(root: torch.nn.Module, reduce_dtype: torch.dtype, reshard_after_forward: bool) -> None:
+    """Modules a bf16 model keeps in float32 (transformers' ``_keep_in_fp32_modules``: DeepSeek-V2's router
+    weight) get an FSDP2 group of their own that computes in float32: one group must hold one dtype, and the
+    family computes in float32 there on purpose."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    dtypes = {p.dtype for p in root.parameters()}
+    if len(dtypes) < 2 or torch.float32 not in dtypes:
+        return
+    policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=reduce_dtype)
+    taken = {id(p) for m in root.modules() if isinstance(m, FSDPModule) for p in m.parameters()}
+    for module in root.modules():  # parents first: a float32 module takes its float32 children along
+        own = list(module.parameters(recurse=False))
+        if module is root or not own or any(id(p) in taken for p in own):
+            continue
+        subtree = list(module.parameters())
+        if all(p.dtype == torch.float32 for p in subtree):
+            fully_shard(module, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+            taken.update(id(p) for p in subtree)
 
 
 def expert_parallel_config(world: int, bf16: bool = False):
@@ -132,6 +156,17 @@ def expert_parallel_config(world: int, bf16: bool = False):
     return DistributedConfig(enable_expert_parallel=True, tp_size=world, fsdp_size=1), True
 
 
+def _by_tensor_kind(params) -> list[dict]:
+    """Parameter groups of plain tensors and of DTensors apart: transformers 5.17's expert parallelism leaves the
+    experts as DTensors beside plain ones, and a fused optimizer step takes one kind at a time."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[bool, list] = {}
+    for p in params:
+        groups.setdefault(isinstance(p, DTensor), []).append(p)
+    return [{"params": found} for found in groups.values()]
+
+
 def zero3_config(rows: int, bf16: bool) -> dict:
     """DeepSpeed ZeRO-3 with its defaults, bf16 (fp32 master weights and optimizer states, partitioned) on the
     GPU. No gradient clipping (accelerate fills in 1.0 where the config names none; the other engines clip
@@ -143,7 +178,7 @@ def zero3_config(rows: int, bf16: bool) -> dict:
 
 def adamw_step(model, ids: torch.Tensor) -> tuple[Callable[[], torch.Tensor], torch.optim.Optimizer]:
     """One training step on ``ids`` (AdamW, fused on the GPU) and its optimizer."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=ids.is_cuda)
+    opt = torch.optim.AdamW(_by_tensor_kind(model.parameters()), lr=1e-4, fused=ids.is_cuda)
 
     def step() -> torch.Tensor:
         loss = model(input_ids=ids, labels=ids).loss
