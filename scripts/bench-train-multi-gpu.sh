@@ -6,12 +6,14 @@
 # BASELINE_DIR: where the unwrapped rows' reports are, if not in $OUT (a later lease's rows).
 # QWEN_ROWS / MIXTRAL_ROWS: rows per GPU, several for a sweep (each side reported at its fastest batch that fits).
 # Usage (repository root, GPU host): scripts/bench-train-multi-gpu.sh [PHASE ...]   (default: every phase)
-#   phases: none (unwrapped, one GPU), one (none, then FSDP2 on one GPU), two (FSDP2 on 2), four (FSDP2 on 4), ep (expert parallelism),
+#   phases: none (unwrapped, one GPU), one (none, then FSDP2 on one GPU), fsdp1 (FSDP2 on one GPU only),
+#   two (FSDP2 on 2), four (FSDP2 on 4), ep (expert parallelism),
 #   zero3 (DeepSpeed ZeRO-3 on 4 GPUs: on 2 its float32 weights and Adam states, 8 bytes per parameter per GPU,
 #   leave too little room even at 2 rows per GPU; needs deepspeed and accelerate), tuned (FSDP2 on 4 with bf16 gradient reduction, explicit prefetch and the
 #   parameters kept gathered from forward to backward; Qwen3 and Mixtral), ep4 (expert parallelism on 4 only),
 #   large (GPT-OSS-120B's layers and DeepSeek-V2-Lite, tuned FSDP2 and expert parallelism on 4; GPTOSS_ROWS,
 #   DEEPSEEK_ROWS)
+# ONLY: the models whose rows run (qwen3 mixtral gptoss deepseek; default: all of the phases' rows)
 set -uo pipefail
 out=${OUT:-/tmp/hf-scatter-out}
 mkdir -p "$out"
@@ -29,6 +31,7 @@ GPTOSS=(--shape gpt-oss-120b --layers 4 --batch "${GROWS[@]}")
 DEEPSEEK=(--shape deepseek-v2-lite --batch "${DROWS[@]}")
 row() {  # row NAME GPUS ENGINE SHAPE_ARGS... : one torchrun on the listed GPUs
     local name=$1 gpus=$2 engine=$3; shift 3
+    [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" ${name%%-*} "* ]] && return
     local n; n=$(awk -F, '{print NF}' <<<"$gpus")
     local base=() ref="${BASELINE_DIR:-$out}/train-${name%-*}-none-1gpu.json"
     [ "$engine" != none ] && [ -f "$ref" ] && base=(--baseline "$ref")
@@ -40,7 +43,8 @@ row() {  # row NAME GPUS ENGINE SHAPE_ARGS... : one torchrun on the listed GPUs
 }
 
 phase_none() { row qwen3 0 none "${QWEN[@]}"; row mixtral 0 none "${MIXTRAL[@]}"; }
-phase_one() { phase_none; row qwen3 0 fsdp2 "${QWEN[@]}"; row mixtral 0 fsdp2 "${MIXTRAL[@]}"; }
+phase_fsdp1() { row qwen3 0 fsdp2 "${QWEN[@]}"; row mixtral 0 fsdp2 "${MIXTRAL[@]}"; }
+phase_one() { phase_none; phase_fsdp1; }
 phase_two() { row qwen3 0,1 fsdp2 "${QWEN[@]}"; row mixtral 0,1 fsdp2 "${MIXTRAL[@]}"; }
 phase_four() { row qwen3 0,1,2,3 fsdp2 "${QWEN[@]}"; row mixtral 0,1,2,3 fsdp2 "${MIXTRAL[@]}"; }
 phase_zero3() { row qwen3 0,1,2,3 zero3 "${QWEN[@]}"; row mixtral 0,1,2,3 zero3 "${MIXTRAL[@]}"; }
