@@ -77,38 +77,41 @@ def test_backend_matches_the_familys_eager_experts(case, classes, device):
         assert rel(p_ours.grad, p_eager.grad) < 1e-5, name
 
 
-def test_expert_parallel_shard_skips_routes_to_other_ranks(device):
+@pytest.mark.parametrize("case,classes", PRESENT, ids=[c[0][0] for c in PRESENT])
+def test_expert_parallel_shard_skips_routes_to_other_ranks(case, classes, device):
     """Expert parallelism hands a rank its local experts (here 3 of 6) and, in transformers' all-reduce dispatch,
     marks routes to other ranks' experts with id ``num_local`` and weight 0. The shard's output and gradients
-    are those of the full experts with the other ranks' routes dropped."""
-    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
-
-    from hf_scatter.tiny import tiny_mixtral_config
-
-    config = tiny_mixtral_config(experts=6)
+    are those of the full experts with the other ranks' routes dropped, and those routes are not computed: a
+    token routed to other ranks only gets exactly zero from this rank even when its hidden state is not finite
+    (computed with weight 0, inf would give NaN)."""
+    config_cls, experts_cls = classes
+    config = config_cls(**case[3])
     torch.manual_seed(0)
-    full = MixtralExperts(copy.copy(config)).to(device)
+    full = experts_cls(copy.copy(config)).to(device)
     for p in full.parameters():
         torch.nn.init.normal_(p, std=0.2)
     full.config._experts_implementation = "eager"
-    shard = MixtralExperts(copy.copy(config)).to(device)
+    shard = copy.deepcopy(full)
+    shard.config = copy.copy(config)
     shard.config._experts_implementation = SCATTERMOE
-    local = 3  # this rank holds experts 3, 4, 5
+    E, local = 6, 3  # this rank holds experts 3, 4, 5
     with torch.no_grad():
-        shard.gate_up_proj = torch.nn.Parameter(full.gate_up_proj[local:].clone())
-        shard.down_proj = torch.nn.Parameter(full.down_proj[local:].clone())
+        for name, p in full.named_parameters(recurse=False):  # per-expert tensors: this rank's slice
+            if p.shape[0] == E:
+                setattr(shard, name, torch.nn.Parameter(p[local:].clone()))
     shard.num_experts, shard._is_expert_parallel = local, True
 
-    T, k = 19, 2
-    idx = torch.stack([torch.randperm(6)[:k] for _ in range(T)]).to(device)
+    T, k, H = 19, 2, 72
+    idx = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).to(device)
     idx[0] = torch.tensor([0, 1])  # a token routed to other ranks only
     weights = torch.rand(T, k, device=device).softmax(-1)
     off_rank = idx < local
-    x = torch.randn(T, 64, device=device)
+    x = torch.randn(T, H, device=device)
     x1, x2 = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
     w1, w2 = weights.masked_fill(off_rank, 0.0).requires_grad_(True), weights.clone().requires_grad_(True)
     want = full(x1, idx, w1)  # the other ranks' routes weigh nothing
-    got = shard(x2, torch.where(off_rank, local, idx - local), w2.masked_fill(off_rank, 0.0))
+    local_idx = torch.where(off_rank, local, idx - local)
+    got = shard(x2, local_idx, w2.masked_fill(off_rank, 0.0))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     assert got[0].abs().max() == 0
     dy = torch.randn_like(want)
@@ -116,7 +119,13 @@ def test_expert_parallel_shard_skips_routes_to_other_ranks(device):
     got.backward(dy)
     torch.testing.assert_close(x2.grad, x1.grad, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(w2.grad, w1.grad.masked_fill(off_rank, 0.0), rtol=1e-4, atol=1e-5)
-    for name in ("gate_up_proj", "down_proj"):
-        torch.testing.assert_close(getattr(shard, name).grad, getattr(full, name).grad[local:], rtol=1e-4,
-                                   atol=1e-5, msg=name)
+    for name, p in shard.named_parameters(recurse=False):
+        if getattr(full, name).shape[0] != E:
+            continue
+        torch.testing.assert_close(p.grad, getattr(full, name).grad[local:], rtol=1e-4, atol=1e-5, msg=name)
         assert getattr(full, name).grad[:local].abs().max() == 0  # nothing this rank computes belongs there
+    poisoned = x.clone()
+    poisoned[0] = float("inf")
+    with torch.no_grad():
+        out = shard(poisoned, local_idx, weights.masked_fill(off_rank, 0.0))
+    assert (out[0] == 0).all() and torch.isfinite(out[1:]).all()

@@ -425,7 +425,7 @@ def _routing(device):
     (lambda r, d: parallel_linear(torch.randn(3, 8, device=d), torch.randn(3, 8, 4, device=d), 2, *r,
                                   gates=torch.rand(3, 2, device=d), grouped_out=True), "grouped_out=False"),
     (lambda r, d: parallel_linear(torch.randn(3, 8, device=d), torch.randn(4, 8, 4, device=d), 2, *r),
-     "expert_offsets must have 4"),
+     r"expert_offsets must have one end per expert \(E=4\), or one more for a bin of routes to skip; got 3"),
     (lambda r, d: parallel_linear(torch.randn(3, 8, device=d), torch.randn(3, 8, 4, device=d), 2, *r,
                                   bias=torch.randn(3, 5, device=d)), "bias must be"),
     (lambda r, d: parallel_linear(torch.randn(3, 8, device=d).long(), torch.randn(3, 8, 4, device=d), 2, *r),

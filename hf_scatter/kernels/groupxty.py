@@ -121,7 +121,7 @@ def groupxty_reference(x, dy, expert_offsets, dw_out, db_out=None, sorted_scatte
     x_grouped = _sorted_rows(x, sorted_scattered_idxs, x_fan_out)
     dy_grouped = _sorted_rows(dy, sorted_scattered_idxs, dy_fan_out)
     start = 0
-    for e, end in enumerate(expert_offsets.tolist()):
+    for e, end in enumerate(expert_offsets.tolist()[:dw_out.shape[0]]):  # a skip bin past the experts: no weight
         xs, dys = x_grouped[start:end], dy_grouped[start:end]
         dw_out[e] = (xs.float().t() @ dys.float()).to(dw_out.dtype)
         if db_out is not None:
@@ -215,7 +215,8 @@ def groupXTY(x_grouped: torch.Tensor, dy_grouped: torch.Tensor, expert_offsets: 
 def groupxty_unchecked(x, dy, expert_offsets, dw=None, db=None, sorted_scattered_idxs=None, x_fan_out=0,
                        dy_fan_out=0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`groupXTY` without the checks (see ``custom_ops``: for callers that validated already)."""
-    E, K, N = expert_offsets.shape[0], x.shape[1], dy.shape[1]
+    # the experts are dw's when given: a routing may hold one bin more, of routes to skip
+    E, K, N = (dw.shape[0] if dw is not None else expert_offsets.shape[0]), x.shape[1], dy.shape[1]
     if dw is None:
         dw = x.new_empty((E, K, N))
     if db is True:

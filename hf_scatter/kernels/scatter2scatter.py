@@ -36,7 +36,7 @@ if kernels_enabled():
         stride_hm, alpha, limit, up_shift,
         FAN_OUT: tl.constexpr, X_GROUPED: tl.constexpr, Y_GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr,
         ALLOW_TF32: tl.constexpr, UPCAST: tl.constexpr, GLU: tl.constexpr, GLU_CONCAT: tl.constexpr,
-        STORE_Y: tl.constexpr,
+        STORE_Y: tl.constexpr, SKIP_BIN: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ):
         # GLU: the N = 2I columns are [gate, up] pairs and the epilogue also writes h = act(gate) * up [M, I]
@@ -45,9 +45,12 @@ if kernels_enabled():
         # concatenated ones ([gate; up]) are read with each up column beside its gate column.
         # Grouped program order: GROUP_M row tiles sweep all column tiles together, so their input rows
         # stay in L2 while the column tiles of one expert's weight are reused across them.
+        # SKIP_BIN (0 or 1): the routing sorted into one bin more than the weight has experts, and that last
+        # bin's rows (routes to another rank's experts) are written as zeros without a product.
         pid_m, pid_n = grouped_tile(tl.program_id(0), NUM_TILES, tl.cdiv(N, BLOCK_N), GROUP_M)
         expert = tl.load(tile_expert_ptr + pid_m)
-        if expert < E:
+        if expert < E + SKIP_BIN:
+            computed = expert < E
             row0 = tl.load(tile_row_ptr + pid_m)
             row_end = tl.load(expert_end_ptr + expert)
             rows = row0 + tl.arange(0, BLOCK_M)
@@ -64,9 +67,10 @@ if kernels_enabled():
                 col_mask = pairs < N // 2
             ks = tl.arange(0, BLOCK_K)
             x_tile_ptr = x_ptr + x_rows[:, None].to(tl.int64) * stride_xm + ks[None, :] * stride_xk
-            w_tile_ptr = w_ptr + expert.to(tl.int64) * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn
+            w_tile_ptr = w_ptr + tl.minimum(expert, E - 1).to(tl.int64) * stride_we + ks[:, None] * stride_wk + \
+                cols[None, :] * stride_wn
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k0 in range(0, tl.cdiv(K, BLOCK_K)):
+            for k0 in range(0, tl.cdiv(K, BLOCK_K) * computed.to(tl.int32)):
                 k_mask = ks < K - k0 * BLOCK_K
                 x = tl.load(x_tile_ptr, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
                 w = tl.load(w_tile_ptr, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
@@ -74,8 +78,9 @@ if kernels_enabled():
                 x_tile_ptr += BLOCK_K * stride_xk
                 w_tile_ptr += BLOCK_K * stride_wk
             if HAS_BIAS:
-                bias = tl.load(b_ptr + expert * stride_be + cols * stride_bn, mask=col_mask, other=0.0)
-                acc += bias.to(tl.float32)[None, :]
+                bias = tl.load(b_ptr + tl.minimum(expert, E - 1) * stride_be + cols * stride_bn, mask=col_mask,
+                               other=0.0)
+                acc += bias.to(tl.float32)[None, :] * computed.to(tl.float32)  # a skipped row stays zero
             if Y_GROUPED:
                 y_rows = rows
             else:
@@ -245,9 +250,9 @@ def scatter2scatter_reference(x, weight, sorted_expert_idxs, sorted_scattered_id
     """Pure-torch definition of :func:`scatter2scatter` (tests, and devices without Triton)."""
     M = sorted_scattered_idxs.numel()
     rows = x if x_grouped else x.index_select(0, sorted_scattered_idxs // fan_out)
-    y_sorted = rows.new_empty((M, weight.shape[2]))
+    y_sorted = rows.new_zeros((M, weight.shape[2]))  # a skip bin's rows (one bin more than experts) stay zero
     start = 0
-    for e, end in enumerate(expert_offsets.tolist()):
+    for e, end in enumerate(expert_offsets.tolist()[:weight.shape[0]]):
         if end > start:
             y_e = rows[start:end] @ weight[e]
             y_sorted[start:end] = y_e if bias is None else y_e + bias[e]
@@ -281,12 +286,13 @@ def scatter2scatter_triton(x, weight, sorted_expert_idxs, sorted_scattered_idxs,
             b.stride(0), b.stride(-1), y.stride(0), y.stride(1), h.stride(0), *(glu or SILU).numbers)
     meta = dict(FAN_OUT=fan_out, X_GROUPED=x_grouped, Y_GROUPED=y_grouped, HAS_BIAS=bias is not None,
                 ALLOW_TF32=allow_tf32, UPCAST=interpreted and x.dtype == torch.bfloat16, GLU=glu is not None,
-                GLU_CONCAT=glu is not None and not glu.interleaved, STORE_Y=out is not None, BLOCK_M=block_m)
+                GLU_CONCAT=glu is not None and not glu.interleaved, STORE_Y=out is not None,
+                SKIP_BIN=int(expert_offsets.numel() > E), BLOCK_M=block_m)
     grid = lambda cfg: (num_tiles * cdiv(N, cfg["BLOCK_N"]),)  # noqa: E731
     interpreter_blocks = dict(BLOCK_N=min(128, max(16, next_power_of_2(N))),
                               BLOCK_K=min(128, max(16, next_power_of_2(K))), GROUP_M=4)
     tune_key = (K, N, block_m, x_grouped, y_grouped, fan_out, bias is not None, allow_tf32, x.dtype, weight.dtype,
-                y.dtype, meta["GLU"], meta["GLU_CONCAT"], meta["STORE_Y"])
+                y.dtype, meta["GLU"], meta["GLU_CONCAT"], meta["STORE_Y"], meta["SKIP_BIN"])
     launch(_scatter2scatter_kernel, _scatter2scatter_tuned, _S2S_CONFIGS, {"BLOCK_N": N, "BLOCK_K": K}, grid,
            args, meta, interpreter_blocks, tune_key, None if interpreted else _table_config(K, N, block_m, x.element_size()))
     return out
@@ -354,7 +360,10 @@ def scatter2scatter_checks(x, weight, sorted_expert_idxs, sorted_scattered_idxs,
     M = sorted_scattered_idxs.numel() if isinstance(sorted_scattered_idxs, torch.Tensor) else None
     check_index(op, "sorted_scattered_idxs", sorted_scattered_idxs, None, x.device)
     check_index(op, "sorted_expert_idxs", sorted_expert_idxs, M, x.device)
-    check_index(op, "expert_offsets", expert_offsets, E, x.device)
+    check_index(op, "expert_offsets", expert_offsets, None, x.device)
+    if expert_offsets.numel() not in (E, E + 1):
+        fail(op, f"expert_offsets must have one end per expert (E={E}), or one more for a bin of routes to skip; "
+                 f"got {expert_offsets.numel()}")
     if fan_out < 1:
         fail(op, f"fan_out must be >= 1, got {fan_out}")
     expected_rows = M if x_grouped else (M // fan_out if M % fan_out == 0 else None)

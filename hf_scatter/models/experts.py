@@ -10,6 +10,9 @@ the backend (:func:`register_experts_backend`), so ``from_pretrained(..., expert
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import torch
 from torch import nn
 
@@ -100,12 +103,46 @@ def _maybe_expert_parallel(experts: nn.Module) -> bool:
         torch.distributed.is_available() and torch.distributed.is_initialized())
 
 
+@functools.lru_cache(maxsize=None)
+def _transformers_flags_expert_parallel() -> bool:
+    """Releases with ``DistributedConfig(ep_size=...)`` flag every expert-parallel module
+    (``_is_expert_parallel``); earlier ones do not."""
+    try:
+        from transformers.distributed import DistributedConfig
+    except ImportError:
+        return False
+    return "ep_size" in {f.name for f in dataclasses.fields(DistributedConfig)}
+
+
+def _routes_may_leave_this_rank(experts: nn.Module, top_k_index: torch.Tensor) -> bool:
+    """Whether some of these routes may name another rank's expert: transformers' all-reduce dispatch hands every
+    rank the whole batch, k routes per token (the tensor-parallel group's expert parallelism of earlier releases,
+    and inference on a shared batch in later ones); its all-to-all dispatch hands one local route per row."""
+    if getattr(experts, "_is_expert_parallel", False):
+        return top_k_index.shape[-1] > 1
+    if _transformers_flags_expert_parallel():
+        return False
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _skipping_other_ranks(num_local: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+                          ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """(routing, gates) for a rank whose routes to other ranks' experts carry id ``num_local``: the sort puts them
+    in a bin of their own past the local experts, which the kernels skip (zeros, no product), so a rank holding
+    1/N of the experts computes its share of the routes, not all of them; their gates are zeroed, which also
+    zeroes their gradients."""
+    from ..moe.routing import flatten_sort_count  # the kernels load on first use
+
+    routing = flatten_sort_count(top_k_index.reshape(top_k_index.shape[0], -1), num_local + 1, validate=False)
+    return routing, top_k_weights.masked_fill(top_k_index >= num_local, 0.0)
+
+
 def _local_routes(num_local: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Expert parallelism: this rank holds ``num_local`` experts. transformers' all-to-all dispatch hands it
-    local ids only; its all-reduce dispatch (every rank sees the whole batch) marks a route to another rank's
-    expert with id ``num_local`` and weight 0. Such a route runs on the last local expert with weight 0, so it
-    adds nothing to the output nor to any gradient (transformers' batched_mm backend does the same)."""
+    """A process group where no route is expected to leave this rank (transformers' all-to-all dispatch hands
+    local ids only; FSDP or DDP hold every expert): a stray id ``num_local`` would run on the last local expert
+    with weight 0, adding nothing to the output nor to any gradient, for two elementwise ops where there is
+    none (:func:`_skipping_other_ranks` is for routes that do leave)."""
     off_rank = top_k_index >= num_local  # [T, k]
     return top_k_index.clamp(max=num_local - 1), top_k_weights.masked_fill(off_rank, 0.0)
 
@@ -114,8 +151,12 @@ def scattermoe_experts_forward(self: torch.nn.Module, hidden_states: torch.Tenso
                                top_k_weights: torch.Tensor) -> torch.Tensor:
     from ..moe.mlp import FusedSwiGLU, expert_mlp, glu_activation  # the kernels load on first use
 
+    routing = None
     if _maybe_expert_parallel(self):
-        top_k_index, top_k_weights = _local_routes(self.num_experts, top_k_index, top_k_weights)
+        if _routes_may_leave_this_rank(self, top_k_index):
+            routing, top_k_weights = _skipping_other_ranks(self.num_experts, top_k_index, top_k_weights)
+        else:
+            top_k_index, top_k_weights = _local_routes(self.num_experts, top_k_index, top_k_weights)
 
     def kernel_layout(w: torch.Tensor) -> torch.Tensor:  # [E, d_in, d_out], a view either way
         return w if self.is_transposed else w.transpose(1, 2)
@@ -138,5 +179,6 @@ def scattermoe_experts_forward(self: torch.nn.Module, hidden_states: torch.Tenso
     # Router top-k ids are in range by construction: skip the validating host sync on the hot path.
     out = expert_mlp(x, (kernel_layout(w_in),), kernel_layout(self.down_proj), top_k_index.reshape(x.shape[0], -1),
                      top_k_weights.reshape(x.shape[0], -1), activation, b_in=(b_in,),
-                     b_out=self.down_proj_bias if has_bias else None, post_norm=post_norm, validate=False)
+                     b_out=self.down_proj_bias if has_bias else None, post_norm=post_norm, validate=False,
+                     routing=routing)
     return out.to(hidden_states.dtype).view(hidden_states.shape)

@@ -22,6 +22,7 @@ from ..kernels.group import group_unchecked
 from ..kernels.groupxty import groupxty_unchecked
 from ..kernels.library_gemm import grouped_mm_applies, grouped_mm_weight_grad
 from ..kernels.scatter2scatter import scatter2scatter, scatter2scatter_unchecked
+from .routing import skips_routes
 
 
 def weight_to_save(weight: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
@@ -123,7 +124,8 @@ class _ParallelLinear(torch.autograd.Function):
         x_fan_out = 0 if grouped_in else k  # slot s reads x[s // k]
         j = gates.shape[1] if gates is not None else 1  # gated: slot s sees dY[s // j]
         d_x = d_gates = dw_x = coeff = None
-        library = need_w and not need_b and grouped_mm_applies(weight, x, dy)  # the dW operands are then grouped
+        library = need_w and not need_b and grouped_mm_applies(weight, x, dy) and \
+            not skips_routes(expert_offsets, weight)  # the dW operands are then grouped
         if gates is None:
             if need_x:
                 # dY is grouped already, or in slot order (then sorted row i reads dY[idx[i]]).
@@ -178,6 +180,8 @@ def with_bias_term(d_gates: torch.Tensor, dy: torch.Tensor, bias: torch.Tensor |
     sorted_expert_idxs, sorted_scattered_idxs, _ = routing
     expert_of_slot = torch.empty_like(sorted_expert_idxs).index_copy_(0, sorted_scattered_idxs, sorted_expert_idxs)
     per_expert = dy.to(d_gates.dtype) @ bias.to(d_gates.dtype).t()  # [S, E]
+    # a skipped route (id E, :func:`~hf_scatter.moe.routing.skips_routes`) has no bias; its gate is masked upstream
+    expert_of_slot = expert_of_slot.clamp(max=bias.shape[0] - 1)
     return d_gates + per_expert.gather(1, expert_of_slot.view(d_gates.shape).long())
 
 

@@ -34,6 +34,13 @@ def flatten_sort_count(expert_idxs: torch.Tensor, num_experts: int, validate: bo
     return sort_slots(flat, num_experts)
 
 
+def skips_routes(expert_offsets: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the routing sorted into one bin more than ``weight`` has experts: that last bin holds routes to
+    another rank's experts (expert parallelism's all-reduce dispatch), which the kernels skip and write as
+    zeros. The library grouped GEMM knows no such bin, so our kernels run those products."""
+    return expert_offsets.numel() > weight.shape[0]
+
+
 def slot_positions(sorted_scattered_idxs: torch.Tensor) -> torch.Tensor:
     """The row of each slot ``t*k + j`` in expert order ([T*k], the inverse of the sort's permutation): how a
     per-token mix reads outputs that a GEMM wrote in expert order."""

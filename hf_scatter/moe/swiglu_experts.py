@@ -33,7 +33,7 @@ from ..kernels.swiglu_grad_gemm import swiglu_grad_gemm_unchecked
 from ..common.dtypes import autocast_operands
 from .parallel_linear import (dw_operand, expert_weight_grad, grouped_copy_pays, saved_weight, weight_to_save,
                               with_bias_term)
-from .routing import slot_positions
+from .routing import skips_routes, slot_positions
 
 
 def _release(t: torch.Tensor) -> None:
@@ -47,7 +47,7 @@ def _per_token(rows, weight, routing, k, gates=None, bias=None):
     gates), for ``rows`` [T*k, K] in expert order: the output projection (forward) and the input gradient
     (backward). Where it pays, the product runs on the library and comes in expert order, mixed through the
     slot positions; our kernel writes it in slot order."""
-    if bias is None and grouped_mm_rows_apply(weight, rows):
+    if bias is None and grouped_mm_rows_apply(weight, rows) and not skips_routes(routing[2], weight):
         grouped = grouped_mm_rows(rows, weight, routing[2])  # [T*k, N] in expert order
         return gate_mix_unchecked(grouped, gates, slot_rows=slot_positions(routing[1]), k=k)
     slots = scatter2scatter_unchecked(rows, weight, *routing, 1, x_grouped=True, bias=bias)  # [T*k, N]
@@ -103,8 +103,9 @@ class _SwiGLUExperts(torch.autograd.Function):
         # When dW_out will read dY in place, h takes the gate instead (h is ours and dead after dW_out); the
         # output bias's gradient needs the gate on dY's rows, so with it dY is copied.
         # The library grouped GEMM for a dW reads grouped operands only (both copies are then made).
-        library_in = need_w_in and not need_b_in and grouped_mm_applies(w_in, x, gate_up)
-        library_out = need_w_out and not need_b_out and grouped_mm_applies(w_out, gate_up, dy)
+        skips = skips_routes(expert_offsets, w_in)
+        library_in = need_w_in and not need_b_in and not skips and grouped_mm_applies(w_in, x, gate_up)
+        library_out = need_w_out and not need_b_out and not skips and grouped_mm_applies(w_out, gate_up, dy)
         gather_dy = not grouped_copy_pays(d, inter) and not need_b_out and not library_out
         h = gate_up.new_empty((gate_up.shape[0], inter)) if need_w_out or need_b_out else None
         dots = swiglu_grad_gemm_unchecked(dy, w_out.transpose(1, 2), routing, k, gate_up, coeff, form, h_out=h,
