@@ -61,9 +61,17 @@ def test_fsdp2_builder_shards_a_bf16_model_with_float32_modules_and_steps_it_lik
         engines.fully_shard_layers(model, torch.bfloat16)
         router = model.model.layers[1].mlp.gate
         assert isinstance(router.weight, DTensor) and router.weight.dtype == torch.float32
-        step, opt = engines.adamw_step(model, ids)
-        kinds = [{isinstance(p, DTensor) for p in group["params"]} for group in opt.param_groups]
-        assert all(len(kind) == 1 for kind in kinds)
+        step, _ = engines.adamw_step(model, ids)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        mixed = torch.nn.Module()  # DTensor experts beside plain parameters, as 5.17's expert parallelism leaves
+        mixed.experts = torch.nn.Parameter(distribute_tensor(torch.randn(4, 3), init_device_mesh("cpu", (1,)),
+                                                             [Shard(0)]))
+        mixed.norm = torch.nn.Parameter(torch.randn(3))
+        _, mixed_opt = engines.adamw_step(mixed, ids)
+        kinds = [{isinstance(p, DTensor) for p in group["params"]} for group in mixed_opt.param_groups]
+        assert sorted(kinds, key=lambda kind: True in kind) == [{False}, {True}]
         got = model(input_ids=ids, labels=ids).loss
         got.backward()
         want = unwrapped(input_ids=ids, labels=ids).loss

@@ -23,11 +23,10 @@ WORLD, STEPS, ROWS, LENGTH = 2, 3, 4, 12
 
 
 def _engine_only_on_the_cpu(monkeypatch) -> None:
-    """The kernels' torch reference inside ZeRO-3 and expert parallelism on the CPU: these tests are about what
-    the engine does around the patched model (the same ops and autograd functions run, only their bodies
-    differ), and the FSDP2 test keeps the Triton interpreter in the loop. On a GPU, the kernels."""
-    if not torch.cuda.is_available():
-        monkeypatch.setenv("HF_SCATTER_KERNELS", "torch")
+    """The kernels' torch reference inside the engines on the CPU (gloo): these tests are about what the engine
+    does around the patched model (the same ops and autograd functions run, only their bodies differ; the
+    kernels meet FSDP2's gathered parameters on the GPU, in the GPU tests below)."""
+    monkeypatch.setenv("HF_SCATTER_KERNELS", "torch")
 ENGINE_FAMILIES = ("mixtral", "qwen3_moe")  # each engine trains both in one pair of processes
 ZERO3_FAMILIES = ("dbrx",) + DECODER_FAMILIES  # loaded partitioned in one process (Mixtral: the 2-process test)
 TOL = dict(rtol=1e-5, atol=1e-6)  # fp32: the ranks' gradients are averaged in another order than one process sums them
@@ -82,7 +81,8 @@ def _fsdp_worker(rank: int, init_file: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-def test_fsdp2_training_equals_one_process_and_saves_a_vanilla_checkpoint(tmp_path):
+def test_fsdp2_training_equals_one_process_and_saves_a_vanilla_checkpoint(tmp_path, monkeypatch):
+    _engine_only_on_the_cpu(monkeypatch)
     out = str(tmp_path / "fsdp.pt")
     mp.start_processes(_fsdp_worker, args=(str(tmp_path / "init"), out), nprocs=WORLD, start_method="spawn",
                        join=True)

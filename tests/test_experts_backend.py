@@ -4,6 +4,7 @@ Each experts class transformers ships with that layout runs against its own eage
 
 import copy
 import importlib
+import types
 
 import pytest
 import torch
@@ -77,13 +78,15 @@ def test_backend_matches_the_familys_eager_experts(case, classes, device):
         assert rel(p_ours.grad, p_eager.grad) < 1e-5, name
 
 
+@pytest.mark.parametrize("told_by", ["module flag", "distributed config"])
 @pytest.mark.parametrize("case,classes", PRESENT, ids=[c[0][0] for c in PRESENT])
-def test_expert_parallel_shard_skips_routes_to_other_ranks(case, classes, device):
+def test_expert_parallel_shard_skips_routes_to_other_ranks(case, classes, told_by, device):
     """Expert parallelism hands a rank its local experts (here 3 of 6) and, in transformers' all-reduce dispatch,
     marks routes to other ranks' experts with id ``num_local`` and weight 0. The shard's output and gradients
     are those of the full experts with the other ranks' routes dropped, and those routes are not computed: a
     token routed to other ranks only gets exactly zero from this rank even when its hidden state is not finite
-    (computed with weight 0, inf would give NaN)."""
+    (computed with weight 0, inf would give NaN). Releases with ``ep_size`` flag the module; earlier ones keep
+    ``DistributedConfig(enable_expert_parallel=True)`` on the config."""
     config_cls, experts_cls = classes
     config = config_cls(**case[3])
     torch.manual_seed(0)
@@ -99,7 +102,11 @@ def test_expert_parallel_shard_skips_routes_to_other_ranks(case, classes, device
         for name, p in full.named_parameters(recurse=False):  # per-expert tensors: this rank's slice
             if p.shape[0] == E:
                 setattr(shard, name, torch.nn.Parameter(p[local:].clone()))
-    shard.num_experts, shard._is_expert_parallel = local, True
+    shard.num_experts = local
+    if told_by == "module flag":
+        shard._is_expert_parallel = True
+    else:
+        shard.config.distributed_config = types.SimpleNamespace(enable_expert_parallel=True)
 
     T, k, H = 19, 2, 72
     idx = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).to(device)

@@ -132,15 +132,14 @@ def _shard_kept_in_float32(root: torch.nn.Module, reduce_dtype: torch.dtype, res
     if len(dtypes) < 2 or torch.float32 not in dtypes:
         return
     policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=reduce_dtype)
-    taken = {id(p) for m in root.modules() if isinstance(m, FSDPModule) for p in m.parameters()}
+    # modules already in a group (fully_shard replaces their parameters, so track modules, not parameters)
+    taken = {m for group in root.modules() if isinstance(group, FSDPModule) for m in group.modules()}
     for module in root.modules():  # parents first: a float32 module takes its float32 children along
-        own = list(module.parameters(recurse=False))
-        if module is root or not own or any(id(p) in taken for p in own):
+        if module is root or module in taken or not list(module.parameters(recurse=False)):
             continue
-        subtree = list(module.parameters())
-        if all(p.dtype == torch.float32 for p in subtree):
+        if all(p.dtype == torch.float32 for p in module.parameters()):
             fully_shard(module, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-            taken.update(id(p) for p in subtree)
+            taken.update(module.modules())
 
 
 def expert_parallel_config(world: int, bf16: bool = False):

@@ -10,9 +10,6 @@ the backend (:func:`register_experts_backend`), so ``from_pretrained(..., expert
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-
 import torch
 from torch import nn
 
@@ -103,26 +100,18 @@ def _maybe_expert_parallel(experts: nn.Module) -> bool:
         torch.distributed.is_available() and torch.distributed.is_initialized())
 
 
-@functools.lru_cache(maxsize=None)
-def _transformers_flags_expert_parallel() -> bool:
-    """Releases with ``DistributedConfig(ep_size=...)`` flag every expert-parallel module
-    (``_is_expert_parallel``); earlier ones do not."""
-    try:
-        from transformers.distributed import DistributedConfig
-    except ImportError:
-        return False
-    return "ep_size" in {f.name for f in dataclasses.fields(DistributedConfig)}
-
-
 def _routes_may_leave_this_rank(experts: nn.Module, top_k_index: torch.Tensor) -> bool:
     """Whether some of these routes may name another rank's expert: transformers' all-reduce dispatch hands every
-    rank the whole batch, k routes per token (the tensor-parallel group's expert parallelism of earlier releases,
-    and inference on a shared batch in later ones); its all-to-all dispatch hands one local route per row."""
-    if getattr(experts, "_is_expert_parallel", False):
-        return top_k_index.shape[-1] > 1
-    if _transformers_flags_expert_parallel():
+    rank the whole batch, k routes per token (inference on a shared batch in releases with ``ep_size``, which
+    flag an expert-parallel module ``_is_expert_parallel``; training and inference on the tensor-parallel group
+    in earlier ones, asked for with ``DistributedConfig(enable_expert_parallel=True)``). Its all-to-all dispatch
+    hands one local route per row. FSDP, DDP and ZeRO hold every expert: no route leaves."""
+    if top_k_index.shape[-1] < 2:
         return False
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
+    if getattr(experts, "_is_expert_parallel", False):
+        return True
+    distributed = getattr(getattr(experts, "config", None), "distributed_config", None)
+    return bool(getattr(distributed, "enable_expert_parallel", False))
 
 
 def _skipping_other_ranks(num_local: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -152,11 +141,10 @@ def scattermoe_experts_forward(self: torch.nn.Module, hidden_states: torch.Tenso
     from ..moe.mlp import FusedSwiGLU, expert_mlp, glu_activation  # the kernels load on first use
 
     routing = None
-    if _maybe_expert_parallel(self):
-        if _routes_may_leave_this_rank(self, top_k_index):
-            routing, top_k_weights = _skipping_other_ranks(self.num_experts, top_k_index, top_k_weights)
-        else:
-            top_k_index, top_k_weights = _local_routes(self.num_experts, top_k_index, top_k_weights)
+    if _routes_may_leave_this_rank(self, top_k_index):
+        routing, top_k_weights = _skipping_other_ranks(self.num_experts, top_k_index, top_k_weights)
+    elif _maybe_expert_parallel(self):
+        top_k_index, top_k_weights = _local_routes(self.num_experts, top_k_index, top_k_weights)
 
     def kernel_layout(w: torch.Tensor) -> torch.Tensor:  # [E, d_in, d_out], a view either way
         return w if self.is_transposed else w.transpose(1, 2)

@@ -180,9 +180,11 @@ def with_bias_term(d_gates: torch.Tensor, dy: torch.Tensor, bias: torch.Tensor |
     sorted_expert_idxs, sorted_scattered_idxs, _ = routing
     expert_of_slot = torch.empty_like(sorted_expert_idxs).index_copy_(0, sorted_scattered_idxs, sorted_expert_idxs)
     per_expert = dy.to(d_gates.dtype) @ bias.to(d_gates.dtype).t()  # [S, E]
-    # a skipped route (id E, :func:`~hf_scatter.moe.routing.skips_routes`) has no bias; its gate is masked upstream
-    expert_of_slot = expert_of_slot.clamp(max=bias.shape[0] - 1)
-    return d_gates + per_expert.gather(1, expert_of_slot.view(d_gates.shape).long())
+    # a skipped route (id E, :func:`~hf_scatter.moe.routing.skips_routes`) has no output, so no bias term
+    expert_of_slot = expert_of_slot.view(d_gates.shape).long()
+    skipped = expert_of_slot >= bias.shape[0]
+    term = per_expert.gather(1, expert_of_slot.clamp(max=bias.shape[0] - 1)).masked_fill(skipped, 0.0)
+    return d_gates + term
 
 
 def parallel_linear(x: torch.Tensor, weight: torch.Tensor, k: int, sorted_expert_idxs: torch.Tensor,
