@@ -93,6 +93,30 @@ def test_small_batch_sort_kernel_equals_torch_sort_and_hands_over_its_tile_table
     assert torch.equal(tile_expert.cpu(), ref_expert.cpu()) and torch.equal(tile_row.cpu(), ref_row.cpu())
 
 
+def test_a_routing_with_a_skip_bin_reuses_the_sorts_tile_table(device):
+    """Expert parallelism's skip bin (one routing bin more than the weight has experts): the expert GEMM finds
+    the tile table the small-batch routing sort made instead of launching its own. 24 slots over 5 experts
+    and a skip bin: 4.8 rows per expert but 4 per bin, on either side of a tile-size step."""
+    from hf_scatter.kernels import scatter2scatter as s2s
+    from hf_scatter.kernels.backend import use_triton
+    from hf_scatter.moe.routing import flatten_sort_count
+
+    E, T, k, d = 5, 12, 2, 16
+    idx = torch.randint(0, E + 1, (T, k), generator=torch.Generator().manual_seed(0)).to(device)
+    routing = flatten_sort_count(idx, E + 1, validate=False)
+    if not use_triton(routing[2], "expert_tiles"):
+        pytest.skip("the tile table is the Triton kernels' (the torch reference makes none)")
+    assert s2s.tile_rows(T * k, E) != s2s.tile_rows(T * k, E + 1)
+    made = []
+    real = s2s.expert_tiles
+    s2s.expert_tiles = lambda *a: made.append(a) or real(*a)
+    try:
+        s2s.scatter2scatter(torch.randn(T, d, device=device), torch.randn(E, d, 8, device=device), *routing, k)
+    finally:
+        s2s.expert_tiles = real
+    assert made == [], "the sort's own tile table is used"
+
+
 def test_large_batches_keep_torch_sort(device):
     from hf_scatter.kernels.sort_slots import fits_one_program
 

@@ -275,7 +275,8 @@ def scatter2scatter_triton(x, weight, sorted_expert_idxs, sorted_scattered_idxs,
     if M == 0 or N == 0:
         return out
     interpreted = triton_interpreted()
-    block_m = tile_rows(M, E)
+    # per routing bin (a skip bin included), as the routing sort's own tile table is made: one table per routing
+    block_m = tile_rows(M, expert_offsets.numel())
     tile_expert, tile_row = _tiles_of(expert_offsets, block_m, M)
     num_tiles = tile_expert.numel()
     y = out if out is not None else h_out
