@@ -38,6 +38,18 @@ def device() -> torch.device:
     return torch.device("cuda" if HAS_GPU else "cpu")
 
 
+@pytest.fixture
+def kernel_bodies(monkeypatch):
+    """``kernel_bodies(interpreted)``: on the CPU, False runs the kernels' torch reference instead of the Triton
+    interpreter, for a test whose subject is not the kernels' arithmetic (the same ops and autograd functions
+    run; only their bodies differ). On a GPU the kernels run either way."""
+    def choose(interpreted: bool) -> None:
+        if not interpreted and not HAS_GPU:
+            monkeypatch.setenv("HF_SCATTER_KERNELS", "torch")
+
+    return choose
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     from hf_scatter.tiny import byte_level_tokenizer

@@ -35,10 +35,9 @@ INTERPRETED_FAMILIES = {"mixtral", "qwen3_moe"}
 
 
 @pytest.fixture
-def integration_kernels(monkeypatch):
+def integration_kernels(kernel_bodies):
     def choose(family: str, interpreted: bool = True) -> None:
-        if not torch.cuda.is_available() and not (interpreted and family in INTERPRETED_FAMILIES):
-            monkeypatch.setenv("HF_SCATTER_KERNELS", "torch")
+        kernel_bodies(interpreted and family in INTERPRETED_FAMILIES)
 
     return choose
 

@@ -57,11 +57,10 @@ INTERPRETED_TRAINER_FAMILY = "mixtral"
 
 
 @pytest.mark.parametrize("family", TRAINER_FAMILIES)
-def test_trainer_side_by_side_losses_and_final_weights_match(family, device, tmp_path, monkeypatch):
+def test_trainer_side_by_side_losses_and_final_weights_match(family, device, tmp_path, kernel_bodies):
     """The Trainer's steps (the fused training loss, the aux loss where the family has one) give vanilla's
     losses, and final weights within what 12 AdamW steps make of float rounding."""
-    if family != INTERPRETED_TRAINER_FAMILY and device.type == "cpu":
-        monkeypatch.setenv("HF_SCATTER_KERNELS", "torch")
+    kernel_bodies(family == INTERPRETED_TRAINER_FAMILY)
     vanilla, patched = vanilla_and_patched(family, device, output_router_logits=family in AUX_LOSS)
     tokens = _ids(torch.device("cpu"), batch=16, length=12, seed=3)
     steps = 12  # three epochs: the reference learns (loss -12%) and the interpreted kernels stay affordable on CPU
@@ -88,11 +87,10 @@ def _lora(family, **extra):
 
 
 @pytest.mark.parametrize("family", ["mixtral", *DECODER_FAMILIES])
-def test_peft_lora_on_attention_and_experts_matches_vanilla_peft(family, device, monkeypatch):
+def test_peft_lora_on_attention_and_experts_matches_vanilla_peft(family, device, kernel_bodies):
     """LoRA on an attention projection and on the fused 3-D expert tensors (PEFT's target_parameters),
     patched against vanilla PEFT, then merged."""
-    if family != INTERPRETED_TRAINER_FAMILY and device.type == "cpu":  # PEFT's wiring is under test here
-        monkeypatch.setenv("HF_SCATTER_KERNELS", "torch")
+    kernel_bodies(family == INTERPRETED_TRAINER_FAMILY)  # PEFT's wiring is under test here
     from peft import get_peft_model
 
     base, _ = vanilla_and_patched(family, device)
