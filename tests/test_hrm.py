@@ -575,7 +575,8 @@ def test_plans_over_gpus_refuse_what_cannot_split_or_is_not_there():
     assert two.gpus == 2  # a roofline of two GPUs plans for two
     from hf_scatter.offload import offload
 
-    with pytest.raises(PlanError, match="runs on one GPU so far: plan with gpus=1"):  # before the model is read
+    # one process without a group is one GPU; before the model is read
+    with pytest.raises(PlanError, match=r"planned for 2 GPU\(s\), but this group has 1: plan with gpus=1"):
         offload(None, policy=Policy(8, 8, gpus=2))
     from hf_scatter.offload.plan.cost_model import decode_terms
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import random
 import time
 
 import torch
@@ -34,66 +33,8 @@ from ..common.atomic_files import save_figure
 from ..common.markdown import markdown_table
 from ..common.timing import run_header
 from .availability import require_cuda
+from .offload_workload import DEFAULT_MODEL, PROMPT_LENS, build_model, left_padded, offload_models, prompts
 
-DEFAULT_MODEL = "mixtral-8x7b"
-PROMPT_LENS = (40, 114)  # MTBench-like: mean 77 tokens
-FILL_BLOCK = (1 << 24) + 11  # elements of the random block the weights are tiled from (odd: no two experts alike)
-
-
-# ----------------------------------------------------------------------------- model and requests
-def offload_models() -> list[str]:
-    """Built-in shapes of the families the offloaded runtime runs."""
-    from ..common.shapes import BUILTIN_MODELS, builtin_config
-    from ..offload.families.registry import offloaded_model_types
-
-    return [name for name in BUILTIN_MODELS if builtin_config(name).model_type in offloaded_model_types()]
-
-
-def build_model(layers: int, seed: int = 0, model: str = DEFAULT_MODEL):
-    """A causal LM of built-in shape ``model`` with ``layers`` layers, random bf16 weights (std 0.02, norms 1),
-    built without running transformers' initialisation on billions of parameters."""
-    from transformers import AutoModelForCausalLM
-
-    from ..common.shapes import builtin_config
-
-    config = builtin_config(model, num_hidden_layers=layers)
-    with torch.device("meta"):
-        lm = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
-    lm = lm.to_empty(device="cpu").eval()
-    g = torch.Generator().manual_seed(seed)
-    block = (torch.randn(2 * FILL_BLOCK, generator=g) * 0.02).to(torch.bfloat16)
-    shift = 0
-    with torch.no_grad():
-        for name, p in lm.named_parameters():
-            if name.endswith("norm.weight") or "layernorm" in name:
-                p.fill_(1.0)
-                continue
-            flat = p.view(-1)
-            for start in range(0, flat.numel(), FILL_BLOCK):
-                n = min(FILL_BLOCK, flat.numel() - start)
-                shift = (shift + 7919) % FILL_BLOCK
-                flat[start:start + n].copy_(block[shift:shift + n])
-        for buffer in lm.buffers():  # left uninitialised by to_empty (DeepSeek-V3's score-correction bias: 0)
-            buffer.zero_()
-    rotary = lm.model.rotary_emb
-    lm.model.rotary_emb = type(rotary)(config)  # its tables, computed again
-    return lm
-
-
-def prompts(count: int, vocab: int, seed: int = 0) -> list[torch.Tensor]:
-    rng = random.Random(seed)
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (rng.randint(*PROMPT_LENS),), generator=g) for _ in range(count)]
-
-
-def _left_padded(requests: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    longest = max(len(r) for r in requests)
-    ids = torch.zeros(len(requests), longest, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, r in enumerate(requests):
-        ids[i, longest - len(r):] = r
-        mask[i, longest - len(r):] = 1
-    return ids, mask
 
 
 # ----------------------------------------------------------------------------- the HF accelerate peer
@@ -105,7 +46,7 @@ def run_accelerate(model, requests: list[torch.Tensor], gpu_budget: int, new_tok
 
     from ..offload import ModelSpec
 
-    ids, mask = _left_padded(requests)
+    ids, mask = left_padded(requests)
     spec = ModelSpec.from_config(model.config)
     # HF keeps the KV cache and activations on the GPU: leave them room inside the same budget
     kv = len(requests) * ids.shape[1] + len(requests) * new_tokens
@@ -163,7 +104,7 @@ def validate_hrm(model, reqs: list[torch.Tensor], prof, spec, budget: int, new_t
     for what, where, (n, micro, fraction) in VALIDATION_POLICIES:
         gpu = budget if where == "run" else min(total - 4 * 2**30, weights + 8 * 2**30)
         batch = reqs[:n]
-        ids, mask = _left_padded(batch)
+        ids, mask = left_padded(batch)
         off = hf_scatter.offload(model, gpu_memory=gpu, policy=Policy(n, micro, weights_gpu_fraction=fraction),
                                  profile=prof, release_weights=False, progress=False)
         try:
@@ -213,13 +154,21 @@ def add_arguments(parser) -> None:
     parser.add_argument("--routed-batches", type=positive_ints,
                         help="instead of the comparison: at these batch sizes (e.g. 1,4,16,64) decode with every "
                              "expert streamed and with only the routed ones, against the HRM's prediction for each")
+    parser.add_argument("--gpus", type=positive_ints,
+                        help="instead of the comparison: generate on each of these GPU counts of this host (e.g. "
+                             "1,2,4; tensor parallelism, one torchrun each, --gpu-memory per GPU) against the HRM's "
+                             "prediction for each")
 
 
 def check_flags(layers: int = 12, model: str = DEFAULT_MODEL, routed_batches: list[int] | None = None,
-                requests: int = 1024, **_) -> int:
+                requests: int = 1024, gpus: list[int] | None = None, **_) -> int:
     """The model's published layer count, after checking ``model`` is an offloadable built-in and ``layers`` at
     most its layer count (here, not as argparse choices: listing them builds every built-in config)."""
     from ..offload.families.spec import ModelSpec
+    from ..offload.plan.tensor_parallel import check_divisible
+
+    if gpus and routed_batches:
+        raise ValueError("--gpus and --routed-batches are two different runs: pass one of them")
 
     if routed_batches and max(routed_batches) > requests:
         raise ValueError(f"--routed-batches {max(routed_batches)} exceeds --requests {requests}: a batch is made of "
@@ -227,23 +176,35 @@ def check_flags(layers: int = 12, model: str = DEFAULT_MODEL, routed_batches: li
     if model not in offload_models():
         raise ValueError(f"--model {model!r}: choose a built-in shape of a family offloading runs: "
                          f"{', '.join(offload_models())}")
-    published = ModelSpec.from_config(model).layers
-    if layers > published:
-        raise ValueError(f"--layers {layers}: {model} has {published} layers; pass --layers {published} or fewer")
-    return published
+    spec = ModelSpec.from_config(model)
+    if layers > spec.layers:
+        raise ValueError(f"--layers {layers}: {model} has {spec.layers} layers; pass --layers {spec.layers} or fewer")
+    for n in gpus or []:
+        check_divisible(spec, n)
+    return spec.layers
 
 
 def run(layers: int = 12, new_tokens: int = 128, requests: int = 1024, gpu_memory: str = "16GiB",
         peer_batch: int = 16, peer_new_tokens: int = 8, profile: str | None = None, trace: str | None = None,
         validate_tokens: int = 16, progress: bool = True, model: str = DEFAULT_MODEL,
-        routed_batches: list[int] | None = None) -> dict:
-    """The whole comparison (one GPU run of a few minutes), or with ``routed_batches`` the routed-streaming
-    sweep. Kernel autotuning is off unless HF_SCATTER_AUTOTUNE is set: the link bounds this workload, and
+        routed_batches: list[int] | None = None, gpus: list[int] | None = None) -> dict | None:
+    """The whole comparison (one GPU run of a few minutes), with ``routed_batches`` the routed-streaming
+    sweep, with ``gpus`` the GPU-count sweep (:mod:`.offload_gpus`; under torchrun: one count of it, the report
+    on rank 0). Kernel autotuning is off unless HF_SCATTER_AUTOTUNE is set: the link bounds this workload, and
     tuning every shape would spend minutes compiling candidates."""
-    published = check_flags(layers=layers, model=model, routed_batches=routed_batches, requests=requests)
+    from . import offload_gpus
+    from .engines import under_torchrun
+
+    published = check_flags(layers=layers, model=model, routed_batches=routed_batches, requests=requests, gpus=gpus)
     saved = os.environ.get("HF_SCATTER_AUTOTUNE")
     os.environ.setdefault("HF_SCATTER_AUTOTUNE", "0")
+    shared = dict(model=model, layers=layers, published_layers=published, new_tokens=new_tokens, requests=requests,
+                  gpu_memory=gpu_memory, profile=profile, progress=progress)
     try:
+        if gpus:
+            return offload_gpus.run_counts(sorted(set(gpus)), **shared)
+        if under_torchrun():
+            return offload_gpus.run_rank(**shared)
         if routed_batches:
             return _run_routed(layers, new_tokens, gpu_memory, profile, progress, model, published,
                                sorted(set(routed_batches)))
@@ -282,7 +243,7 @@ def _run(layers, new_tokens, requests, gpu_memory, peer_batch, peer_new_tokens, 
     offloaded = hf_scatter.offload(model, gpu_memory=budget, profile=prof, workload=workload, progress=progress)
     offload_s = time.perf_counter() - start
     policy = offloaded.policy
-    ids, mask = _left_padded(reqs)
+    ids, mask = left_padded(reqs)
     warm = min(len(reqs), policy.batch_size)
     offloaded.generate(ids[:warm], attention_mask=mask[:warm], max_new_tokens=3, progress=False)  # kernels
     result = offloaded.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, return_dict=True,
@@ -361,7 +322,7 @@ def routed_row(offloaded, batch: list[torch.Tensor], prof, spec, budget: int, ne
     from ..offload import Workload, predict
     from ..offload.plan.policy import Policy
 
-    ids, mask = _left_padded(batch)
+    ids, mask = left_padded(batch)
     n = len(batch)
     workload = Workload.from_prompts([len(r) for r in batch], new_tokens)
     row = {"batch_size": n, "expected_experts": spec.active_experts(n)}
@@ -388,6 +349,10 @@ def routed_row(offloaded, batch: list[torch.Tensor], prof, spec, budget: int, ne
 
 # ----------------------------------------------------------------------------- output
 def to_markdown(report: dict) -> str:
+    if "by_gpus" in report:
+        from . import offload_gpus
+
+        return offload_gpus.to_markdown(report)
     if "routed_sweep" in report:
         return (f"{_shape(report)}, GPU budget {report['gpu_budget'] / 2**30:.0f} GiB, "
                 f"{report['weights_gpu_fraction']:.1%} of every layer resident, {report['device']}\n\n"
@@ -533,6 +498,10 @@ def plot(report: dict, path: str) -> None:
 
     if "routed_sweep" in report:
         return _plot_routed(report, path, plt)
+    if "by_gpus" in report:
+        from . import offload_gpus
+
+        return offload_gpus.plot(report, path)
 
     trace = report.get("trace")
     validation = report.get("hrm_validation")

@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...moe.routing import flatten_sort_count
+from .rows import Rows
+from .sharding import Shard
 from .spec import ModelSpec
 
 
@@ -68,32 +70,6 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
 
 
-class Rows:
-    """Tensors stacked along dim 0 without building the stack (Mixtral's separate Q, K and V projections are
-    stored as one [q + 2 kv, H] matrix): shape and dtype for the layout, :meth:`copy_into` for the packing."""
-
-    def __init__(self, *parts: torch.Tensor):
-        self.parts = parts
-        self.shape = torch.Size((sum(p.shape[0] for p in parts), *parts[0].shape[1:]))
-        self.dtype = parts[0].dtype
-
-    def numel(self) -> int:
-        return self.shape.numel()
-
-    def element_size(self) -> int:
-        return self.parts[0].element_size()
-
-    def copy_into(self, dst: torch.Tensor) -> None:
-        start = 0
-        for p in self.parts:
-            dst[start:start + p.shape[0]].copy_(p)
-            start += p.shape[0]
-
-
-def copy_weight(dst: torch.Tensor, src) -> None:
-    src.copy_into(dst) if isinstance(src, Rows) else dst.copy_(src)
-
-
 class PipelineAdapter:
     """Base of a family's split. The runtime calls the weight getters below, :meth:`rotary`,
     :meth:`layer_attention`, :meth:`embed`, :meth:`qkv`, :meth:`post` and :meth:`logits`; a family overrides
@@ -103,9 +79,10 @@ class PipelineAdapter:
       family's frozen dataclass of everything else the maths needs: norm epsilons, activation, routing, each
       layer's attention; from the config, and from the modules for the few constants the config does not hold).
       Nothing else is read from the model later but its weights, so the getters below may run in any order.
-    - **weights**, pure getters: :meth:`layers`, :meth:`pre_tensors`, :meth:`post_tensors`,
+    - **weights**, pure getters of the whole layer: :meth:`layers`, :meth:`pre_tensors`, :meth:`post_tensors`,
       :meth:`expert_tensors` (in the column layout ``column_dims`` names), :meth:`other_tensors` and
-      :meth:`_rotary_module`. They raise ``NotImplementedError`` for a layout the runtime cannot run; the
+      :meth:`_rotary_module` (the runtime reads a layer through ``shard_*``: a tensor-parallel rank's share,
+      split by name as :mod:`.sharding` says). They raise ``NotImplementedError`` for a layout the runtime cannot run; the
       constructor asks them once, so such a model is refused before any work.
     - **pre-attention maths**: :meth:`embed`, :meth:`_project_qkv` and :meth:`_normalize_qk` (or all of
       :meth:`qkv`, where the layout of its output differs: MLA).
@@ -116,15 +93,25 @@ class PipelineAdapter:
 
     model_type = ""
     column_dims: dict[str, int] = {}  # expert tensor name -> its intermediate (column) axis
+    tensor_parallel_refusal: str | None = None  # why this family cannot split over GPUs (None: it can)
 
-    def __init__(self, model: nn.Module):
-        self.model = model
-        self.dims = self.read_dims(model.config)
+    def __init__(self, model: nn.Module, shard: Shard = Shard()):
+        """``shard``: this process's part of a tensor-parallel group; the getters ``shard_*`` then give its
+        share of each layer, :attr:`dims` its heads and expert columns, and :meth:`post` all-reduces."""
+        self.model, self.shard = model, shard
+        self.full_dims = self.read_dims(model.config)
+        if not shard.whole and self.tensor_parallel_refusal:
+            raise NotImplementedError(f"{self.model_type} cannot be offloaded over several GPUs: "
+                                      f"{self.tensor_parallel_refusal}; offload it on one GPU")
+        shard.check(self.full_dims, self.model_type)
+        self.dims = shard.dims(self.full_dims)  # what this rank computes: the maths and the runtime read these
         self.constants = self.read_constants(model)
         layers = self.layers()  # the getters refuse what the runtime cannot run: asked once here, before any work
         self.other_tensors()
         if layers:
-            self.expert_tensors(layers[0])
+            self.shard_expert_tensors(layers[0])
+            self.shard_pre_tensors(layers[0])
+            self.shard_post_tensors(layers[0])
 
     # ----- reading -----
     def read_dims(self, config) -> Dims:
@@ -149,8 +136,18 @@ class PipelineAdapter:
         raise NotImplementedError
 
     def other_tensors(self) -> dict[str, torch.Tensor]:
-        """Embedding, final norm, LM head: always resident on the device."""
+        """Embedding, final norm, LM head: always resident on the device (whole on every rank)."""
         raise NotImplementedError
+
+    def shard_pre_tensors(self, layer: nn.Module) -> dict:
+        """This rank's share of :meth:`pre_tensors` (all of it on one GPU): what the runtime stores."""
+        return self.shard.layer_tensors(self.pre_tensors(layer), self.full_dims)
+
+    def shard_post_tensors(self, layer: nn.Module) -> dict:
+        return self.shard.layer_tensors(self.post_tensors(layer), self.full_dims)
+
+    def shard_expert_tensors(self, layer: nn.Module) -> dict:
+        return self.shard.expert_tensors(self.expert_tensors(layer), self.column_dims)
 
     def _rotary_module(self) -> nn.Module:
         """The module giving (cos, sin) for positions, as the pipeline rotates with them."""
@@ -160,8 +157,8 @@ class PipelineAdapter:
         return copy.deepcopy(self._rotary_module()).to(device)
 
     def layer_attention(self) -> list[LayerAttention]:
-        """Each layer's window, sinks and scale (:attr:`constants`)."""
-        return list(self.constants.attention)
+        """Each layer's window, sinks (this rank's heads') and scale (:attr:`constants`)."""
+        return [dataclasses.replace(a, sinks=self.shard.heads(a.sinks)) for a in self.constants.attention]
 
     # ----- pre-attention maths -----
     def embed(self, other: dict, ids: torch.Tensor) -> torch.Tensor:
@@ -191,9 +188,9 @@ class PipelineAdapter:
              fetch: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """Post-attention: the layer's output hidden state (the next residual). ``fetch``: called with the
         chosen experts [T, k] before any expert part is read (routed streaming brings them in then)."""
-        o = self._attention_output(w, attn)
+        o = self.shard.reduce(self._attention_output(w, attn))  # [T, H]: every rank's heads summed
         normed, summed = self._post_norm(w, o, x)
-        return summed + self._mlp(w, expert_parts, normed, fetch)
+        return summed + self.shard.reduce(self._mlp(w, expert_parts, normed, fetch))  # every rank's columns
 
     def _attention_output(self, w: dict, attn: torch.Tensor) -> torch.Tensor:
         """The output projection of the attention ``attn`` [T, q] (optional bias ``o_bias``)."""

@@ -77,7 +77,7 @@ class DbrxPipelineAdapter(PipelineAdapter):
 
     def expert_tensors(self, layer):
         mlp = layer.ffn.experts.mlp
-        E, I, H = self.dims.experts, self.dims.intermediate, self.dims.hidden
+        E, I, H = self.full_dims.experts, self.full_dims.intermediate, self.full_dims.hidden
         return {name: getattr(mlp, name).view(E, I, H) for name in ("w1", "v1", "w2")}
 
     def other_tensors(self):

@@ -103,6 +103,9 @@ class DeepseekPipelineAdapter(LlamaStylePipelineAdapter):
     logits with the family's selection, the shared experts added to the routed ones, and the first layers'
     dense MLPs in place of experts."""
 
+    tensor_parallel_refusal = ("its latent attention caches one latent head that every query head reads, so "
+                               "each GPU would hold and stream the whole cache (not built)")
+
     # ----- weights -----
     def layers(self):
         return list(self.model.model.layers)
@@ -110,7 +113,7 @@ class DeepseekPipelineAdapter(LlamaStylePipelineAdapter):
     def _kv_b(self, layer) -> torch.Tensor:
         """``kv_b_proj`` as [heads, nope + v, latent]: each head's key rows, then its value rows."""
         k = self.constants
-        return layer.self_attn.kv_b_proj.weight.view(self.dims.heads, k.nope + k.v, k.latent)
+        return layer.self_attn.kv_b_proj.weight.view(self.full_dims.heads, k.nope + k.v, k.latent)
 
     def pre_tensors(self, layer):
         a = layer.self_attn

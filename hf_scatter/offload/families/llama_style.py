@@ -15,7 +15,8 @@ from transformers.activations import ACT2FN
 from ...kernels.norms import fused_add_rms_norm
 from ...kernels.router import router_topk
 from ...moe.mlp import expert_mlp, glu_activation
-from .adapter import Dims, LayerAttention, PipelineAdapter, Rows
+from .adapter import Dims, LayerAttention, PipelineAdapter
+from .rows import Rows
 
 
 @dataclass(frozen=True)

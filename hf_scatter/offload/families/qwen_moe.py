@@ -57,6 +57,8 @@ class Qwen3MoePipelineAdapter(QwenStylePipelineAdapter):
 
 class OlmoePipelineAdapter(QwenStylePipelineAdapter):
     model_type = "olmoe"
+    tensor_parallel_refusal = ("its q/k RMSNorms run over the whole projection, every head at once, and tensor "
+                               "parallelism splits the heads (not built)")
 
 
 class Qwen2MoePipelineAdapter(LlamaStylePipelineAdapter):

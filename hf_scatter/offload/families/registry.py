@@ -38,9 +38,10 @@ def offloaded_model_types() -> list[str]:
     return sorted(families())
 
 
-def adapter_for(model):
+def adapter_for(model, shard=None):
     """The split of ``model`` (a causal LM of a family in :func:`offloaded_model_types`; patched or not), a
-    :class:`~.adapter.PipelineAdapter`."""
+    :class:`~.adapter.PipelineAdapter`; ``shard``: this process's :class:`~.sharding.Shard` of a
+    tensor-parallel group (default: the whole model)."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     offloadable = offloaded_model_types()
     if model_type not in offloadable:
@@ -49,4 +50,5 @@ def adapter_for(model):
     if not hasattr(model, "lm_head"):
         raise ValueError(f"offloading needs the causal-LM model (with lm_head), got {type(model).__name__}: load it "
                          "with AutoModelForCausalLM")
-    return families()[model_type].adapter(model)
+    adapter = families()[model_type].adapter
+    return adapter(model) if shard is None else adapter(model, shard)

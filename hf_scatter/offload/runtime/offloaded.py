@@ -9,6 +9,7 @@ the GPU (streams become no-ops), which is how it is tested without one.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 import time
@@ -20,6 +21,7 @@ import torch
 from ...common.units import format_bytes, parse_bytes
 from ...kernels.backend import autotune_override
 from ..families.registry import adapter_for
+from ..families.sharding import Shard
 from ..families.spec import ModelSpec
 from ..plan.attention_buckets import SLACK, BucketCosts
 from ..plan.cost_model import decode_layer_time
@@ -102,7 +104,8 @@ class _BatchesRun:
 
 def offload(model, gpu_memory: int | float | str = "16GiB", cpu_memory: int | float | str | None = None,
             policy: Policy | None = None, device: str | torch.device = "cuda", *, profile=None,
-            workload: Workload | None = None, release_weights: bool = True, progress: bool = True) -> "OffloadedModel":
+            workload: Workload | None = None, release_weights: bool = True, progress: bool = True,
+            group=None) -> "OffloadedModel":
     """Prepare ``model`` (a causal LM on the CPU of a family in ``offloaded_model_types()``, or a checkpoint path
     loaded onto the CPU) for offloaded generation within ``gpu_memory`` of device memory and ``cpu_memory`` of
     host memory.
@@ -112,10 +115,17 @@ def offload(model, gpu_memory: int | float | str = "16GiB", cpu_memory: int | fl
     machine's saved profile from ``hf-scatter profile``). ``release_weights``: move the layers' weights out
     of ``model`` (it then holds meta tensors and cannot run by itself) instead of keeping a second copy in
     host memory.
+
+    ``group``: a ``torch.distributed`` process group of one process per GPU of this host (``torchrun
+    --nproc_per_node N``, each process on its own ``torch.cuda.set_device``), which then split every layer
+    (tensor parallelism: each GPU holds and streams its share of every weight, attends its heads on the CPU, and
+    the hidden states are all-reduced twice per layer). Every rank calls ``offload`` and ``generate`` with the
+    same arguments and gets the same tokens. ``gpu_memory`` is per GPU, ``cpu_memory`` the whole host's.
     """
-    if policy is not None and policy.gpus != 1:
-        raise PlanError(f"the policy is planned for {policy.gpus} GPUs, but offloaded generation runs on one GPU "
-                        f"so far: plan with gpus=1 (hf-scatter plan --gpus 1), or leave policy out")
+    shard = Shard.of(group)
+    if policy is not None and policy.gpus != shard.size:
+        raise PlanError(f"the policy is planned for {policy.gpus} GPU(s), but this group has {shard.size}: plan "
+                        f"with gpus={shard.size} (hf-scatter plan --gpus {shard.size}), or leave policy out")
     if isinstance(model, (str, os.PathLike)):
         from transformers import AutoModelForCausalLM
 
@@ -125,19 +135,20 @@ def offload(model, gpu_memory: int | float | str = "16GiB", cpu_memory: int | fl
                          "into its OffloadedModel (release_weights=True, the default), or the model was built "
                          "without weights. Reuse the first OffloadedModel, or reload the model (from_pretrained) "
                          "for a new one; pass release_weights=False to offload() to keep the model whole")
-    adapter = adapter_for(model)
+    adapter = adapter_for(model, shard)
     device = _device(device)
+    _check_one_device_per_rank(shard, device)
     gpu_budget = parse_bytes(gpu_memory, "gpu_memory")
     prof = _profile(profile, device, required=policy is None)
     cpu_budget = parse_bytes(cpu_memory, "cpu_memory") if cpu_memory is not None else _default_cpu_budget(prof)
     dtype_bytes = adapter.other_tensors()["embed"].element_size()
     if policy is None:
         if prof is None:
-            policy = CPU_DEVICE_POLICY
+            policy = dataclasses.replace(CPU_DEVICE_POLICY, gpus=shard.size)
         else:
             spec = ModelSpec.from_config(model.config, dtype_bytes=dtype_bytes)
             policy = search_policy(spec, prof, workload or DEFAULT_WORKLOAD, gpu_budget, cpu_budget,
-                                   placements=[CGOPIPE_PLACEMENT])
+                                   placements=[CGOPIPE_PLACEMENT], gpus=shard.size)
     elif not isinstance(policy, Policy):
         raise TypeError(f"policy must be a hf_scatter.offload.Policy, got {type(policy).__name__}")
     if (policy.attention_on_gpu, policy.experts_on_gpu) != CGOPIPE_PLACEMENT:
@@ -145,9 +156,11 @@ def offload(model, gpu_memory: int | float | str = "16GiB", cpu_memory: int | fl
                          f"policy asks for {policy.placement()}: pass attention_on_gpu=False, experts_on_gpu=True")
     plan = plan_device(adapter, policy.weights_gpu_fraction, gpu_budget, policy.batch_size,
                        policy.micro_batch_size, dtype_bytes, reserved=cublas_workspace_bytes(device))
+    cpu_budget //= shard.size  # each rank's share of the host: its weights' share and its heads' KV cache
     if plan.layout.host_bytes > cpu_budget:
-        raise PlanError(f"the streamed weights take {format_bytes(plan.layout.host_bytes)} of pinned host memory but "
-                        f"cpu_memory is {format_bytes(cpu_budget)}: raise cpu_memory or gpu_memory")
+        raise PlanError(f"the streamed weights take {format_bytes(plan.layout.host_bytes)} of pinned host memory"
+                        f"{' per GPU' if shard.size > 1 else ''} but cpu_memory allows "
+                        f"{format_bytes(cpu_budget)}: raise cpu_memory or gpu_memory")
     return OffloadedModel(model, policy, plan, device, cpu_budget, prof, release_weights, progress)
 
 
@@ -159,6 +172,7 @@ class OffloadedModel:
         self.model, self.config, self.policy, self.plan = model, model.config, policy, plan
         self.device, self.cpu_budget, self.profile = device, cpu_budget, profile
         self.adapter = plan.layout.adapter
+        self.shard = self.adapter.shard
         self.dims = self.adapter.dims
         with torch.no_grad():
             self.store = WeightStore(plan.layout, device, release=release_weights, progress=progress)
@@ -168,7 +182,8 @@ class OffloadedModel:
             torch.nn.Module.to(model, "meta")
         self.dtype = self.other["embed"].dtype
         self.streams = Streams(device)
-        self.worker = AttentionWorker(attention_threads(profile))
+        # the host's cores shared by the group's processes, each attending its own heads
+        self.worker = AttentionWorker(max(1, attention_threads(profile) // self.shard.size))
         self.streamer = WeightStreamer(self.store, self.streams, NullTracer())
         self.pipe = CGOPipe(self.adapter, self.streamer, self.other, self.rotary, self.streams, self.worker,
                             StagingBuffers(pin=device.type == "cuda"), plan.chunk_tokens, plan.group_tokens,
@@ -201,8 +216,9 @@ class OffloadedModel:
         n, mu = batch.size, max(len(m) for m in batch.micro_batches)
         context = sum(lens[r] for r in batch.requests) / n + (max_new_tokens + 1) / 2
         x = self.store.layout.fraction
-        seconds = {routed: decode_layer_time(Policy(n, mu, weights_gpu_fraction=x, routed_experts=routed), self._spec,
-                                             self.profile, context).seconds for routed in (False, True)}
+        seconds = {routed: decode_layer_time(Policy(n, mu, weights_gpu_fraction=x, routed_experts=routed,
+                                                    gpus=self.shard.size), self._spec, self.profile, context).seconds
+                   for routed in (False, True)}
         return seconds[True] < seconds[False]
 
     # ------------------------------------------------------------------ generation
@@ -442,6 +458,7 @@ class OffloadedModel:
         layout = self.store.layout
         parts = [self.policy.to_markdown()] if self.policy.prediction is not None else []
         rows = [["device", str(self.device)], ["layers", self.dims.layers],
+                ["tensor parallel", f"rank {self.shard.rank} of {self.shard.size}" if self.shard.size > 1 else "no"],
                 ["batch N / micro-batch mu", f"{self.policy.batch_size} / {self.policy.micro_batch_size}"],
                 ["weights on the device (asked / realised)",
                  f"{self.policy.weights_gpu_fraction:.1%} / {layout.fraction:.1%}"],
@@ -457,7 +474,8 @@ class OffloadedModel:
     def __repr__(self) -> str:
         if self.pipe is None:
             return f"OffloadedModel({self.config.model_type}, closed)"
-        return (f"OffloadedModel({self.config.model_type}, {self.dims.layers} layers on {self.device}, "
+        group = f" (rank {self.shard.rank} of {self.shard.size})" if self.shard.size > 1 else ""
+        return (f"OffloadedModel({self.config.model_type}, {self.dims.layers} layers on {self.device}{group}, "
                 f"N={self.policy.batch_size}, mu={self.policy.micro_batch_size}, "
                 f"{self.store.layout.fraction:.1%} of the weights resident, budget {format_bytes(self.plan.budget)})")
 
@@ -531,6 +549,22 @@ def _device(device) -> torch.device:
         raise ValueError(f"device must be 'cuda' (the offloaded runtime) or 'cpu' (the same pipeline on the CPU), "
                          f"got {device}")
     return device
+
+
+def _check_one_device_per_rank(shard: Shard, device: torch.device) -> None:
+    """Refuses a group whose ranks of one host would drive the same GPU (each process must set its own)."""
+    if shard.whole or device.type != "cuda":
+        return
+    import socket
+
+    import torch.distributed as dist
+
+    mine = (socket.gethostname(), device.index)
+    every = [None] * shard.size
+    dist.all_gather_object(every, mine, group=shard.group)
+    if len(set(every)) < len(every):
+        raise ValueError(f"several ranks of the tensor-parallel group would run on the same GPU ({every}): call "
+                         "torch.cuda.set_device(local_rank) in each process before offload(), or pass device=")
 
 
 def _profile(profile, device: torch.device, required: bool) -> HardwareProfile | None:

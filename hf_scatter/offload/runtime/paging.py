@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ...common.units import align_up
-from ..families.adapter import PipelineAdapter, copy_weight
+from ..families.adapter import PipelineAdapter
+from ..families.rows import copy_weight
 from .streams import DONE, Streams
 
 ALIGN = 256  # bytes: every tensor starts on a 256-byte boundary (vectorised kernel loads)
@@ -229,21 +230,21 @@ class Layout:
 
     def _split(self, layer, fraction: float) -> LayerSplit:
         f = self.adapter
-        dense = {f"pre.{k}": _nbytes(v) for k, v in f.pre_tensors(layer).items()}
-        dense.update({f"post.{k}": _nbytes(v) for k, v in f.post_tensors(layer).items()})
+        dense = {f"pre.{k}": _nbytes(v) for k, v in f.shard_pre_tensors(layer).items()}
+        dense.update({f"post.{k}": _nbytes(v) for k, v in f.shard_post_tensors(layer).items()})
         columns = f.dims.intermediate
-        column_bytes = sum(_nbytes(t) for t in f.expert_tensors(layer).values()) // columns
+        column_bytes = sum(_nbytes(t) for t in f.shard_expert_tensors(layer).values()) // columns
         return split_layer(dense, column_bytes, columns, fraction)
 
     def _lay_out_pre(self, l: int, layer) -> None:
-        for name, t in self.adapter.pre_tensors(layer).items():
+        for name, t in self.adapter.shard_pre_tensors(layer).items():
             self._place(l, l, f"pre.{name}", t.shape, t.dtype)
 
     def _lay_out_post(self, l: int, layer) -> None:
-        for name, t in self.adapter.post_tensors(layer).items():
+        for name, t in self.adapter.shard_post_tensors(layer).items():
             self._place(l, l + 1, f"post.{name}", t.shape, t.dtype)
         r, columns = self.splits[l].columns, self.adapter.dims.intermediate
-        for name, t in self.adapter.expert_tensors(layer).items():
+        for name, t in self.adapter.shard_expert_tensors(layer).items():
             dim = self.adapter.column_dims[name]
             if r > 0:
                 self.resident_tables[l].add(f"resident.{name}", _with(t.shape, dim, r), t.dtype)
@@ -299,14 +300,14 @@ class WeightStore:
 
     def _fill(self, l: int, layer, part: str, stage: int) -> None:
         f = self.layout.adapter
-        tensors = f.pre_tensors(layer) if part == "pre" else f.post_tensors(layer)
+        tensors = f.shard_pre_tensors(layer) if part == "pre" else f.shard_post_tensors(layer)
         for name, t in tensors.items():
             key = f"{part}.{name}"
             dst = self.resident[l].get(key)
             copy_weight(dst if dst is not None else self.stage_host[stage][key], t)
         if part == "post":
             r, columns = self.layout.splits[l].columns, f.dims.intermediate
-            for name, t in f.expert_tensors(layer).items():
+            for name, t in f.shard_expert_tensors(layer).items():
                 dim = f.column_dims[name]
                 if r > 0:
                     self.resident[l][f"resident.{name}"].copy_(t.narrow(dim, 0, r))

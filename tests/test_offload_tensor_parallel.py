@@ -1,0 +1,153 @@
+"""Offloaded generation over several GPUs (tensor parallelism): two processes, each holding and streaming half of
+every layer, give vanilla ``generate``'s tokens. On the CPU two gloo processes play the two GPUs (the same
+pipeline, the same all-reduces); on a host of two GPUs, NCCL."""
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from test_offload import BUILDERS, padded, requests
+
+WORLD = 2
+# every family that splits over GPUs; OLMoE and DeepSeek are refused (their q/k norms span the heads; MLA)
+SPLIT = ["mixtral", "dbrx", "qwen3_moe", "gpt_oss", "qwen2_moe", "granitemoe"]
+REFUSED = {"olmoe": "q/k RMSNorms run over the whole projection", "deepseek_v3": "latent attention"}
+NEW_TOKENS = 8
+
+
+def _rank_results(rank: int, device: str) -> dict:
+    """What this rank saw for every family: its tokens against vanilla generate, its logits against the model's,
+    the share of the weights it stores, and each refusal's message."""
+    import hf_scatter
+    from hf_scatter.offload import PlanError, Policy
+    from hf_scatter.offload.families.registry import adapter_for
+    from hf_scatter.offload.runtime.paging import Layout
+
+    group = dist.group.WORLD
+    out = {}
+    for family in SPLIT:
+        model = BUILDERS[family]()
+        reqs = requests()
+        ids, mask = padded(reqs)
+        vanilla = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+        eos = vanilla[1, ids.shape[1] + 3].item()  # a request that ends mid-way, on both ranks at the same step
+        held = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+                              eos_token_id=eos)
+        with torch.no_grad():
+            logits = model(ids, attention_mask=mask).logits.float()
+        whole = Layout(adapter_for(model), 0.5)
+        off = hf_scatter.offload(model, gpu_memory="1GiB", device=device, group=group, progress=False,
+                                 policy=Policy(3, 2, weights_gpu_fraction=0.5, gpus=WORLD))
+        got = off.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, progress=False)
+        got_eos = off.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, eos_token_id=eos, progress=False)
+        sampled = off.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=True, seed=3, progress=False)
+        mine = off.logits(ids, attention_mask=mask).float()
+        keep = mask.bool()
+        out[family] = {
+            "tokens_equal": torch.equal(got.cpu(), vanilla), "eos_equal": torch.equal(got_eos.cpu(), held),
+            "sampled": sampled.tolist(),
+            "logits_error": (mine[keep] - logits[keep]).abs().max().item(),
+            "logits_scale": logits[keep].abs().max().item(),
+            "stored": off.store.layout.device_bytes + off.store.layout.host_bytes,
+            "whole": whole.device_bytes + whole.host_bytes,
+            "heads": off.dims.heads, "full_heads": off.adapter.full_dims.heads, "repr": repr(off)}
+        off.close()
+    for family, why in REFUSED.items():
+        try:
+            hf_scatter.offload(BUILDERS[family](), device=device, group=group, progress=False,
+                               policy=Policy(2, 1, gpus=WORLD))
+            out[family] = "not refused"
+        except NotImplementedError as e:
+            out[family] = str(e)
+    odd = BUILDERS["mixtral"](kv_heads=1, intermediate=95)
+    for name, call in (("odd", lambda: hf_scatter.offload(odd, device=device, group=group, progress=False,
+                                                            policy=Policy(2, 1, gpus=WORLD))),
+                       ("one_gpu_policy", lambda: hf_scatter.offload(BUILDERS["mixtral"](), device=device, group=group,
+                                                                      progress=False, policy=Policy(2, 1)))):
+        try:
+            call()
+            out[name] = "not refused"
+        except (ValueError, PlanError) as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def _worker(rank: int, init_file: str, out: str, backend: str, device: str) -> None:
+    os.environ["HF_SCATTER_KERNELS"] = "torch" if device == "cpu" else os.environ.get("HF_SCATTER_KERNELS", "auto")
+    torch.set_num_threads(1)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        torch.backends.cuda.matmul.allow_tf32 = False
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        results = _rank_results(rank, device)
+    finally:
+        dist.destroy_process_group()
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(results, f)
+
+
+def _run(tmp_path, backend: str, device: str) -> list[dict]:
+    out = str(tmp_path / "out")
+    mp.start_processes(_worker, args=(str(tmp_path / "init"), out, backend, device), nprocs=WORLD,
+                       start_method="spawn", join=True)
+    return [json.load(open(f"{out}.{r}")) for r in range(WORLD)]
+
+
+def _check(ranks: list[dict]) -> None:
+    for family in SPLIT:
+        seen = [r[family] for r in ranks]
+        for rank, got in enumerate(seen):
+            assert got["tokens_equal"], (family, rank)
+            assert got["eos_equal"], (family, rank)
+            # fp32 sums in another order: a few ulps of the largest logit, over the model's few layers
+            assert got["logits_error"] <= 1e-5 * max(1.0, got["logits_scale"]), (family, rank, got["logits_error"])
+            # each rank holds half of every layer (its heads and expert columns; norms and routers whole)
+            assert 0.45 * got["whole"] <= got["stored"] <= 0.55 * got["whole"], (family, got)
+            assert got["heads"] * WORLD == got["full_heads"]
+            assert f"(rank {rank} of {WORLD})" in got["repr"]
+        assert seen[0]["sampled"] == seen[1]["sampled"], family  # sampling draws the same tokens on every rank
+    for family, why in REFUSED.items():
+        for r in ranks:
+            assert "cannot be offloaded over several GPUs" in r[family] and why in r[family], r[family]
+    for r in ranks:
+        assert "1 KV heads, 95 expert columns" in r["odd"] and "a GPU count that divides them" in r["odd"], r["odd"]
+        assert r["one_gpu_policy"].startswith("PlanError") and "gpus=2" in r["one_gpu_policy"]
+
+
+def test_two_gloo_ranks_split_every_layer_and_give_vanilla_tokens(tmp_path):
+    _check(_run(tmp_path, "gloo", "cpu"))
+
+
+@pytest.mark.gpu
+def test_two_gpus_split_every_layer_and_give_vanilla_tokens(tmp_path):
+    if torch.cuda.device_count() < WORLD:
+        pytest.skip(f"needs {WORLD} GPUs (a multi-GPU host: docs/development.md)")
+    _check(_run(tmp_path, "nccl", "cuda"))
+
+
+@pytest.mark.gpu
+def test_bench_offload_over_gpu_counts_small(tmp_path):
+    """``hf-scatter bench offload --gpus 1,2``: one torchrun per count, the same tokens on every rank, each GPU
+    within its budget and holding half the weights at two GPUs, and the HRM's prediction for each count."""
+    if torch.cuda.device_count() < WORLD:
+        pytest.skip(f"needs {WORLD} GPUs (a multi-GPU host: docs/development.md)")
+    from hf_scatter.cli import main
+
+    out, png = tmp_path / "gpus.json", tmp_path / "gpus.png"
+    assert main(["bench", "offload", "--gpus", "1,2", "--model", "mixtral-8x7b", "--layers", "2", "--requests", "64",
+                 "--new-tokens", "4", "--gpu-memory", "8GiB", "--out", str(out), "--plot", str(png)]) == 0
+    report = json.loads(out.read_text())
+    one, two = report["by_gpus"]
+    assert (one["gpus"], two["gpus"]) == (1, 2) and len(two["ranks"]) == 2
+    for row in (one, two):
+        assert row["same_tokens_on_every_rank"] and row["within_budget"], row
+        assert row["tokens_per_s"] > 0 and row["predicted"]["tokens_per_s"] > 0
+    whole = one["ranks"][0]["host_weight_bytes"] + one["ranks"][0]["device_weight_bytes"]
+    for r in two["ranks"]:
+        assert 0.45 * whole <= r["host_weight_bytes"] + r["device_weight_bytes"] <= 0.55 * whole
+    assert png.stat().st_size > 0
