@@ -44,6 +44,7 @@ def run_counts(counts: list[int], *, model: str, layers: int, published_layers: 
             measured = measure_profile(progress=progress, attention_shapes=[ModelSpec.from_config(model)])
             profile = os.path.join(tmp, "profile.json")
             measured.save(profile)
+            torch.cuda.empty_cache()  # the measurement's buffers: GPU 0 is the first rank's next
         profile_s = time.perf_counter() - start
         rows = []
         for n in counts:
