@@ -53,7 +53,8 @@ def run_counts(counts: list[int], *, model: str, layers: int, published_layers: 
                        "-m", "hf_scatter.cli", "bench", "offload", "--model", model, "--layers", str(layers),
                        "--new-tokens", str(new_tokens), "--requests", str(requests), "--gpu-memory", str(gpu_memory),
                        "--profile", profile, "--out", out]
-            env = {**NCCL_DEFAULTS, **os.environ}
+            # torchrun gives each process one OpenMP thread unless told: the CPU attention wants the host's share
+            env = {**NCCL_DEFAULTS, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n)), **os.environ}
             if progress:
                 print(f"bench offload: {n} GPU(s): {' '.join(command)}", file=sys.stderr, flush=True)
             done = subprocess.run(command, env=env, stdout=subprocess.DEVNULL if not progress else None)
