@@ -63,6 +63,12 @@ def _rank_results(rank: int, device: str) -> dict:
             out[family] = "not refused"
         except NotImplementedError as e:
             out[family] = str(e)
+    try:  # ranks that would run different programs (here: budgets) are stopped before any all-reduce
+        hf_scatter.offload(BUILDERS["mixtral"](), gpu_memory="1GiB" if rank == 0 else "2GiB", device=device,
+                           group=group, progress=False, policy=Policy(3, 2, weights_gpu_fraction=0.5, gpus=WORLD))
+        out["different_plans"] = "not refused"
+    except RuntimeError as e:
+        out["different_plans"] = str(e)
     odd = BUILDERS["mixtral"](kv_heads=1, intermediate=95)
     for name, call in (("odd", lambda: hf_scatter.offload(odd, device=device, group=group, progress=False,
                                                             policy=Policy(2, 1, gpus=WORLD))),
@@ -117,6 +123,8 @@ def _check(ranks: list[dict]) -> None:
     for r in ranks:
         assert "1 KV heads, 95 expert columns" in r["odd"] and "a GPU count that divides them" in r["odd"], r["odd"]
         assert r["one_gpu_policy"].startswith("PlanError") and "gpus=2" in r["one_gpu_policy"]
+        assert "planned differently" in r["different_plans"] and "'available': [" in r["different_plans"], \
+            r["different_plans"]
 
 
 def test_two_gloo_ranks_split_every_layer_and_give_vanilla_tokens(tmp_path):

@@ -5,12 +5,15 @@ Each of ``size`` processes drives one GPU and holds ``1/size`` of every projecti
 intermediate columns (the adapters' column layout, so a rank's share is itself a smaller set of experts), a
 shared or dense MLP likewise. The hidden states stay whole on every rank; the two projections that end a
 block (attention's output, the MLP's down projection) give partial sums, which :meth:`Shard.reduce`
-all-reduces. A bias added after such a sum is kept by rank 0 only, so it is added once. Norms, routers and
-the embedding and head are small and stay whole on every rank.
+all-reduces. A bias added after such a sum is rank 0's; the other ranks hold zeros in its place, so it is added
+once and every rank's shard has the same tensors and bytes. Norms, routers and the embedding and head are
+small and stay whole on every rank.
 
 Every rank then runs the same program on the same hidden states: an all-reduce leaves bit-identical sums on
 every rank (NCCL and gloo reduce each element once and share the result), so every rank's router picks the
-same experts and every rank's head the same tokens.
+same experts and every rank's head the same tokens. The same program also needs the same plan (batch,
+resident fraction, prefill chunks and groups: each sets how many all-reduces run), which equal shards give and
+``offload`` checks: a rank planning otherwise would wait forever in an all-reduce the others never issue.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from .rows import Rows
 
 # How each named tensor of a layer splits. The queries, keys and values (a [q; k; v] stack) split by heads;
 # the output projection and a dense MLP's down projection by their input columns; a dense MLP's [gate; up] by
-# its intermediate rows; these biases are added after the all-reduce, so once: rank 0 keeps them.
+# its intermediate rows; these biases are added to a partial sum, so once: rank 0's, zeros on the others.
 SPLIT_QKV = frozenset({"qkv", "qkv_bias"})
 SPLIT_INPUT_COLUMNS = {"o": "heads", "shared_down": "shared"}
 SPLIT_GATE_UP_ROWS = frozenset({"shared_gate_up", "shared_gate_up_bias"})
@@ -99,8 +102,7 @@ class Shard:
         out = {}
         for name, t in tensors.items():
             if name in ON_RANK_ZERO:
-                if self.rank == 0:
-                    out[name] = t
+                out[name] = t if self.rank == 0 else torch.zeros_like(t)
             elif name in SPLIT_QKV:
                 out[name] = self._qkv(t, full_dims)
             elif name in SPLIT_INPUT_COLUMNS:

@@ -409,7 +409,8 @@ def memory_use(model: ModelSpec, policy: Policy, workload: Workload, options: Co
     prefill_act = chunk * (3 * model.hidden + qkv_width + model.q_dim + ffn_width) * b + chunk * kvb
     share = 1.0 / policy.gpus
     gpu = {
-        "resident weights": Lin(model.other_weight_bytes, all_layers) * share,
+        # the embedding and LM head whole on every GPU; each GPU its share of the layers
+        "resident weights": Lin(model.other_weight_bytes, all_layers * share),
         "weight double buffer": Lin(2 * layer, -2 * layer) * share,
         "KV cache": Lin(0, 0, kv_all_layers) * share if policy.attention_on_gpu else Lin(),
         # GPU attention over a partly CPU-resident cache: one micro-batch's CPU share of a layer's KV, twice.

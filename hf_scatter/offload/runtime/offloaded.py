@@ -161,6 +161,7 @@ def offload(model, gpu_memory: int | float | str = "16GiB", cpu_memory: int | fl
         raise PlanError(f"the streamed weights take {format_bytes(plan.layout.host_bytes)} of pinned host memory"
                         f"{' per GPU' if shard.size > 1 else ''} but cpu_memory allows "
                         f"{format_bytes(cpu_budget)}: raise cpu_memory or gpu_memory")
+    _check_same_plan(shard, policy, plan, cpu_budget)
     return OffloadedModel(model, policy, plan, device, cpu_budget, prof, release_weights, progress)
 
 
@@ -565,6 +566,26 @@ def _check_one_device_per_rank(shard: Shard, device: torch.device) -> None:
     if len(set(every)) < len(every):
         raise ValueError(f"several ranks of the tensor-parallel group would run on the same GPU ({every}): call "
                          "torch.cuda.set_device(local_rank) in each process before offload(), or pass device=")
+
+
+def _check_same_plan(shard: Shard, policy: Policy, plan: DevicePlan, cpu_budget: int) -> None:
+    """Every rank must run the same program (the same batches, chunks and groups, so the same all-reduces): their
+    plans are compared here, before any weight moves, rather than left to hang in a collective."""
+    if shard.whole:
+        return
+    import torch.distributed as dist
+
+    mine = {"batch_size": policy.batch_size, "micro_batch_size": policy.micro_batch_size,
+            "routed_experts": policy.routed_experts, "weights_gpu_fraction": plan.layout.fraction,
+            "chunk_tokens": plan.chunk_tokens, "group_tokens": plan.group_tokens, "available": plan.available,
+            "host_bytes": plan.layout.host_bytes, "cpu_budget": cpu_budget}
+    every = [None] * shard.size
+    dist.all_gather_object(every, mine, group=shard.group)
+    differ = {key: [plan[key] for plan in every] for key in mine if len({plan[key] for plan in every}) > 1}
+    if differ:
+        raise RuntimeError(f"the ranks of the tensor-parallel group planned differently ({differ}, by rank) and "
+                           "would wait on each other forever: pass the same model, gpu_memory, cpu_memory, policy "
+                           "and profile on every rank (if they were the same, this is a bug of hf-scatter)")
 
 
 def _profile(profile, device: torch.device, required: bool) -> HardwareProfile | None:
