@@ -15,6 +15,9 @@ Running (CGOPipe)::
     import hf_scatter
     offloaded = hf_scatter.offload(model, gpu_memory="16GiB")     # this package is callable: offload.offload
     out = offloaded.generate(input_ids, attention_mask=mask, max_new_tokens=128)
+
+Over several GPUs of one host, one process each under torchrun: ``hf_scatter.offload(model, gpu_memory="16GiB",
+group=dist.group.WORLD)`` (tensor parallelism: each GPU keeps and streams its share of every layer).
 """
 
 import sys as _sys

@@ -4,7 +4,9 @@ The model's decoder layers move into a :class:`~hf_scatter.offload.paging.Weight
 the GPU, the rest in pinned CPU memory), the policy comes from the HRM search unless given, and
 :meth:`OffloadedModel.generate` runs the requests through :class:`~hf_scatter.offload.cgopipe.CGOPipe` in
 batches planned by Algorithm 2. ``device="cpu"`` runs the very same pipeline with the CPU standing in for
-the GPU (streams become no-ops), which is how it is tested without one.
+the GPU (streams become no-ops), which is how it is tested without one. With ``group=`` every process of a
+torchrun group keeps its share of every layer (:mod:`~hf_scatter.offload.families.sharding`) and runs the same
+pipeline on it.
 """
 
 from __future__ import annotations
