@@ -29,9 +29,9 @@ def __dir__():
     return sorted(set(globals()) | _PUBLIC | {"offload"})
 
 
-from .kernels.backend import enable_interpreter_if_no_gpu as _enable_interpreter_if_no_gpu  # noqa: E402
+from .kernels.backend import interpret_if_asked as _interpret_if_asked  # noqa: E402
 
-_enable_interpreter_if_no_gpu()  # before transformers imports Triton (see kernels/backend.py)
+_interpret_if_asked()  # HF_SCATTER_KERNELS=triton without a GPU: before transformers imports Triton (kernels/backend.py)
 
 from .models.experts import SCATTERMOE  # noqa: E402
 from .models.experts import register_experts_backend as _register_experts_backend  # noqa: E402

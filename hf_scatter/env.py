@@ -34,7 +34,8 @@ def environment_report() -> dict[str, str]:
     if not triton_available():
         report["triton mode"] = "unavailable"
     elif not kernels_enabled():
-        report["triton mode"] = "off (no CUDA GPU; set TRITON_INTERPRET=1 to interpret the kernels on CPU)"
+        report["triton mode"] = ("off (no CUDA GPU; set HF_SCATTER_KERNELS=triton or TRITON_INTERPRET=1 to interpret "
+                                 "the kernels on CPU)")
     else:
         report["triton mode"] = "interpreted (TRITON_INTERPRET=1)" if triton_interpreted() else "native (compiled)"
     report["kernel path"] = kernel_path_summary(device)
@@ -55,12 +56,22 @@ def demo_kernels():
         os.environ.pop("HF_SCATTER_KERNELS", None)
 
 
+def needs_fresh_interpreter(device: torch.device) -> bool:
+    """Whether ``hf-scatter demo`` checks the kernels in a fresh process with the interpreter on: CPU tensors on
+    a machine without a GPU, where this process did not define the kernels, unless the torch path is asked."""
+    return (device.type == "cpu" and not torch.cuda.is_available() and triton_available() and not kernels_enabled()
+            and os.environ.get("HF_SCATTER_KERNELS", "").strip().lower() != "torch")
+
+
 def kernel_path_summary(device: torch.device) -> str:
     """The path your code's tensors take on ``device``, and the one the demo checks where they differ: the
     same line in ``hf-scatter env`` and ``hf-scatter demo``."""
     yours = kernel_path(device)
-    with demo_kernels():
-        checked = kernel_path(device)
+    if needs_fresh_interpreter(device):
+        checked = "triton-interpreter"
+    else:
+        with demo_kernels():
+            checked = kernel_path(device)
     if checked == yours:
         return yours
     note = " (the fast CPU reference)" if yours == "torch" and device.type == "cpu" else ""

@@ -83,6 +83,18 @@ def test_plain_import_on_cpu_uses_the_fast_reference_unless_kernels_are_asked_fo
     assert proc.stdout.strip().splitlines()[-1] == expected
 
 
+def test_import_leaves_the_process_environment_as_it_was():
+    """``import hf_scatter`` (and a patched model's forward) sets no environment variable a user did not ask for;
+    ``HF_SCATTER_KERNELS=triton`` on a machine without a GPU is the one request that needs TRITON_INTERPRET."""
+    probe = ("import os, json; before = dict(os.environ); import hf_scatter; from hf_scatter.tiny import tiny_mixtral; "
+             "import torch; hf_scatter.patch_model(tiny_mixtral())(torch.randint(3, 100, (1, 4))); "
+             "print(json.dumps(sorted(set(os.environ.items()) ^ set(before.items()))))")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "HF_SCATTER_KERNELS")}
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
+
+
 # ----------------------------------------------------------------------------- bad input, caught up front
 def _one_line_error(capsys, argv, *needles) -> str:
     """``argv`` exits 2 with one line on stderr naming every needle (argparse errors exit through SystemExit)."""

@@ -1,10 +1,11 @@
 """Which implementation a kernel call runs: compiled Triton, interpreted Triton, or the torch reference.
 
 Triton decides whether ``@triton.jit`` functions (its own standard library included) are interpreted
-when they are defined, so ``TRITON_INTERPRET`` must be set before Triton is first imported:
-``import hf_scatter`` does that on machines without a GPU. CPU tensors then take the torch reference
-(fast) unless the interpreter was asked for (``TRITON_INTERPRET=1`` set by the user, or
-``HF_SCATTER_KERNELS=triton``), which is how tests and the demo run the kernels on CPU.
+when they are defined, so ``TRITON_INTERPRET`` must be set before Triton is first imported. On a machine
+without a GPU, CPU tensors take the torch reference (fast, and the designed path there) unless the user asks
+for the kernels: ``TRITON_INTERPRET=1`` set before the import (the tests), or ``HF_SCATTER_KERNELS=triton``,
+for which ``import hf_scatter`` sets ``TRITON_INTERPRET`` (:func:`interpret_if_asked`; nothing else at import
+touches the environment). ``hf-scatter demo`` runs its checks in a fresh process with both set.
 Kernel call sites ask :func:`use_triton`.
 """
 
@@ -21,7 +22,7 @@ import torch
 
 _ENV_FORCE = "HF_SCATTER_KERNELS"  # "triton" or "torch": override the automatic choice
 _warned: set[str] = set()
-_interpreter_auto = False  # True when hf_scatter itself switched the interpreter on (nobody asked for it)
+_interpreter_auto = False  # True when hf_scatter set TRITON_INTERPRET itself (for HF_SCATTER_KERNELS=triton)
 
 
 @functools.lru_cache(maxsize=None)
@@ -45,19 +46,24 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in {"1", "true", "yes", "on"}
 
 
-def enable_interpreter_if_no_gpu() -> bool:
-    """Turn on the Triton interpreter on machines without a GPU, before Triton is imported.
-
-    Returns True if the interpreter is (now) active. Only effective before the first ``import triton``
-    (``import hf_scatter`` calls it first thing). An interpreter switched on here is not used for CPU
-    tensors unless ``HF_SCATTER_KERNELS=triton`` asks for it.
-    """
+def interpret_if_asked() -> bool:
+    """Where the user set ``HF_SCATTER_KERNELS=triton`` on a machine without a GPU, turn the Triton interpreter
+    on (``TRITON_INTERPRET=1``) before Triton is imported: the one way that request can be met. Otherwise the
+    environment is left as it is. Returns True if the interpreter is (now) active; only effective before the
+    first ``import triton`` (``import hf_scatter`` calls it first thing)."""
     global _interpreter_auto
-    if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available() and triton_available():
+    if _forced() == "triton" and "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available() \
+            and triton_available():
         os.environ["TRITON_INTERPRET"] = "1"
         _interpreter_auto = True
         triton_interpreted.cache_clear()
     return triton_interpreted()
+
+
+def cpu_reference_is_designed(device: torch.device) -> bool:
+    """CPU tensors on a machine without a GPU, the kernels not asked for: the torch reference is the designed
+    path there (faster than interpreting the kernels), so nothing warns about it."""
+    return device.type == "cpu" and not torch.cuda.is_available() and _forced() != "triton"
 
 
 _autotune_override = threading.local()  # per thread: a stack of overrides
@@ -140,7 +146,7 @@ def use_triton(tensor: torch.Tensor, op: str) -> bool:
     path = kernel_path(tensor.device)
     if path != "torch":
         return True
-    if _forced() == "torch" or (tensor.device.type == "cpu" and _interpreter_auto):
+    if _forced() == "torch" or cpu_reference_is_designed(tensor.device):
         return False  # asked for, or the designed CPU path: no warning
     if op not in _warned:
         _warned.add(op)
