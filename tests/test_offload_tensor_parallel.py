@@ -46,6 +46,11 @@ def _rank_results(rank: int, device: str) -> dict:
         got_eos = off.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, eos_token_id=eos, progress=False)
         sampled = off.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=True, seed=3, progress=False)
         mine = off.logits(ids, attention_mask=mask).float()
+        try:  # requests that differ between ranks are stopped before the first all-reduce
+            off.generate(ids[:, 1:] if rank else ids, max_new_tokens=2, progress=False)
+            refused = "not refused"
+        except RuntimeError as e:
+            refused = str(e)
         keep = mask.bool()
         out[family] = {
             "tokens_equal": torch.equal(got.cpu(), vanilla), "eos_equal": torch.equal(got_eos.cpu(), held),
@@ -54,7 +59,8 @@ def _rank_results(rank: int, device: str) -> dict:
             "logits_scale": logits[keep].abs().max().item(),
             "stored": off.store.layout.device_bytes + off.store.layout.host_bytes,
             "whole": whole.device_bytes + whole.host_bytes,
-            "heads": off.dims.heads, "full_heads": off.adapter.full_dims.heads, "repr": repr(off)}
+            "heads": off.dims.heads, "full_heads": off.adapter.full_dims.heads, "repr": repr(off),
+            "different_requests": refused}
         off.close()
     for family, why in REFUSED.items():
         try:
@@ -116,6 +122,7 @@ def _check(ranks: list[dict]) -> None:
             assert 0.45 * got["whole"] <= got["stored"] <= 0.55 * got["whole"], (family, got)
             assert got["heads"] * WORLD == got["full_heads"]
             assert f"(rank {rank} of {WORLD})" in got["repr"]
+            assert "were given different generate() calls ({'tokens': [" in got["different_requests"], got
         assert seen[0]["sampled"] == seen[1]["sampled"], family  # sampling draws the same tokens on every rank
     for family, why in REFUSED.items():
         for r in ranks:

@@ -257,6 +257,10 @@ class OffloadedModel:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         requests, ids = self._requests(input_ids, attention_mask, prompts, tokenizer)
         sampling, stopping, pad = self._decoding(o, seed, tokenizer)
+        _check_ranks_agree(self.shard, {"requests": len(requests), "tokens": _requests_digest(requests),
+                                        "options": repr(sorted(o.items())), "seed": seed},
+                           "were given different generate() calls", "call generate with the same requests and "
+                           "options on every rank")
         lens = [len(r) for r in requests]
         batch_size, micro = self._fit(lens, max_new_tokens, sampling.uses_history)
         batches = plan_batches(lens, batch_size, micro)
@@ -341,6 +345,9 @@ class OffloadedModel:
         evaluation needs. No KV cache is kept."""
         self._check_open()
         requests, ids = self._requests(input_ids, attention_mask, None, None)
+        _check_ranks_agree(self.shard, {"requests": len(requests), "tokens": _requests_digest(requests)},
+                           "were given different logits() calls", "call logits with the same input_ids and "
+                           "attention_mask on every rank")
         lens = [len(r) for r in requests]
         batch_size, micro = self._fit(lens, 1)
         mask = torch.ones_like(ids) if attention_mask is None else torch.as_tensor(attention_mask).to("cpu").bool()
@@ -573,21 +580,39 @@ def _check_one_device_per_rank(shard: Shard, device: torch.device) -> None:
 def _check_same_plan(shard: Shard, policy: Policy, plan: DevicePlan, cpu_budget: int) -> None:
     """Every rank must run the same program (the same batches, chunks and groups, so the same all-reduces): their
     plans are compared here, before any weight moves, rather than left to hang in a collective."""
+    _check_ranks_agree(shard, {
+        "batch_size": policy.batch_size, "micro_batch_size": policy.micro_batch_size,
+        "routed_experts": policy.routed_experts, "weights_gpu_fraction": plan.layout.fraction,
+        "chunk_tokens": plan.chunk_tokens, "group_tokens": plan.group_tokens, "available": plan.available,
+        "host_bytes": plan.layout.host_bytes, "cpu_budget": cpu_budget},
+        "planned differently", "pass the same model, gpu_memory, cpu_memory, policy and profile on every rank (if "
+        "they were the same, this is a bug of hf-scatter)")
+
+
+def _check_ranks_agree(shard: Shard, mine: dict, what: str, fix: str) -> None:
+    """Raises naming each key whose value differs between the ranks of ``shard``'s group (one small all-gather),
+    where a difference would leave the ranks waiting on each other's all-reduces."""
     if shard.whole:
         return
     import torch.distributed as dist
 
-    mine = {"batch_size": policy.batch_size, "micro_batch_size": policy.micro_batch_size,
-            "routed_experts": policy.routed_experts, "weights_gpu_fraction": plan.layout.fraction,
-            "chunk_tokens": plan.chunk_tokens, "group_tokens": plan.group_tokens, "available": plan.available,
-            "host_bytes": plan.layout.host_bytes, "cpu_budget": cpu_budget}
     every = [None] * shard.size
     dist.all_gather_object(every, mine, group=shard.group)
-    differ = {key: [plan[key] for plan in every] for key in mine if len({plan[key] for plan in every}) > 1}
+    differ = {key: [theirs[key] for theirs in every] for key in mine if len({theirs[key] for theirs in every}) > 1}
     if differ:
-        raise RuntimeError(f"the ranks of the tensor-parallel group planned differently ({differ}, by rank) and "
-                           "would wait on each other forever: pass the same model, gpu_memory, cpu_memory, policy "
-                           "and profile on every rank (if they were the same, this is a bug of hf-scatter)")
+        raise RuntimeError(f"the ranks of the tensor-parallel group {what} ({differ}, by rank) and would wait on "
+                           f"each other forever: {fix}")
+
+
+def _requests_digest(requests: list[torch.Tensor]) -> str:
+    """A short fingerprint of the requests' tokens, equal on every rank that was given the same requests."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for r in requests:
+        h.update(r.numpy().tobytes())
+        h.update(b"|")
+    return h.hexdigest()[:16]
 
 
 def _profile(profile, device: torch.device, required: bool) -> HardwareProfile | None:
