@@ -31,7 +31,7 @@ def __dir__():
 
 from .kernels.backend import interpret_if_asked as _interpret_if_asked  # noqa: E402
 
-_interpret_if_asked()  # HF_SCATTER_KERNELS=triton without a GPU: before transformers imports Triton (kernels/backend.py)
+_interpret_if_asked()  # HF_SCATTER_KERNELS=triton without a GPU: before transformers imports Triton
 
 from .models.experts import SCATTERMOE  # noqa: E402
 from .models.experts import register_experts_backend as _register_experts_backend  # noqa: E402

@@ -82,8 +82,8 @@ class PipelineAdapter:
     - **weights**, pure getters of the whole layer: :meth:`layers`, :meth:`pre_tensors`, :meth:`post_tensors`,
       :meth:`expert_tensors` (in the column layout ``column_dims`` names), :meth:`other_tensors` and
       :meth:`_rotary_module` (the runtime reads a layer through ``shard_*``: a tensor-parallel rank's share,
-      split by name as :mod:`.sharding` says). They raise ``NotImplementedError`` for a layout the runtime cannot run; the
-      constructor asks them once, so such a model is refused before any work.
+      split by name as :mod:`.sharding` says). They raise ``NotImplementedError`` for a layout the runtime
+      cannot run; the constructor asks them once, so such a model is refused before any work.
     - **pre-attention maths**: :meth:`embed`, :meth:`_project_qkv` and :meth:`_normalize_qk` (or all of
       :meth:`qkv`, where the layout of its output differs: MLA).
     - **post-attention maths and the head**: :meth:`_attention_output`, :meth:`_post_norm`, :meth:`_route` (the router's
