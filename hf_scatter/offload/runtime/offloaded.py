@@ -125,6 +125,12 @@ def offload(model, gpu_memory: int | float | str = "16GiB", cpu_memory: int | fl
     same arguments and gets the same tokens. ``gpu_memory`` is per GPU, ``cpu_memory`` the whole host's.
     """
     shard = Shard.of(group)
+    if policy is not None and not isinstance(policy, Policy):
+        raise TypeError(f"policy must be a hf_scatter.offload.Policy, got {type(policy).__name__}")
+    device = _device(device)
+    _check_group_call(shard, device, model, {
+        "gpu_memory": gpu_memory, "cpu_memory": cpu_memory, "policy": policy, "workload": workload,
+        "profile": getattr(profile, "name", profile), "release_weights": release_weights})
     if policy is not None and policy.gpus != shard.size:
         raise PlanError(f"the policy is planned for {policy.gpus} GPU(s), but this group has {shard.size}: plan "
                         f"with gpus={shard.size} (hf-scatter plan --gpus {shard.size}), or leave policy out")
@@ -138,8 +144,6 @@ def offload(model, gpu_memory: int | float | str = "16GiB", cpu_memory: int | fl
                          "without weights. Reuse the first OffloadedModel, or reload the model (from_pretrained) "
                          "for a new one; pass release_weights=False to offload() to keep the model whole")
     adapter = adapter_for(model, shard)
-    device = _device(device)
-    _check_one_device_per_rank(shard, device)
     gpu_budget = parse_bytes(gpu_memory, "gpu_memory")
     prof = _profile(profile, device, required=policy is None)
     cpu_budget = parse_bytes(cpu_memory, "cpu_memory") if cpu_memory is not None else _default_cpu_budget(prof)
@@ -151,8 +155,6 @@ def offload(model, gpu_memory: int | float | str = "16GiB", cpu_memory: int | fl
             spec = ModelSpec.from_config(model.config, dtype_bytes=dtype_bytes)
             policy = search_policy(spec, prof, workload or DEFAULT_WORKLOAD, gpu_budget, cpu_budget,
                                    placements=[CGOPIPE_PLACEMENT], gpus=shard.size)
-    elif not isinstance(policy, Policy):
-        raise TypeError(f"policy must be a hf_scatter.offload.Policy, got {type(policy).__name__}")
     if (policy.attention_on_gpu, policy.experts_on_gpu) != CGOPIPE_PLACEMENT:
         raise ValueError(f"the offloaded runtime runs attention on the CPU and the experts on the GPU (CGOPipe); this "
                          f"policy asks for {policy.placement()}: pass attention_on_gpu=False, experts_on_gpu=True")
@@ -561,19 +563,29 @@ def _device(device) -> torch.device:
     return device
 
 
-def _check_one_device_per_rank(shard: Shard, device: torch.device) -> None:
-    """Refuses a group whose ranks of one host would drive the same GPU (each process must set its own)."""
-    if shard.whole or device.type != "cuda":
+def _check_group_call(shard: Shard, device: torch.device, model, arguments: dict) -> None:
+    """First thing ``offload`` does in a group (one small all-gather): every rank was given the same model
+    config and arguments, and drives its own GPU. Past this point the ranks fail or succeed alike, so none is
+    left waiting in a later collective for a rank that raised."""
+    if shard.whole:
         return
+    import hashlib
     import socket
 
     import torch.distributed as dist
 
-    mine = (socket.gethostname(), device.index)
+    config = model if isinstance(model, (str, os.PathLike)) else model.config.to_json_string()
+    mine = {"arguments": repr(sorted(arguments.items())), "model": hashlib.sha256(str(config).encode()).hexdigest(),
+            "gpu": (socket.gethostname(), device.index) if device.type == "cuda" else None}
     every = [None] * shard.size
     dist.all_gather_object(every, mine, group=shard.group)
-    if len(set(every)) < len(every):
-        raise ValueError(f"several ranks of the tensor-parallel group would run on the same GPU ({every}): call "
+    differ = [key for key in ("arguments", "model") if len({theirs[key] for theirs in every}) > 1]
+    if differ:
+        raise ValueError(f"the ranks of the tensor-parallel group were given different {' and '.join(differ)} "
+                         "(offload's arguments or the model's config): call offload with the same ones on every rank")
+    gpus = [theirs["gpu"] for theirs in every]
+    if device.type == "cuda" and len(set(gpus)) < len(gpus):
+        raise ValueError(f"several ranks of the tensor-parallel group would run on the same GPU ({gpus}): call "
                          "torch.cuda.set_device(local_rank) in each process before offload(), or pass device=")
 
 
