@@ -3,6 +3,7 @@ every layer, give vanilla ``generate``'s tokens. On the CPU two gloo processes p
 pipeline, the same all-reduces); on a host of two GPUs, NCCL."""
 
 import dataclasses
+import datetime
 import json
 import os
 
@@ -47,16 +48,23 @@ def _rank_results(rank: int, device: str) -> dict:
         got = off.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, progress=False)
         got_eos = off.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, eos_token_id=eos, progress=False)
         sampled = off.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=True, seed=3, progress=False)
+        # without a seed too: rank 0 draws it for every rank
+        unseeded = off.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=True, progress=False)
         mine = off.logits(ids, attention_mask=mask).float()
         try:  # requests that differ between ranks are stopped before the first all-reduce
             off.generate(ids[:, 1:] if rank else ids, max_new_tokens=2, progress=False)
             refused = "not refused"
         except RuntimeError as e:
             refused = str(e)
+        try:  # a call only one rank refuses raises on every rank, the others naming it
+            off.generate(ids, attention_mask=mask, max_new_tokens=0 if rank else 2, progress=False)
+            alone = "not refused"
+        except (ValueError, RuntimeError) as e:
+            alone = f"{type(e).__name__}: {e}"
         keep = mask.bool()
         out[family] = {
             "tokens_equal": torch.equal(got.cpu(), vanilla), "eos_equal": torch.equal(got_eos.cpu(), held),
-            "sampled": sampled.tolist(),
+            "sampled": sampled.tolist(), "unseeded": unseeded.tolist(), "alone": alone,
             "logits_error": (mine[keep] - logits[keep]).abs().max().item(),
             "logits_scale": logits[keep].abs().max().item(),
             "stored": off.store.layout.device_bytes + off.store.layout.host_bytes,
@@ -109,7 +117,9 @@ def _worker(rank: int, init_file: str, out: str, backend: str, device: str) -> N
     if device == "cuda":
         torch.cuda.set_device(rank)
         torch.backends.cuda.matmul.allow_tf32 = False
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    # a collective that waits longer than this is a deadlock: fail the test instead of stalling the suite
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=300))
     try:
         results = _rank_results(rank, device)
     finally:
@@ -139,6 +149,10 @@ def _check(ranks: list[dict]) -> None:
             assert f"(rank {rank} of {WORLD})" in got["repr"]
             assert "were given different generate() calls ({'tokens': [" in got["different_requests"], got
         assert seen[0]["sampled"] == seen[1]["sampled"], family  # sampling draws the same tokens on every rank
+        assert seen[0]["unseeded"] == seen[1]["unseeded"], family
+        assert seen[1]["alone"].startswith("ValueError: max_new_tokens must be a positive integer"), seen[1]["alone"]
+        assert seen[0]["alone"].startswith("RuntimeError: rank 1 of the tensor-parallel group failed, so this rank "
+                                           "stops too: ValueError: max_new_tokens"), seen[0]["alone"]
     for family, why in REFUSED.items():
         for r in ranks:
             assert "cannot be offloaded over several GPUs" in r[family] and why in r[family], r[family]

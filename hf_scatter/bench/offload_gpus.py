@@ -68,7 +68,7 @@ def run_counts(counts: list[int], *, model: str, layers: int, published_layers: 
     first = next((r for r in rows if "error" not in r), None)
     for r in rows:
         if "error" not in r and first is not None:
-            r["scaling"] = r["tokens_per_s"] / first["tokens_per_s"] * first["gpus"]
+            r["scaling"] = r["tokens_per_s"] / first["tokens_per_s"]  # over the first count
     return _report(header, rows, model=model, layers=layers, published_layers=published_layers,
                    new_tokens=new_tokens, requests=requests, gpu_memory=gpu_memory, profile=profile_json,
                    profile_s=profile_s)
@@ -153,6 +153,7 @@ def run_rank(*, model: str, layers: int, published_layers: int, new_tokens: int,
 def to_markdown(report: dict) -> str:
     gib = 2**30
     rows = []
+    first = next((r["gpus"] for r in report["by_gpus"] if "error" not in r), 1)
     for r in report["by_gpus"]:
         if "error" in r:
             rows.append([r["gpus"], r["error"], "", "", "", "", "", ""])
@@ -167,7 +168,7 @@ def to_markdown(report: dict) -> str:
     head = (f"{report['model']} shape, {report['layers']} of {report['published_layers']} layers, "
             f"{budget / gib:.0f} GiB per GPU, {report['requests']} requests, {report['new_tokens']} new tokens, "
             f"{report['device']}")
-    table = markdown_table(["GPUs", "tokens/s", "over 1 GPU", "HRM tokens/s", "measured / HRM", "HRM bottleneck",
+    table = markdown_table(["GPUs", "tokens/s", f"over {first} GPU{'s' if first > 1 else ''}", "HRM tokens/s", "measured / HRM", "HRM bottleneck",
                             "policy (N / mu, weights)", "peak GiB per GPU"], rows)
     return f"{head}\n\n{table}"
 

@@ -3,7 +3,7 @@
 Each of ``size`` processes drives one GPU and holds ``1/size`` of every projection: the attention by heads
 (its query, key and value rows, and the output projection's matching input columns), each expert by its
 intermediate columns (the adapters' column layout, so a rank's share is itself a smaller set of experts), a
-shared or dense MLP likewise. The hidden states stay whole on every rank; the two projections that end a
+shared expert likewise. The hidden states stay whole on every rank; the two projections that end a
 block (attention's output, the MLP's down projection) give partial sums, which :meth:`Shard.reduce`
 all-reduces. A bias added after such a sum is rank 0's; the other ranks hold zeros in its place, so it is added
 once and every rank's shard has the same tensors and bytes. Norms, routers and the embedding and head are

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..families.registry import tensor_parallel_refusal
 from .profile import HardwareProfile
 
 # Assumptions where the profile has no multi-GPU measurement (each listed as uncalibrated where used): NVLink 4
@@ -101,11 +102,16 @@ def group_profile(profile: HardwareProfile, tp: TensorParallel) -> HardwareProfi
 
 
 def check_divisible(model, gpus: int) -> None:
-    """Tensor parallelism splits the attention heads, the KV heads and every expert's columns ``gpus`` ways;
-    raises ValueError naming what does not divide."""
+    """Tensor parallelism splits the attention heads, the KV heads and every expert's columns ``gpus`` ways, and
+    some families not at all (the runtime's refusals); raises ValueError naming what does not split."""
     if gpus == 1:
         return
+    refusal = tensor_parallel_refusal(model.family)
+    if refusal:
+        raise ValueError(f"{model.name} cannot run over {gpus} GPUs: {refusal}; plan for one GPU")
     parts = {"query heads": model.heads, "KV heads": model.kv_heads, "expert columns": model.intermediate}
+    if model.shared_intermediate:
+        parts["shared expert columns"] = model.shared_intermediate
     odd = [f"{count} {what}" for what, count in parts.items() if count % gpus]
     if odd:
         raise ValueError(f"tensor parallelism over {gpus} GPUs splits the heads and the experts' columns, but "

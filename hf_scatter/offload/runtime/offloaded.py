@@ -127,13 +127,25 @@ def offload(model, gpu_memory: int | float | str = "16GiB", cpu_memory: int | fl
     shard = Shard.of(group)
     if policy is not None and not isinstance(policy, Policy):
         raise TypeError(f"policy must be a hf_scatter.offload.Policy, got {type(policy).__name__}")
+    if policy is not None and policy.gpus != shard.size:
+        raise PlanError(f"the policy is planned for {policy.gpus} GPU(s), but this group has {shard.size}: plan "
+                        f"with gpus={shard.size} (hf-scatter plan --gpus {shard.size}), or leave policy out")
     device = _device(device)
     _check_group_call(shard, device, model, {
         "gpu_memory": gpu_memory, "cpu_memory": cpu_memory, "policy": policy, "workload": workload,
         "profile": getattr(profile, "name", profile), "release_weights": release_weights})
-    if policy is not None and policy.gpus != shard.size:
-        raise PlanError(f"the policy is planned for {policy.gpus} GPU(s), but this group has {shard.size}: plan "
-                        f"with gpus={shard.size} (hf-scatter plan --gpus {shard.size}), or leave policy out")
+    # in a group, a rank that fails raises on every rank (none is left in a collective waiting for it)
+    model, policy, plan, cpu_budget, prof = _together(shard, lambda: _plan(
+        model, shard, device, gpu_memory, cpu_memory, policy, profile, workload))
+    _check_same_plan(shard, policy, plan, cpu_budget)
+    return _together(shard, lambda: OffloadedModel(model, policy, plan, device, cpu_budget, prof, release_weights,
+                                                   progress))
+
+
+def _plan(model, shard: Shard, device: torch.device, gpu_memory, cpu_memory, policy: Policy | None, profile,
+          workload: Workload | None):
+    """The model (loaded where a path was given), its policy and device plan, this rank's host budget and the
+    profile: everything :func:`offload` decides before any weight moves."""
     if isinstance(model, (str, os.PathLike)):
         from transformers import AutoModelForCausalLM
 
@@ -165,8 +177,7 @@ def offload(model, gpu_memory: int | float | str = "16GiB", cpu_memory: int | fl
         raise PlanError(f"the streamed weights take {format_bytes(plan.layout.host_bytes)} of pinned host memory"
                         f"{' per GPU' if shard.size > 1 else ''} but cpu_memory allows "
                         f"{format_bytes(cpu_budget)}: raise cpu_memory or gpu_memory")
-    _check_same_plan(shard, policy, plan, cpu_budget)
-    return OffloadedModel(model, policy, plan, device, cpu_budget, prof, release_weights, progress)
+    return model, policy, plan, cpu_budget, prof
 
 
 class OffloadedModel:
@@ -246,23 +257,37 @@ class OffloadedModel:
         as a keyword, before any work.
         """
         self._check_open()
-        if unsupported:
-            raise TypeError(f"OffloadedModel.generate() does not support {', '.join(map(repr, sorted(unsupported)))}; "
-                            f"supported keywords: {', '.join(_generate_keywords())}")
-        o = _generation_options(generation_config, {
-            "max_new_tokens": max_new_tokens, "min_new_tokens": min_new_tokens, "do_sample": do_sample,
-            "temperature": temperature, "top_k": top_k, "top_p": top_p, "repetition_penalty": repetition_penalty,
-            "no_repeat_ngram_size": no_repeat_ngram_size, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id,
-            "stop_strings": stop_strings})
-        max_new_tokens = o["max_new_tokens"]
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        requests, ids = self._requests(input_ids, attention_mask, prompts, tokenizer)
-        sampling, stopping, pad = self._decoding(o, seed, tokenizer)
+
+        def read_call():
+            """The options and requests, checked (in a group: every rank fails alike, see _together)."""
+            if unsupported:
+                raise TypeError(f"OffloadedModel.generate() does not support "
+                                f"{', '.join(map(repr, sorted(unsupported)))}; supported keywords: "
+                                f"{', '.join(_generate_keywords())}")
+            o = _generation_options(generation_config, {
+                "max_new_tokens": max_new_tokens, "min_new_tokens": min_new_tokens, "do_sample": do_sample,
+                "temperature": temperature, "top_k": top_k, "top_p": top_p, "repetition_penalty": repetition_penalty,
+                "no_repeat_ngram_size": no_repeat_ngram_size, "eos_token_id": eos_token_id,
+                "pad_token_id": pad_token_id, "stop_strings": stop_strings})
+            if isinstance(o["max_new_tokens"], bool) or not isinstance(o["max_new_tokens"], int) or \
+                    o["max_new_tokens"] < 1:
+                raise ValueError(f"max_new_tokens must be a positive integer, got {o['max_new_tokens']!r}")
+            requests, ids = self._requests(input_ids, attention_mask, prompts, tokenizer)
+            self._decoding(o, seed, tokenizer)  # its checks of the options
+            return o, requests, ids
+
+        o, requests, ids = _together(self.shard, read_call)
         _check_ranks_agree(self.shard, {"requests": len(requests), "tokens": _requests_digest(requests),
                                         "options": repr(sorted(o.items())), "seed": seed},
                            "were given different generate() calls", "call generate with the same requests and "
                            "options on every rank")
+        if o["do_sample"] and seed is None and not self.shard.whole:
+            seed = _seed_from_rank_zero(self.shard)
+        if trace and not self.shard.whole:  # one trace per rank
+            root, ext = os.path.splitext(trace)
+            trace = f"{root}.rank{self.shard.rank}{ext}"
+        max_new_tokens = o["max_new_tokens"]
+        sampling, stopping, pad = self._decoding(o, seed, tokenizer)
         lens = [len(r) for r in requests]
         batch_size, micro = self._fit(lens, max_new_tokens, sampling.uses_history)
         batches = plan_batches(lens, batch_size, micro)
@@ -346,7 +371,7 @@ class OffloadedModel:
         (zeros at padded positions), computed through the offloaded pipeline: what a log-likelihood
         evaluation needs. No KV cache is kept."""
         self._check_open()
-        requests, ids = self._requests(input_ids, attention_mask, None, None)
+        requests, ids = _together(self.shard, lambda: self._requests(input_ids, attention_mask, None, None))
         _check_ranks_agree(self.shard, {"requests": len(requests), "tokens": _requests_digest(requests)},
                            "were given different logits() calls", "call logits with the same input_ids and "
                            "attention_mask on every rank")
@@ -574,19 +599,61 @@ def _check_group_call(shard: Shard, device: torch.device, model, arguments: dict
 
     import torch.distributed as dist
 
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL's collectives, this one first, run on the current device
     config = model if isinstance(model, (str, os.PathLike)) else model.config.to_json_string()
     mine = {"arguments": repr(sorted(arguments.items())), "model": hashlib.sha256(str(config).encode()).hexdigest(),
-            "gpu": (socket.gethostname(), device.index) if device.type == "cuda" else None}
+            "host": socket.gethostname(), "gpu": device.index if device.type == "cuda" else None}
     every = [None] * shard.size
     dist.all_gather_object(every, mine, group=shard.group)
     differ = [key for key in ("arguments", "model") if len({theirs[key] for theirs in every}) > 1]
     if differ:
         raise ValueError(f"the ranks of the tensor-parallel group were given different {' and '.join(differ)} "
                          "(offload's arguments or the model's config): call offload with the same ones on every rank")
+    hosts = sorted({theirs["host"] for theirs in every})
+    if len(hosts) > 1:
+        raise ValueError(f"the tensor-parallel group spans {len(hosts)} hosts ({', '.join(hosts)}); offloading splits "
+                         "a model over the GPUs of one host (they share its memory and CPU): use a group per host")
     gpus = [theirs["gpu"] for theirs in every]
     if device.type == "cuda" and len(set(gpus)) < len(gpus):
-        raise ValueError(f"several ranks of the tensor-parallel group would run on the same GPU ({gpus}): call "
-                         "torch.cuda.set_device(local_rank) in each process before offload(), or pass device=")
+        raise ValueError(f"several ranks of the tensor-parallel group would run on the same GPU ({gpus}): pass each "
+                         "process its own device (torch.cuda.set_device(local_rank) before offload, or device=)")
+
+
+def _together(shard: Shard, build):
+    """``build()`` on every rank of ``shard``'s group; if it raised on any rank, every rank raises (that rank its
+    own error, the others one naming it), after freeing what it built."""
+    if shard.whole:
+        return build()
+    import torch.distributed as dist
+
+    try:
+        result, error = build(), None
+    except Exception as e:  # shared with the other ranks, then raised here unchanged
+        result, error = None, e
+    every = [None] * shard.size
+    dist.all_gather_object(every, None if error is None else f"{type(error).__name__}: {error}", group=shard.group)
+    if error is not None:
+        raise error
+    failed = [(rank, message) for rank, message in enumerate(every) if message is not None]
+    if failed:
+        if isinstance(result, OffloadedModel):
+            result.close()
+        rank, message = failed[0]
+        raise RuntimeError(f"rank {rank} of the tensor-parallel group failed, so this rank stops too: {message}")
+    return result
+
+
+def _seed_from_rank_zero(shard: Shard) -> int:
+    """A fresh sampling seed drawn by rank 0 and used by every rank (each rank's own draw would differ, and
+    with it the tokens each rank's head picks)."""
+    import random
+
+    import torch.distributed as dist
+
+    value = [random.SystemRandom().randrange(2**63) if shard.rank == 0 else None]
+    dist.broadcast_object_list(value, src=dist.get_global_rank(shard.group, 0), group=shard.group)
+    return value[0]
 
 
 def _check_same_plan(shard: Shard, policy: Policy, plan: DevicePlan, cpu_budget: int) -> None:
