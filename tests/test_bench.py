@@ -651,3 +651,37 @@ def test_bench_train_command_under_torchrun_writes_and_prints_on_rank_0_only(eng
     assert cli[0]["printed"].count("| variant | engine |") == 1 and cli[1]["printed"] == ""
     assert cli[0]["files"] == ["r.cli.json"]
     assert [x["rank"] for x in cli[0]["report"]["results"][VARIANTS[1]]["ranks"]] == [0, 1]
+
+
+def test_offload_gpu_rows_cut_short_by_sigterm_keep_the_finished_rows(tmp_path):
+    """``bench offload --gpus`` under ``timeout``: the row running when SIGTERM comes is stopped (its process
+    too), and the rows before it are kept for the report."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from hf_scatter.bench.offload_gpus import RowsStopped, run_rows
+
+    done, slow = tmp_path / "one.json", tmp_path / "slow.pid"
+    write = f"import json; json.dump({{'by_gpus': [{{'gpus': 1, 'tokens_per_s': 5.0}}]}}, open({str(done)!r}, 'w'))"
+    hang = f"import os, time; open({str(slow)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    jobs = [(1, [sys.executable, "-c", write], dict(os.environ), str(done)),
+            (2, [sys.executable, "-c", hang], dict(os.environ), str(tmp_path / "never.json"))]
+
+    def stop_when_the_slow_row_runs():
+        deadline = time.monotonic() + 60
+        while not slow.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    before = signal.getsignal(signal.SIGTERM)
+    threading.Thread(target=stop_when_the_slow_row_runs, daemon=True).start()
+    with pytest.raises(RowsStopped, match="during the 2-GPU row") as stopped:
+        run_rows(jobs, progress=False)
+    assert stopped.value.rows == [{"gpus": 1, "tokens_per_s": 5.0}]
+    pid = int(slow.read_text())
+    with pytest.raises(ProcessLookupError):  # the running row's process was stopped and reaped
+        os.kill(pid, 0)
+    assert signal.getsignal(signal.SIGTERM) is before  # the caller's handler is back

@@ -22,7 +22,7 @@ import torch
 
 from ..common.markdown import markdown_table
 from ..common.timing import run_header
-from .availability import BenchUnavailable, require_cuda
+from .availability import BenchUnavailable, RunStopped, require_cuda
 
 # NCCL settings the multi-GPU hosts we measure on need (NVLink SHARP multicast off); a caller's own values win
 NCCL_DEFAULTS = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -46,7 +46,7 @@ def run_counts(counts: list[int], *, model: str, layers: int, published_layers: 
             measured.save(profile)
             torch.cuda.empty_cache()  # the measurement's buffers: GPU 0 is the first rank's next
         profile_s = time.perf_counter() - start
-        rows = []
+        jobs = []
         for n in counts:
             out = os.path.join(tmp, f"gpus-{n}.json")
             command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
@@ -55,23 +55,75 @@ def run_counts(counts: list[int], *, model: str, layers: int, published_layers: 
                        "--profile", profile, "--out", out]
             # torchrun gives each process one OpenMP thread unless told: the CPU attention wants the host's share
             env = {**NCCL_DEFAULTS, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n)), **os.environ}
+            jobs.append((n, command, env, out))
+        with open(profile) as f:
+            profile_json = json.load(f)
+        fields = dict(model=model, layers=layers, published_layers=published_layers, new_tokens=new_tokens,
+                      requests=requests, gpu_memory=gpu_memory, profile=profile_json, profile_s=profile_s)
+        try:
+            rows = run_rows(jobs, progress)
+        except RowsStopped as stopped:  # keep the counts that finished
+            raise RunStopped(_report(header, _with_scaling(stopped.rows), **fields), str(stopped)) from None
+    return _report(header, _with_scaling(rows), **fields)
+
+
+class RowsStopped(RuntimeError):
+    """The run was told to stop (SIGTERM) during a row; ``rows`` holds the rows that finished before it."""
+
+    def __init__(self, rows: list[dict], why: str):
+        super().__init__(why)
+        self.rows = rows
+
+
+def run_rows(jobs: list[tuple], progress: bool = True) -> list[dict]:
+    """Each job ``(gpus, command, env, out)`` in turn: its command's JSON report's row, or the error. A SIGTERM
+    (``timeout``, a scheduler) stops the running command and raises :class:`RowsStopped` with the rows that
+    finished, so a run cut short keeps what it measured."""
+    import signal
+    import threading
+
+    class Terminated(Exception):
+        pass
+
+    def terminated(signum, frame):
+        raise Terminated()
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, terminated) if main else None
+    rows: list[dict] = []
+    try:
+        for n, command, env, out in jobs:
             if progress:
                 print(f"bench offload: {n} GPU(s): {' '.join(command)}", file=sys.stderr, flush=True)
-            done = subprocess.run(command, env=env, stdout=subprocess.DEVNULL if not progress else None)
-            if done.returncode != 0:
-                rows.append({"gpus": n, "error": f"torchrun exited with {done.returncode}"})
+            proc = subprocess.Popen(command, env=env, stdout=None if progress else subprocess.DEVNULL)
+            try:
+                code = proc.wait()
+            except Terminated:
+                proc.terminate()  # torchrun passes it on to its ranks
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                raise RowsStopped(rows, f"stopped by SIGTERM during the {n}-GPU row; the rows before it are "
+                                        "kept") from None
+            if code != 0:
+                rows.append({"gpus": n, "error": f"torchrun exited with {code}"})
                 continue
             with open(out) as f:
                 rows.append(json.load(f)["by_gpus"][0])
-        with open(profile) as f:
-            profile_json = json.load(f)
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+    return rows
+
+
+def _with_scaling(rows: list[dict]) -> list[dict]:
+    """``rows`` with each measured row's tokens/s over the first measured row's."""
     first = next((r for r in rows if "error" not in r), None)
     for r in rows:
         if "error" not in r and first is not None:
-            r["scaling"] = r["tokens_per_s"] / first["tokens_per_s"]  # over the first count
-    return _report(header, rows, model=model, layers=layers, published_layers=published_layers,
-                   new_tokens=new_tokens, requests=requests, gpu_memory=gpu_memory, profile=profile_json,
-                   profile_s=profile_s)
+            r["scaling"] = r["tokens_per_s"] / first["tokens_per_s"]
+    return rows
 
 
 def _report(header: dict, rows: list[dict], *, gpu_memory, **fields) -> dict:
