@@ -6,6 +6,7 @@ import dataclasses
 import datetime
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -19,6 +20,38 @@ WORLD = 2
 SPLIT = ["mixtral", "dbrx", "qwen3_moe", "gpt_oss", "qwen2_moe", "granitemoe"]
 REFUSED = {"olmoe": "q/k RMSNorms run over the whole projection", "deepseek_v3": "latent attention"}
 NEW_TOKENS = 8
+
+
+def _loaded_in_turns(rank: int, device: str, root: str, group) -> dict:
+    """A checkpoint path and a loader: the ranks load one after the other (their loads never overlap), and the
+    tokens are vanilla generate's."""
+    import hf_scatter
+    from hf_scatter.offload import Policy
+    from transformers import AutoModelForCausalLM
+
+    checkpoint = os.path.join(root, "mixtral")  # saved by the test from BUILDERS["mixtral"]
+    reqs = requests()
+    ids, mask = padded(reqs)
+    vanilla = BUILDERS["mixtral"]().generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                                             pad_token_id=0)
+    spans = []
+
+    def loader():
+        start = time.monotonic()  # one clock for every process of the host
+        model = AutoModelForCausalLM.from_pretrained(checkpoint)
+        time.sleep(0.5)  # a load long enough that two at once would overlap
+        spans.append((start, time.monotonic()))
+        return model
+
+    out = {}
+    for name, model in (("loader", loader), ("path", checkpoint)):
+        off = hf_scatter.offload(model, gpu_memory="1GiB", device=device, group=group, progress=False,
+                                 policy=Policy(3, 2, weights_gpu_fraction=0.5, gpus=WORLD))
+        out[name] = torch.equal(off.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
+                                             progress=False).cpu(), vanilla)
+        off.close()
+    out["span"] = spans[0]
+    return out
 
 
 def _rank_results(rank: int, device: str) -> dict:
@@ -111,7 +144,7 @@ def _rank_results(rank: int, device: str) -> dict:
     return out
 
 
-def _worker(rank: int, init_file: str, out: str, backend: str, device: str) -> None:
+def _worker(rank: int, init_file: str, out: str, backend: str, device: str, root: str) -> None:
     os.environ["HF_SCATTER_KERNELS"] = "torch" if device == "cpu" else os.environ.get("HF_SCATTER_KERNELS", "auto")
     torch.set_num_threads(1)
     if device == "cuda":
@@ -122,6 +155,7 @@ def _worker(rank: int, init_file: str, out: str, backend: str, device: str) -> N
                             timeout=datetime.timedelta(seconds=300))
     try:
         results = _rank_results(rank, device)
+        results["turns"] = _loaded_in_turns(rank, device, root, dist.group.WORLD)
     finally:
         dist.destroy_process_group()
     with open(f"{out}.{rank}", "w") as f:
@@ -130,7 +164,8 @@ def _worker(rank: int, init_file: str, out: str, backend: str, device: str) -> N
 
 def _run(tmp_path, backend: str, device: str) -> list[dict]:
     out = str(tmp_path / "out")
-    mp.start_processes(_worker, args=(str(tmp_path / "init"), out, backend, device), nprocs=WORLD,
+    BUILDERS["mixtral"]().save_pretrained(tmp_path / "mixtral")
+    mp.start_processes(_worker, args=(str(tmp_path / "init"), out, backend, device, str(tmp_path)), nprocs=WORLD,
                        start_method="spawn", join=True)
     return [json.load(open(f"{out}.{r}")) for r in range(WORLD)]
 
@@ -156,6 +191,10 @@ def _check(ranks: list[dict]) -> None:
     for family, why in REFUSED.items():
         for r in ranks:
             assert "cannot be offloaded over several GPUs" in r[family] and why in r[family], r[family]
+    turns = [r["turns"] for r in ranks]
+    assert all(t["loader"] and t["path"] for t in turns), turns
+    (a0, b0), (a1, b1) = turns[0]["span"], turns[1]["span"]
+    assert b0 <= a1, turns  # rank 1 loaded after rank 0 had finished (one whole model in host memory at a time)
     for r in ranks:
         assert "1 KV heads, 95 expert columns" in r["odd"] and "a GPU count that divides them" in r["odd"], r["odd"]
         assert r["one_gpu_policy"].startswith("PlanError") and "gpus=2" in r["one_gpu_policy"]

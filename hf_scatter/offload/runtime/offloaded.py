@@ -108,9 +108,9 @@ def offload(model, gpu_memory: int | float | str = "16GiB", cpu_memory: int | fl
             policy: Policy | None = None, device: str | torch.device = "cuda", *, profile=None,
             workload: Workload | None = None, release_weights: bool = True, progress: bool = True,
             group=None) -> "OffloadedModel":
-    """Prepare ``model`` (a causal LM on the CPU of a family in ``offloaded_model_types()``, or a checkpoint path
-    loaded onto the CPU) for offloaded generation within ``gpu_memory`` of device memory and ``cpu_memory`` of
-    host memory.
+    """Prepare ``model`` (a causal LM on the CPU of a family in ``offloaded_model_types()``, a checkpoint path
+    loaded onto the CPU, or a function of no arguments returning such a model) for offloaded generation within
+    ``gpu_memory`` of device memory and ``cpu_memory`` of host memory.
 
     ``policy``: a :class:`Policy`; default: the HRM's best for ``workload`` (default prompts of 512 tokens,
     64 new) on ``profile`` (a :class:`HardwareProfile`, a known name or a JSON path; default this
@@ -122,7 +122,9 @@ def offload(model, gpu_memory: int | float | str = "16GiB", cpu_memory: int | fl
     --nproc_per_node N``, each process on its own ``torch.cuda.set_device``), which then split every layer
     (tensor parallelism: each GPU holds and streams its share of every weight, attends its heads on the CPU, and
     the hidden states are all-reduced twice per layer). Every rank calls ``offload`` and ``generate`` with the
-    same arguments and gets the same tokens. ``gpu_memory`` is per GPU, ``cpu_memory`` the whole host's.
+    same arguments and gets the same tokens. ``gpu_memory`` is per GPU, ``cpu_memory`` the whole host's. Given a
+    path or a loader, the ranks load one after the other, each keeping its share and freeing the rest, so the host
+    holds one whole model at a time (a model object passed in is already whole in every process).
     """
     shard = Shard.of(group)
     if policy is not None and not isinstance(policy, Policy):
@@ -134,6 +136,17 @@ def offload(model, gpu_memory: int | float | str = "16GiB", cpu_memory: int | fl
     _check_group_call(shard, device, model, {
         "gpu_memory": gpu_memory, "cpu_memory": cpu_memory, "policy": policy, "workload": workload,
         "profile": getattr(profile, "name", profile), "release_weights": release_weights})
+    def build(model):
+        model, chosen, plan, cpu_budget, prof = _plan(model, shard, device, gpu_memory, cpu_memory, policy, profile,
+                                                      workload)
+        return OffloadedModel(model, chosen, plan, device, cpu_budget, prof, release_weights, progress)
+
+    if not isinstance(model, torch.nn.Module) and not shard.whole:
+        # loaded here: one rank at a time loads the whole model, keeps its share and frees the rest, so the host
+        # holds one model at a time instead of one per GPU
+        built = _together(shard, lambda: build(model), in_turns=True)
+        _check_same_plan(shard, built.policy, built.plan, built.cpu_budget, built)
+        return built
     # in a group, a rank that fails raises on every rank (none is left in a collective waiting for it)
     model, policy, plan, cpu_budget, prof = _together(shard, lambda: _plan(
         model, shard, device, gpu_memory, cpu_memory, policy, profile, workload))
@@ -144,12 +157,16 @@ def offload(model, gpu_memory: int | float | str = "16GiB", cpu_memory: int | fl
 
 def _plan(model, shard: Shard, device: torch.device, gpu_memory, cpu_memory, policy: Policy | None, profile,
           workload: Workload | None):
-    """The model (loaded where a path was given), its policy and device plan, this rank's host budget and the
-    profile: everything :func:`offload` decides before any weight moves."""
+    """The model (loaded where a path or a loader was given), its policy and device plan, this rank's host budget
+    and the profile: everything :func:`offload` decides before any weight moves."""
     if isinstance(model, (str, os.PathLike)):
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(model, dtype="auto")
+    elif callable(model) and not isinstance(model, torch.nn.Module):
+        loader, model = model, model()
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"the model loader {loader!r} returned {type(model).__name__}, not a causal LM module")
     if any(p.is_meta for p in model.parameters()):
         raise ValueError("the model's weights are on the meta device: an earlier hf_scatter.offload(model) moved them "
                          "into its OffloadedModel (release_weights=True, the default), or the model was built "
@@ -601,7 +618,10 @@ def _check_group_call(shard: Shard, device: torch.device, model, arguments: dict
 
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL's collectives, this one first, run on the current device
-    config = model if isinstance(model, (str, os.PathLike)) else model.config.to_json_string()
+    if isinstance(model, torch.nn.Module):
+        config = model.config.to_json_string()
+    else:  # a checkpoint path, or a loader (its name: each process has its own function object)
+        config = os.fspath(model) if isinstance(model, (str, os.PathLike)) else getattr(model, "__qualname__", "")
     mine = {"arguments": repr(sorted(arguments.items())), "model": hashlib.sha256(str(config).encode()).hexdigest(),
             "host": socket.gethostname(), "gpu": device.index if device.type == "cuda" else None}
     every = [None] * shard.size
@@ -620,17 +640,26 @@ def _check_group_call(shard: Shard, device: torch.device, model, arguments: dict
                          "process its own device (torch.cuda.set_device(local_rank) before offload, or device=)")
 
 
-def _together(shard: Shard, build):
-    """``build()`` on every rank of ``shard``'s group; if it raised on any rank, every rank raises (that rank its
-    own error, the others one naming it), after freeing what it built."""
+def _together(shard: Shard, build, in_turns: bool = False):
+    """``build()`` on every rank of ``shard``'s group (``in_turns``: one rank after the other, rank 0 first); if it
+    raised on any rank, every rank raises (that rank its own error, the others one naming it), after freeing what
+    it built."""
     if shard.whole:
         return build()
+    import gc
+
     import torch.distributed as dist
 
-    try:
-        result, error = build(), None
-    except Exception as e:  # shared with the other ranks, then raised here unchanged
-        result, error = None, e
+    result = error = None
+    for turn in range(shard.size if in_turns else 1):
+        if not in_turns or turn == shard.rank:
+            try:
+                result = build()
+            except Exception as e:  # shared with the other ranks, then raised here unchanged
+                error = e
+            gc.collect()  # what the turn loaded and released, freed before the next rank loads
+        if in_turns:
+            dist.barrier(group=shard.group)
     every = [None] * shard.size
     dist.all_gather_object(every, None if error is None else f"{type(error).__name__}: {error}", group=shard.group)
     if error is not None:
@@ -656,16 +685,22 @@ def _seed_from_rank_zero(shard: Shard) -> int:
     return value[0]
 
 
-def _check_same_plan(shard: Shard, policy: Policy, plan: DevicePlan, cpu_budget: int) -> None:
+def _check_same_plan(shard: Shard, policy: Policy, plan: DevicePlan, cpu_budget: int, built=None) -> None:
     """Every rank must run the same program (the same batches, chunks and groups, so the same all-reduces): their
-    plans are compared here, before any weight moves, rather than left to hang in a collective."""
-    _check_ranks_agree(shard, {
-        "batch_size": policy.batch_size, "micro_batch_size": policy.micro_batch_size,
-        "routed_experts": policy.routed_experts, "weights_gpu_fraction": plan.layout.fraction,
-        "chunk_tokens": plan.chunk_tokens, "group_tokens": plan.group_tokens, "available": plan.available,
-        "host_bytes": plan.layout.host_bytes, "cpu_budget": cpu_budget},
-        "planned differently", "pass the same model, gpu_memory, cpu_memory, policy and profile on every rank (if "
-        "they were the same, this is a bug of hf-scatter)")
+    plans are compared here, before any weight moves (``built``: after, when the ranks loaded in turns; it is
+    closed if they differ), rather than left to hang in a collective."""
+    try:
+        _check_ranks_agree(shard, {
+            "batch_size": policy.batch_size, "micro_batch_size": policy.micro_batch_size,
+            "routed_experts": policy.routed_experts, "weights_gpu_fraction": plan.layout.fraction,
+            "chunk_tokens": plan.chunk_tokens, "group_tokens": plan.group_tokens, "available": plan.available,
+            "host_bytes": plan.layout.host_bytes, "cpu_budget": cpu_budget},
+            "planned differently", "pass the same model, gpu_memory, cpu_memory, policy and profile on every rank "
+            "(if they were the same, this is a bug of hf-scatter)")
+    except RuntimeError:
+        if built is not None:
+            built.close()
+        raise
 
 
 def _check_ranks_agree(shard: Shard, mine: dict, what: str, fix: str) -> None:
