@@ -537,6 +537,18 @@ def test_memory_per_gpu_holds_its_share_of_weights_and_kv_and_all_activations():
     assert {k: v.at(0.5, 0.5) for k, v in cpu2.items()} == {k: v.at(0.5, 0.5) for k, v in cpu1.items()}
 
 
+def test_host_memory_delivers_at_least_the_measured_copies_to_every_gpu_at_once():
+    """One GPU's copy beside a CPU copy measured 65 GB/s of host memory, but copies to two GPUs at once ran at
+    105 GB/s: the group's host-memory roof is the 105 seen, not the 65 (unmeasured links leave it alone)."""
+    from hf_scatter.offload.plan.hrm import HierarchicalRoofline
+
+    host = two_gpu_host(h2d_pinned=54e9, host_dram_bandwidth=65e9, h2d_pinned_concurrent=[[2, 105e9]])
+    assert HierarchicalRoofline(host, 2).host_dram_bandwidth == pytest.approx(105e9)
+    assert HierarchicalRoofline(host, 1).host_dram_bandwidth == pytest.approx(65e9)
+    unmeasured = dataclasses.replace(host, h2d_pinned_concurrent=[])
+    assert HierarchicalRoofline(unmeasured, 2).host_dram_bandwidth == pytest.approx(65e9)
+
+
 def test_a_shared_host_switch_is_read_from_the_concurrent_copy_measurement():
     from hf_scatter.offload.plan.tensor_parallel import TensorParallel
 

@@ -39,6 +39,7 @@ class TensorParallel:
     link_scale: float  # host->device bandwidth of the group over one GPU's (gpus where the links are independent)
     allreduce_bus_bandwidth: float  # bytes/s, NCCL's bus bandwidth: 2 (N - 1) / N x size / time
     allreduce_latency_s: float
+    links_measured: bool = False  # link_scale comes from copies to these GPUs at once on this host
 
     def allreduce_seconds(self, nbytes: float) -> float:
         """One all-reduce of ``nbytes`` over the group (ring): nothing on one GPU."""
@@ -58,7 +59,8 @@ class TensorParallel:
             return cls(1, 1.0, math.inf, 0.0), []
         assumed = []
         scale = _link_scale(profile, gpus)
-        if scale is None:
+        measured = scale is not None
+        if not measured:
             scale = float(gpus)
             assumed.append("h2d_pinned_concurrent (each GPU's host link taken as independent: not measured)")
         bus = profile.allreduce_bus_bandwidth
@@ -69,7 +71,7 @@ class TensorParallel:
         if latency is None:
             latency = ALLREDUCE_LATENCY_S
             assumed.append("allreduce_latency_s (20 us assumed: not measured)")
-        return cls(int(gpus), scale, bus, latency), assumed
+        return cls(int(gpus), scale, bus, latency, measured), assumed
 
 
 def _link_scale(profile: HardwareProfile, gpus: int) -> float | None:
@@ -84,8 +86,10 @@ def _link_scale(profile: HardwareProfile, gpus: int) -> float | None:
 
 def group_profile(profile: HardwareProfile, tp: TensorParallel) -> HardwareProfile:
     """``profile`` with its GPU widened to the group: compute, HBM bandwidth, memory and attention bandwidth
-    times ``N``, the host links at their aggregate; the CPU, host memory and per-op overheads unchanged (each
-    rank launches its own kernels in parallel)."""
+    times ``N``, the host links at their aggregate; the CPU and per-op overheads unchanged (each rank launches its
+    own kernels in parallel). Host memory is shared too, but where copies to the group's GPUs at once were
+    measured, it delivered at least their aggregate: the host-memory roof (measured with one GPU's copies beside a
+    CPU copy) is raised to that, not left below what was seen."""
     if tp.gpus == 1:
         return profile
     n = tp.gpus
@@ -93,12 +97,15 @@ def group_profile(profile: HardwareProfile, tp: TensorParallel) -> HardwareProfi
     def times(value, k):
         return None if value is None else value * k
 
+    host_dram = profile.host_dram_bandwidth
+    if host_dram is not None and tp.links_measured and profile.h2d_pinned:
+        host_dram = max(host_dram, profile.h2d_pinned * tp.link_scale)
     return dataclasses.replace(
         profile, name=f"{n} x {profile.name}",
         gpu_flops=times(profile.gpu_flops, n), gpu_bandwidth=times(profile.gpu_bandwidth, n),
         gpu_memory=times(profile.gpu_memory, n), gpu_attention_bandwidth=times(profile.gpu_attention_bandwidth, n),
         h2d_pinned=times(profile.h2d_pinned, tp.link_scale), d2h_pinned=times(profile.d2h_pinned, tp.link_scale),
-        duplex_pinned=times(profile.duplex_pinned, tp.link_scale))
+        duplex_pinned=times(profile.duplex_pinned, tp.link_scale), host_dram_bandwidth=host_dram)
 
 
 def check_divisible(model, gpus: int) -> None:
