@@ -205,10 +205,12 @@ def test_torch_compile_fullgraph_smoe_mlp(device):
 def test_torch_fallback_is_selected_visibly(monkeypatch, device):
     from hf_scatter.kernels import backend
 
-    # A CPU machine without the interpreter: the reference path runs and says so, once per op.
+    # The kernels asked for (HF_SCATTER_KERNELS=triton) where they cannot run (no GPU, no interpreter): the
+    # reference path runs and says so, once per op.
     with monkeypatch.context() as m:
-        m.setattr(backend, "triton_interpreted", lambda: False)
+        m.setattr(backend, "kernels_enabled", lambda: False)
         m.setattr(backend, "_warned", set())
+        m.setenv("HF_SCATTER_KERNELS", "triton")
         x = torch.randn(5, 8)
         assert backend.kernel_path(x.device) == "torch"
         with pytest.warns(RuntimeWarning, match="pure-torch reference path"):
@@ -216,6 +218,12 @@ def test_torch_fallback_is_selected_visibly(monkeypatch, device):
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # only once per op
             assert backend.use_triton(x, "scatter2scatter") is False
+        if not torch.cuda.is_available():  # not asked for, on a machine without a GPU: the designed path, silent
+            m.delenv("HF_SCATTER_KERNELS")
+            m.setattr(backend, "_warned", set())
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                assert backend.use_triton(x, "scatter2scatter") is False
     # The forced reference path computes the same function as the kernels on this machine.
     mlp = GLUMLP(3, 8, 12).to(device)
     x = torch.randn(5, 8, device=device)
