@@ -171,8 +171,11 @@ def run_rank(*, model: str, layers: int, published_layers: int, new_tokens: int,
         result = offloaded.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, return_dict=True,
                                     progress=progress and rank == 0)
         stats = {k: v for k, v in result.stats.items() if k != "trace"}
+        # the whole GPU's use: the CUDA context and NCCL's buffers too (GPU 0: the profiling parent's context)
+        free, total = torch.cuda.mem_get_info()
         mine = {"rank": rank, **stats, "max_memory_allocated": torch.cuda.max_memory_allocated(),
-                "max_memory_reserved": torch.cuda.max_memory_reserved(), "offload_s": offload_s,
+                "max_memory_reserved": torch.cuda.max_memory_reserved(), "device_used_after": total - free,
+                "offload_s": offload_s,
                 "host_weight_bytes": offloaded.store.layout.host_bytes,
                 "device_weight_bytes": offloaded.store.layout.device_bytes,
                 "tokens_digest": hash(tuple(map(tuple, result.tokens)))}
