@@ -136,6 +136,7 @@ def offload(model, gpu_memory: int | float | str = "16GiB", cpu_memory: int | fl
     _check_group_call(shard, device, model, {
         "gpu_memory": gpu_memory, "cpu_memory": cpu_memory, "policy": policy, "workload": workload,
         "profile": getattr(profile, "name", profile), "release_weights": release_weights})
+
     def build(model):
         model, chosen, plan, cpu_budget, prof = _plan(model, shard, device, gpu_memory, cpu_memory, policy, profile,
                                                       workload)
