@@ -26,10 +26,11 @@ import torch
 from .rows import Rows
 
 # How each named tensor of a layer splits. The queries, keys and values (a [q; k; v] stack) split by heads;
-# the output projection and a dense MLP's down projection by their input columns; a dense MLP's [gate; up] by
-# its intermediate rows; these biases are added to a partial sum, so once: rank 0's, zeros on the others.
+# the output projection (by heads) and the shared expert's down projection by their input columns; the shared
+# expert's [gate; up] by its intermediate rows; these biases are added to a partial sum, so once: rank 0's,
+# zeros on the others.
 SPLIT_QKV = frozenset({"qkv", "qkv_bias"})
-SPLIT_INPUT_COLUMNS = {"o": "heads", "shared_down": "shared"}
+SPLIT_INPUT_COLUMNS = frozenset({"o", "shared_down"})
 SPLIT_GATE_UP_ROWS = frozenset({"shared_gate_up", "shared_gate_up_bias"})
 ON_RANK_ZERO = frozenset({"o_bias", "down_bias", "shared_down_bias"})
 # whole on every rank: norms, routers, the shared expert's gate ([1, H]); per-head q/k norms are checked to be
