@@ -39,6 +39,16 @@ REPLICATED = frozenset({"norm", "post_norm", "q_norm", "k_norm", "router", "rout
                         "score_bias"})
 
 
+def indivisible(spec, gpus: int) -> list[str]:
+    """The counts of ``spec`` (a :class:`~.spec.ModelSpec`) that ``gpus`` ranks cannot split evenly, as "8 KV
+    heads": query heads, KV heads, expert columns, shared expert columns. The runtime and the planner refuse
+    the same models with it."""
+    parts = {"query heads": spec.heads, "KV heads": spec.kv_heads, "expert columns": spec.intermediate}
+    if spec.shared_intermediate:
+        parts["shared expert columns"] = spec.shared_intermediate
+    return [f"{count} {what}" for what, count in parts.items() if count % gpus]
+
+
 @dataclass(frozen=True)
 class Shard:
     """This process's part of a tensor-parallel group: ``rank`` of ``size``, all-reducing over ``group`` (a
@@ -77,10 +87,7 @@ class Shard:
         """Refuses, naming the count, a model whose heads, KV heads or expert columns do not split evenly."""
         if self.whole:
             return
-        parts = {"query heads": dims.heads, "KV heads": dims.kv_heads, "expert columns": dims.intermediate}
-        if dims.shared_intermediate:
-            parts["shared expert columns"] = dims.shared_intermediate
-        odd = [f"{count} {what}" for what, count in parts.items() if count % self.size]
+        odd = indivisible(dims, self.size)
         if odd:
             raise ValueError(f"tensor parallelism over {self.size} GPUs splits the heads and the experts' columns, "
                              f"but this {model_type} model has {', '.join(odd)}: use a GPU count that divides them")

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..families.registry import tensor_parallel_refusal
+from ..families.sharding import indivisible
 from .profile import HardwareProfile
 
 # Assumptions where the profile has no multi-GPU measurement (each listed as uncalibrated where used): NVLink 4
@@ -116,10 +117,7 @@ def check_divisible(model, gpus: int) -> None:
     refusal = tensor_parallel_refusal(model.family)
     if refusal:
         raise ValueError(f"{model.name} cannot run over {gpus} GPUs: {refusal}; plan for one GPU")
-    parts = {"query heads": model.heads, "KV heads": model.kv_heads, "expert columns": model.intermediate}
-    if model.shared_intermediate:
-        parts["shared expert columns"] = model.shared_intermediate
-    odd = [f"{count} {what}" for what, count in parts.items() if count % gpus]
+    odd = indivisible(model, gpus)
     if odd:
         raise ValueError(f"tensor parallelism over {gpus} GPUs splits the heads and the experts' columns, but "
                          f"{model.name} has {', '.join(odd)}: plan for a GPU count that divides them")
