@@ -658,7 +658,8 @@ def _together(shard: Shard, build, in_turns: bool = False):
                 result = build()
             except Exception as e:  # shared with the other ranks, then raised here unchanged
                 error = e
-            gc.collect()  # what the turn loaded and released, freed before the next rank loads
+            if in_turns:
+                gc.collect()  # what the turn loaded and released, freed before the next rank loads
         if in_turns:
             dist.barrier(group=shard.group)
     every = [None] * shard.size
