@@ -549,6 +549,21 @@ def test_host_memory_delivers_at_least_the_measured_copies_to_every_gpu_at_once(
     assert HierarchicalRoofline(unmeasured, 2).host_dram_bandwidth == pytest.approx(65e9)
 
 
+def test_cpu_attention_of_a_group_runs_on_the_threads_its_ranks_keep():
+    """Each rank keeps its share of the cores less one for its GPU's driver and one for NCCL's polling proxy:
+    4 ranks on 64 cores attend with 4 x 14 threads where one process had 63, so the planner's attention is
+    63/56 slower (the measured rate, per thread, is unchanged)."""
+    from hf_scatter.offload.plan.hrm import HierarchicalRoofline
+    from hf_scatter.offload.plan.tensor_parallel import attention_threads
+
+    assert [attention_threads(64, n) for n in (1, 2, 4)] == [63, 30, 14] and attention_threads(2, 4) == 1
+    host = two_gpu_host(gpus=4, cpu_cores=64, cpu_attention=[
+        {"batch": 64, "context": c, "q_heads": 32, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2,
+         "seconds": c * 1e-5} for c in (256, 1024)])
+    one, four = (HierarchicalRoofline(host, n).cpu_attention_rate(512)[0] for n in (1, 4))
+    assert one / four == pytest.approx(63 / 56)
+
+
 def test_a_shared_host_switch_is_read_from_the_concurrent_copy_measurement():
     from hf_scatter.offload.plan.tensor_parallel import TensorParallel
 
@@ -564,12 +579,13 @@ def test_a_shared_host_switch_is_read_from_the_concurrent_copy_measurement():
 def test_plan_over_gpus_grows_and_says_where_the_bottleneck_moves():
     """Mixtral-8x7B in 16 GiB per GPU on the H100 host anchors, as the CGOPipe runtime places it: one GPU is
     bound by the link; two and four stream each share over their own link and keep more weights resident in
-    their aggregate memory, until the shared CPU's attention binds. Each plan fits each GPU's budget and names
-    the multi-GPU terms it assumed."""
+    their aggregate memory, until the shared CPU's attention binds: on this 16-core host four ranks keep 8
+    attention threads of one process's 15, so four GPUs plan below two. Each plan fits each GPU's budget and
+    names the multi-GPU terms it assumed."""
     plans = {n: search_policy(MIXTRAL, ANCHORS, Workload(512, 64), "16GiB", gpus=n, placements=[(False, True)])
              for n in (1, 2, 4)}
     rate = {n: p.prediction.tokens_per_s for n, p in plans.items()}
-    assert rate[1] < rate[2] <= rate[4]
+    assert rate[1] < rate[2] and rate[4] < rate[2]
     assert plans[1].bottleneck == "h2d" and plans[4].bottleneck == "cpu"
     assert plans[4].prediction.decode_layer.terms["h2d"] < plans[1].prediction.decode_layer.terms["h2d"] / 4
     for n, p in plans.items():

@@ -580,6 +580,36 @@ def test_cpu_attention_over_bucketed_cache_matches_plain_attention(window, with_
     assert length_buckets([10, 9, 8, 2]) == [(0, 3, 10), (3, 4, 2)]
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.bfloat16, 2 ** -7)])
+def test_fused_decode_with_sinks_matches_the_unfused_softmax(dtype, tol):
+    """The fused decode path (SDPA's CPU kernel, then each head rescaled by its sink) against a float64 softmax with
+    the sink column, over strided cache slices and a mask, odd sizes; in bf16 within 2^-7 (inputs and output
+    each rounded at 2^-9, values of order one)."""
+    from hf_scatter.offload.runtime import attention
+
+    if attention._FUSED_WITH_LSE is None:
+        pytest.skip("this torch build has no fused CPU attention returning the log-sum-exp")
+    torch.manual_seed(3)
+    n, H, Hkv, d, cap, S = 5, 6, 2, 16, 13, 11
+    q = torch.randn(n, H, d, dtype=torch.float64)
+    k_cache, v_cache = torch.randn(2, n, Hkv, cap, d, dtype=torch.float64)
+    mask = torch.rand(n, S) > 0.3
+    mask[:, -1] = True  # every row sees its own key
+    sinks = torch.randn(H) * 2
+    k = k_cache[:, :, 1:S + 1].repeat_interleave(H // Hkv, dim=1)  # [n, H, S, d]: query head h reads h // G
+    v = v_cache[:, :, 1:S + 1].repeat_interleave(H // Hkv, dim=1)
+    for m in (mask, None):
+        scores = torch.einsum("nhd,nhsd->nhs", q, k) / math.sqrt(d)
+        if m is not None:
+            scores = scores.masked_fill(~m[:, None, :], float("-inf"))
+        with_sink = torch.cat([scores, sinks.double().view(1, H, 1).expand(n, H, 1)], -1)
+        ref = torch.einsum("nhs,nhsd->nhd", with_sink.softmax(-1)[..., :-1], v)
+        out = attention.decode_attention(q.to(dtype), k_cache[:, :, 1:S + 1].to(dtype),
+                                         v_cache[:, :, 1:S + 1].to(dtype), m, sinks)
+        assert out.dtype == dtype and out.shape == (n, H, d)
+        torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("window, with_sinks", [(None, False), (5, False), (None, True), (5, True)])
 def test_prompt_attention_with_windows_and_sinks_matches_the_reference(window, with_sinks):
     """The prefill's attention within each prompt of a chunk, in blocks of queries small enough that the

@@ -202,9 +202,9 @@ def run(layers: int = 12, new_tokens: int = 128, requests: int = 1024, gpu_memor
                   gpu_memory=gpu_memory, profile=profile, progress=progress)
     try:
         if gpus:
-            return offload_gpus.run_counts(sorted(set(gpus)), **shared)
+            return offload_gpus.run_counts(sorted(set(gpus)), trace=trace, **shared)
         if under_torchrun():
-            return offload_gpus.run_rank(**shared)
+            return offload_gpus.run_rank(trace=trace, **shared)
         if routed_batches:
             return _run_routed(layers, new_tokens, gpu_memory, profile, progress, model, published,
                                sorted(set(routed_batches)))

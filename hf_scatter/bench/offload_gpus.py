@@ -30,8 +30,9 @@ NCCL_DEFAULTS = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
 
 
 def run_counts(counts: list[int], *, model: str, layers: int, published_layers: int, new_tokens: int, requests: int,
-               gpu_memory, profile: str | None, progress: bool) -> dict:
-    """One torchrun per GPU count in ``counts``; their reports side by side."""
+               gpu_memory, profile: str | None, progress: bool, trace: str | None = None) -> dict:
+    """One torchrun per GPU count in ``counts``; their reports side by side. ``trace``: each count writes one
+    Chrome trace per rank beside it (``<trace>.gpus<N>.rank<R>.json``)."""
     from ..offload import ModelSpec, measure_profile
 
     require_cuda()
@@ -54,6 +55,9 @@ def run_counts(counts: list[int], *, model: str, layers: int, published_layers: 
                        "-m", "hf_scatter.cli", "bench", "offload", "--model", model, "--layers", str(layers),
                        "--new-tokens", str(new_tokens), "--requests", str(requests), "--gpu-memory", str(gpu_memory),
                        "--profile", profile, "--out", out]
+            if trace:
+                root, ext = os.path.splitext(trace)
+                command += ["--trace", f"{root}.gpus{n}{ext or '.json'}"]
             # torchrun gives each process one OpenMP thread unless told: the CPU attention wants the host's share
             env = {**NCCL_DEFAULTS, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n)), **os.environ}
             jobs.append((n, command, env, out))
@@ -134,9 +138,10 @@ def _report(header: dict, rows: list[dict], *, gpu_memory, **fields) -> dict:
 
 
 def run_rank(*, model: str, layers: int, published_layers: int, new_tokens: int, requests: int, gpu_memory,
-             profile: str | None, progress: bool) -> dict | None:
+             profile: str | None, progress: bool, trace: str | None = None) -> dict | None:
     """This process's part of one GPU count under torchrun; rank 0 returns the report of that count alone (None
-    elsewhere)."""
+    elsewhere). ``trace``: each rank writes its Chrome trace (``<trace>.rank<R>.json``); its summary goes in
+    the report."""
     import torch.distributed as dist
 
     import hf_scatter
@@ -169,8 +174,8 @@ def run_rank(*, model: str, layers: int, published_layers: int, new_tokens: int,
         offloaded.generate(ids[:warm], attention_mask=mask[:warm], max_new_tokens=3, progress=False)  # kernels
         dist.barrier()
         result = offloaded.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, return_dict=True,
-                                    progress=progress and rank == 0)
-        stats = {k: v for k, v in result.stats.items() if k != "trace"}
+                                    progress=progress and rank == 0, trace=trace)
+        stats = dict(result.stats)
         # the whole GPU's use: the CUDA context and NCCL's buffers too (GPU 0: the profiling parent's context)
         free, total = torch.cuda.mem_get_info()
         mine = {"rank": rank, **stats, "max_memory_allocated": torch.cuda.max_memory_allocated(),

@@ -85,10 +85,19 @@ def _link_scale(profile: HardwareProfile, gpus: int) -> float | None:
     return float(np.interp(gpus, counts, rates)) / profile.h2d_pinned
 
 
+def attention_threads(cores: int, ranks: int = 1) -> int:
+    """Intra-op threads of one process's CPU attention when ``ranks`` processes share ``cores``: its share, less one
+    core for the thread driving its GPU and, in a group, one for NCCL's proxy thread (which polls). Filling every
+    core made each OpenMP region wait on descheduled threads: 4 ranks x 16 threads on 64 cores ran decode
+    attention 2.5-6x slower than one process with 63 (H100 x4 host, 2026-11)."""
+    reserved = 1 if ranks == 1 else 2
+    return max(1, int(cores) // int(ranks) - reserved)
+
+
 def group_profile(profile: HardwareProfile, tp: TensorParallel) -> HardwareProfile:
     """``profile`` with its GPU widened to the group: compute, HBM bandwidth, memory and attention bandwidth
-    times ``N``, the host links at their aggregate; the CPU and per-op overheads unchanged (each rank launches its
-    own kernels in parallel). Host memory is shared too, but where copies to the group's GPUs at once were
+    times ``N``, the host links at their aggregate; CPU attention slower by the threads the ranks give up
+    (:func:`attention_threads`); per-op overheads unchanged (each rank launches its own kernels in parallel). Host memory is shared too, but where copies to the group's GPUs at once were
     measured, it delivered at least their aggregate: the host-memory roof (measured with one GPU's copies beside a
     CPU copy) is raised to that, not left below what was seen."""
     if tp.gpus == 1:
@@ -101,12 +110,17 @@ def group_profile(profile: HardwareProfile, tp: TensorParallel) -> HardwareProfi
     host_dram = profile.host_dram_bandwidth
     if host_dram is not None and tp.links_measured and profile.h2d_pinned:
         host_dram = max(host_dram, profile.h2d_pinned * tp.link_scale)
+    # CPU attention was measured with one process's threads; the group's ranks have fewer between them
+    cores = profile.cpu_cores or 1
+    slower = attention_threads(cores) / (n * attention_threads(cores, n))
+    cpu_attention = [{**point, "seconds": point["seconds"] * slower} for point in profile.cpu_attention]
     return dataclasses.replace(
         profile, name=f"{n} x {profile.name}",
         gpu_flops=times(profile.gpu_flops, n), gpu_bandwidth=times(profile.gpu_bandwidth, n),
         gpu_memory=times(profile.gpu_memory, n), gpu_attention_bandwidth=times(profile.gpu_attention_bandwidth, n),
         h2d_pinned=times(profile.h2d_pinned, tp.link_scale), d2h_pinned=times(profile.d2h_pinned, tp.link_scale),
-        duplex_pinned=times(profile.duplex_pinned, tp.link_scale), host_dram_bandwidth=host_dram)
+        duplex_pinned=times(profile.duplex_pinned, tp.link_scale), host_dram_bandwidth=host_dram,
+        cpu_attention=cpu_attention)
 
 
 def check_divisible(model, gpus: int) -> None:

@@ -47,11 +47,35 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     n, H, d = q.shape
     Hkv = k.shape[1]
     if sinks is not None:
-        allowed = None if mask is None else mask.view(n, 1, 1, 1, -1)
-        return sink_attention(q.view(n, Hkv, H // Hkv, 1, d), k, v, allowed, sinks, scale).reshape(n, H, d)
+        if _FUSED_WITH_LSE is None or q.device.type != "cpu":
+            allowed = None if mask is None else mask.view(n, 1, 1, 1, -1)
+            return sink_attention(q.view(n, Hkv, H // Hkv, 1, d), k, v, allowed, sinks, scale).reshape(n, H, d)
+        return _fused_sink_decode(q.view(n, Hkv, H // Hkv, d), k, v, mask, sinks, scale).reshape(n, H, d)
     out = F.scaled_dot_product_attention(q.reshape(n, Hkv, H // Hkv, d), k, v,
                                          attn_mask=None if mask is None else mask.view(n, 1, 1, -1), scale=scale)
     return out.reshape(n, H, d)
+
+
+# SDPA's fused CPU kernel, which also returns each query's log-sum-exp of its scores (torch >= 2.3; private, so
+# looked up once and the unfused reference used where a build lacks it)
+_FUSED_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _fused_sink_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                       sinks: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """:func:`sink_attention` for one query per row, in one fused pass over the cache: attention without the sink,
+    then each head rescaled by ``exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink)``, which is what the sink
+    adds to the softmax's denominator. The unfused form copies every K/V slice for its matmuls and runs five
+    thread-team regions per call, which dominated decode on hosts of many cores. ``q`` [n, Hkv, G, d], ``k``/``v``
+    [n, Hkv, S, d] (strided slices of the cache are fine), ``mask`` [n, S] bool or None; returns [n, Hkv, G, d]."""
+    n, Hkv, G, _ = q.shape
+    bias = None  # the kernel takes an additive mask of the query's dtype
+    if mask is not None:
+        bias = torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, float("-inf")).view(n, 1, 1, -1)
+    out, lse = _FUSED_WITH_LSE(q, k, v, attn_mask=bias, scale=scale)  # [n, Hkv, G, d], lse [n, Hkv, G]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    keep = torch.sigmoid(lse.to(acc) - sinks.to(acc).view(1, Hkv, G))  # [n, Hkv, G]
+    return (out.to(acc) * keep.unsqueeze(-1)).to(v.dtype)
 
 
 def window_start(position: int, window: int | None) -> int:

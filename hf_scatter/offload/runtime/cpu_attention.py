@@ -25,6 +25,7 @@ import torch
 
 from ..families.adapter import LayerAttention
 from ..plan.attention_buckets import BucketCosts
+from ..plan.tensor_parallel import attention_threads as threads_per_rank
 from .attention import decode_attention, visible_keys, window_start
 
 @dataclass
@@ -130,11 +131,11 @@ class KVCache:
             out[a:e].view(n, H, d).copy_(o)
 
 
-def attention_threads(profile=None) -> int:
-    """Intra-op threads for CPU attention: the profile's cores (else this machine's), one left to the
-    thread that drives the GPU."""
+def attention_threads(profile=None, ranks: int = 1) -> int:
+    """Intra-op threads for CPU attention in one of ``ranks`` processes sharing the profile's cores (else this
+    machine's): :func:`~hf_scatter.offload.plan.tensor_parallel.attention_threads`."""
     cores = getattr(profile, "cpu_cores", None) or os.cpu_count() or 1
-    return max(1, int(cores) - 1)
+    return threads_per_rank(cores, ranks)
 
 
 def _init_worker(threads: int) -> None:

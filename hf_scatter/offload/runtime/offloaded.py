@@ -217,7 +217,7 @@ class OffloadedModel:
         self.dtype = self.other["embed"].dtype
         self.streams = Streams(device)
         # the host's cores shared by the group's processes, each attending its own heads
-        self.worker = AttentionWorker(max(1, attention_threads(profile) // self.shard.size))
+        self.worker = AttentionWorker(attention_threads(profile, self.shard.size))
         self.streamer = WeightStreamer(self.store, self.streams, NullTracer())
         self.pipe = CGOPipe(self.adapter, self.streamer, self.other, self.rotary, self.streams, self.worker,
                             StagingBuffers(pin=device.type == "cuda"), plan.chunk_tokens, plan.group_tokens,
