@@ -580,6 +580,40 @@ def test_cpu_attention_over_bucketed_cache_matches_plain_attention(window, with_
     assert length_buckets([10, 9, 8, 2]) == [(0, 3, 10), (3, 4, 2)]
 
 
+@pytest.mark.parametrize("latent", [False, True])
+def test_prompt_stores_land_in_each_rows_cache_slots(latent):
+    """Prompts of equal length go in one copy per run; runs break at a chunk's edge and where prompts are not side
+    by side in the token buffer. Every row's slots hold its own keys (and values), the
+    slots past its prompt stay untouched."""
+    torch.manual_seed(1)
+    Hkv, d, new = 2, 4, 3
+    prompts = [9, 9, 9, 9, 7, 7, 3, 3, 3]  # longest first; 1.25x slack puts the 3s in a bucket of their own
+    cache = KVCache([[(p, p + new - 1) for p in prompts]], 2, Hkv, d, 4, torch.float32, values_are_keys=latent)
+    assert len(cache.buckets[0]) >= 2
+    width = (1 if latent else 2) * Hkv * d
+    sources = {}
+    # two chunks, the first ending inside the run of 9s; the second has a gap of garbage tokens between two rows
+    chunks = [[0, 1], [2, 3, 4, 5, 6, 7, 8]]
+    for rows in chunks:
+        spans, a = [], 0
+        for r in rows:
+            if r == 7:
+                a += 5  # tokens of no row, between two prompts of 3
+            spans.append((r, a, a + prompts[r]))
+            a += prompts[r]
+        kv = torch.randn(a, width)
+        cache.write_prompts(1, 0, spans, kv)
+        sources.update({r: kv[x:y] for r, x, y in spans})
+    for r, src in sources.items():
+        bucket, i = cache.row_bucket[0][r]
+        b, p = cache.buckets[0][bucket], prompts[r]
+        torch.testing.assert_close(b.k[1, i, :, :p], src[:, :Hkv * d].view(p, Hkv, d).transpose(0, 1), rtol=0, atol=0)
+        if not latent:
+            torch.testing.assert_close(b.v[1, i, :, :p], src[:, Hkv * d:].view(p, Hkv, d).transpose(0, 1), rtol=0,
+                                       atol=0)
+        assert not b.k[1, i, :, p:].any() and not b.k[0].any()
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.bfloat16, 2 ** -7)])
 def test_fused_decode_with_sinks_matches_the_unfused_softmax(dtype, tol):
     """The fused decode path (SDPA's CPU kernel, then each head rescaled by its sink) against a float64 softmax with

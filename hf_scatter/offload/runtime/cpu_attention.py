@@ -96,14 +96,29 @@ class KVCache:
         """Prompt keys/values of layer ``layer``: ``rows`` = (row in the micro-batch, first token, end token)
         into ``kv`` [tokens, 2 * kv_heads * head_dim] (keys, then values; the keys alone when they are the
         values)."""
-        kv_dim = self.kv_heads * self.head_dim
+        kv_dim, Hkv, d = self.kv_heads * self.head_dim, self.kv_heads, self.head_dim
+        # one copy per run of prompts of one length that sit side by side in ``kv`` and in one bucket (prompts come
+        # longest first, so a chunk has few runs): a copy per prompt, each a parallel region of every attention
+        # thread, made the CPU's prompt stores most of the prefill (3.1 of 4.5 s, 8 layers on the H100 host)
+        for bucket, i, a, g, p in self._runs(mb, rows):
+            cache, src = self.buckets[mb][bucket], kv[a:a + g * p]
+            cache.k[layer, i:i + g, :, :p].copy_(src[:, :kv_dim].view(g, p, Hkv, d).transpose(1, 2))
+            if not self.values_are_keys:
+                cache.v[layer, i:i + g, :, :p].copy_(src[:, kv_dim:].view(g, p, Hkv, d).transpose(1, 2))
+
+    def _runs(self, mb: int, rows: Sequence[tuple[int, int, int]]) -> list[tuple[int, int, int, int, int]]:
+        """``rows`` as runs (bucket, first row in it, first token, prompts, length): consecutive prompts of one
+        length, adjacent in the token buffer and in one bucket."""
+        runs: list[list[int]] = []
         for row, a, b in rows:
             bucket, i = self.row_bucket[mb][row]
-            cache = self.buckets[mb][bucket]
-            p = b - a
-            cache.k[layer, i, :, :p].copy_(kv[a:b, :kv_dim].view(p, self.kv_heads, self.head_dim).transpose(0, 1))
-            if not self.values_are_keys:
-                cache.v[layer, i, :, :p].copy_(kv[a:b, kv_dim:].view(p, self.kv_heads, self.head_dim).transpose(0, 1))
+            last = runs[-1] if runs else None
+            if last and last[0] == bucket and last[1] + last[3] == i and last[2] + last[3] * last[4] == a \
+                    and last[4] == b - a:
+                last[3] += 1
+            else:
+                runs.append([bucket, i, a, 1, b - a])
+        return [tuple(r) for r in runs]
 
     def attend(self, layer: int, mb: int, step: int, qkv: torch.Tensor, out: torch.Tensor) -> None:
         """Decode step ``step`` (0 = the first token after the prompt) of every row of micro-batch ``mb``:
