@@ -971,7 +971,7 @@ def breakdown_table(report: dict) -> str:
 
 
 def host_time_table(report: dict) -> str:
-    """A ``scripts/probe_train_host_time.py`` report (``$OUT/train-host.json``): the host's issue time of one
+    """A ``scripts/probes/probe_train_host_time.py`` report (``$OUT/train-host.json``): the host's issue time of one
     step, the GPU's work with the queue kept full, and the step as it runs."""
     rows = [[impl, f"{r['host_issue_ms']:.1f}", f"{r['gpu_ms_queue_full']:.1f}", f"{r['step_ms']:.1f}"]
             for impl, r in report.items()]

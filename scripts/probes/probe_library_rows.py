@@ -3,7 +3,7 @@ fwd and fwd+bwd of the experts with those products on our kernels and on the lib
 rows per expert, for the fine-grained shapes (GPU, bf16). The figures behind
 ``kernels/library_gemm.LIBRARY_MIN_ROWS_PER_EXPERT`` (docs/moe.md).
 
-    python3 scripts/probe_library_rows.py OUT.json
+    python3 scripts/probes/probe_library_rows.py OUT.json
 """
 import json
 import sys

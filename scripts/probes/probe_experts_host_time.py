@@ -7,8 +7,8 @@ small so the GPU finishes each call before Python has issued the next one: the t
 host's. ``wall_us`` (with the GPU waited for) far above ``host_us`` means the GPU, not the host, bounds it.
 
     mkdir -p build/probe-before && git archive BEFORE_COMMIT hf_scatter | tar -x -C build/probe-before
-    python scripts/probe_experts_host_time.py --src build/probe-before --json before.json
-    python scripts/probe_experts_host_time.py --json after.json           # this checkout (--src defaults to it)
+    python scripts/probes/probe_experts_host_time.py --src build/probe-before --json before.json
+    python scripts/probes/probe_experts_host_time.py --json after.json           # this checkout (--src defaults to it)
 
 The host of a virtualised GPU machine is noisy (runs of one tree differed by up to 30% on the H100 machine):
 alternate the trees over several runs and compare minima.
@@ -26,12 +26,12 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--src", default=os.path.dirname(HERE),
+    p.add_argument("--src", default=CHECKOUT,
                    help="source tree whose hf_scatter is measured (default: the checkout holding this script)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
@@ -246,7 +246,7 @@ def compare(args) -> dict:
                          "after_over_before": best["after"] / best["before"]}
         print(f"{name:20s} before {best['before']:9.1f} us  after {best['after']:9.1f} us  "
               f"after/before {best['after'] / best['before']:.3f}", flush=True)
-    return {"command": "python scripts/probe_experts_host_time.py --before SRC --src SRC --json FILE",
+    return {"command": "python scripts/probes/probe_experts_host_time.py --before SRC --src SRC --json FILE",
             "device": runs[0]["device"], "shape": runs[0]["shape"], "repeats": args.repeats,
             "before": {"src": os.path.abspath(args.before), "git": runs[0]["git"]},
             "after": {"src": os.path.abspath(args.src), "git": runs[1]["git"]},

@@ -1,5 +1,5 @@
 """Where a packed BERT-base inference call spends its time (GPU): the whole call, the graph replay alone, and
-a cProfile of the host side. Run: PYTHONPATH=. python3 scripts/probe_bert_host_time.py"""
+a cProfile of the host side. Run: PYTHONPATH=. python3 scripts/probes/probe_bert_host_time.py"""
 import cProfile
 import copy
 import pstats

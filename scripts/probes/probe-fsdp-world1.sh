@@ -17,6 +17,6 @@ one() {  # one NAME ARGS... : one torchrun on one GPU
 one fsdp1-ours-first --engine fsdp2 --batch 4 --configs qwen3_moe-hf-scatter qwen3_moe-grouped_mm
 one fsdp1-default-first --engine fsdp2 --batch 4 --configs qwen3_moe-grouped_mm qwen3_moe-hf-scatter
 one none-b8 --engine none --batch 8 --no-comm-profile
-SHAPE=qwen3-30b-a3b LAYERS=8 BATCH=4 FSDP=1 TAG=-now timeout 300 python3 scripts/probe_train_host_time.py \
+SHAPE=qwen3-30b-a3b LAYERS=8 BATCH=4 FSDP=1 TAG=-now timeout 300 python3 scripts/probes/probe_train_host_time.py \
     qwen3_moe-hf-scatter qwen3_moe-grouped_mm >"$out/probe-host.log" 2>&1; echo "probe exit $?"
 tail -30 "$out/probe-host.log"

@@ -1,5 +1,5 @@
 """Which stored expert-weight layout do the kernels read fastest? (GPU; one layout per process, so each
-gets its own autotuning.) Usage: python scripts/probe_weight_layout.py {hf,kernel} -> one JSON line.
+gets its own autotuning.) Usage: python scripts/probes/probe_weight_layout.py {hf,kernel} -> one JSON line.
 
 hf:     gate_up [E, 2I, H], down [E, H, I] (transformers' modules, the hf-scatter checkpoint layout), read as
         K-contiguous [E, d_in, d_out] views.
