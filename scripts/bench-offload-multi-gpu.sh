@@ -4,7 +4,8 @@
 # to $OUT (default /tmp/hf-scatter-out): offload-gpus-<model>.json / .png / .md, the logs beside them.
 # Settings (environment): GPUS (default 1,2,4), MODEL (gpt-oss-120b), LAYERS (8), NEW_TOKENS (32), REQUESTS (1024),
 # GPU_MEMORY per GPU (16GiB), PROFILE (a saved profile JSON; default: measured first), SKIP_TESTS=1,
-# BENCH_TIMEOUT (seconds, default 480: under it, the rows finished before it are written).
+# BENCH_TIMEOUT (seconds, default 480: under it, the rows finished before it are written), TRACE=1 (a Chrome
+# trace per rank and count beside the report, their summaries in it).
 # Usage (repository root, GPU host): scripts/bench-offload-multi-gpu.sh
 set -uo pipefail
 out=${OUT:-/tmp/hf-scatter-out}
@@ -20,9 +21,11 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
 fi
 profile=()
 [ -n "${PROFILE:-}" ] && profile=(--profile "$PROFILE")
+trace=()
+[ "${TRACE:-0}" = 1 ] && trace=(--trace "$out/trace.json")
 name="offload-gpus-$model"
 timeout "${BENCH_TIMEOUT:-480}" python3 -m hf_scatter.cli bench offload --gpus "${GPUS:-1,2,4}" --model "$model" \
   --layers "${LAYERS:-8}" --new-tokens "${NEW_TOKENS:-32}" --requests "${REQUESTS:-1024}" \
-  --gpu-memory "${GPU_MEMORY:-16GiB}" "${profile[@]}" --out "$out/$name.json" --plot "$out/$name.png" \
+  --gpu-memory "${GPU_MEMORY:-16GiB}" "${profile[@]}" "${trace[@]}" --out "$out/$name.json" --plot "$out/$name.png" \
   >"$out/$name.md" 2>"$out/$name.err"
 echo "bench exit $?"; cat "$out/$name.md"; grep -v "it/s\]\|step/s" "$out/$name.err" | tail -5

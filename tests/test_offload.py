@@ -644,8 +644,13 @@ def test_fused_decode_with_sinks_matches_the_unfused_softmax(dtype, tol):
         torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("lens", [
+    [11, 11, 6, 3],  # two prompts of one length share a call
+    [12, 11, 10, 10, 9, 5, 4, 1],  # longest first: prompts of near lengths share a padded call
+    [3, 9, 9, 5, 12],  # any order: a call per run of one length
+])
 @pytest.mark.parametrize("window, with_sinks", [(None, False), (5, False), (None, True), (5, True)])
-def test_prompt_attention_with_windows_and_sinks_matches_the_reference(window, with_sinks):
+def test_prompt_attention_with_windows_and_sinks_matches_the_reference(window, with_sinks, lens):
     """The prefill's attention within each prompt of a chunk, in blocks of queries small enough that the
     sink path takes several (max_score_bytes), against float64 attention of every position."""
     from hf_scatter.offload.families.adapter import Dims
@@ -655,7 +660,6 @@ def test_prompt_attention_with_windows_and_sinks_matches_the_reference(window, w
     H, Hkv, d = 4, 2, 8
     dims = Dims(name="t", family="t", hidden=32, layers=1, heads=H, kv_heads=Hkv, head_dim=d, intermediate=8,
                 experts=2, top_k=1, vocab=8)
-    lens = [11, 11, 6, 3]  # two prompts of one length share a call
     rows, a = [], 0
     for i, p in enumerate(lens):
         rows.append((i, a, a + p))
@@ -671,6 +675,32 @@ def test_prompt_attention_with_windows_and_sinks_matches_the_reference(window, w
         for t in range(b - a):
             ref = reference_attention(q[t], k[:t + 1], v[:t + 1], window, sinks)
             torch.testing.assert_close(out[a + t].double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_prompt_calls_pad_near_lengths_together_within_the_slack():
+    """A chunk's prompts (longest first) go in fewer attention calls than it has lengths, each call padded to
+    at most 1.25x its real tokens, every real token gathered once and scattered back to its own place."""
+    from hf_scatter.offload.runtime.attention import prompt_calls
+
+    lens = [40, 38, 37, 37, 30, 29, 12, 11, 11, 2]
+    rows, a = [], 0
+    for i, p in enumerate(lens):
+        rows.append((i, a, a + p))
+        a += p
+    calls = prompt_calls(rows)
+    assert len(calls) < len(set(lens))
+    assert [c.start for c in calls] == sorted(c.start for c in calls) and calls[-1].end == a
+    covered = []
+    for c in calls:
+        real = c.end - c.start
+        assert c.count * c.length <= 1.25 * real
+        if c.gather is None:
+            covered += list(range(c.start, c.end))
+            continue
+        assert c.gather.shape == (c.count * c.length,) and c.scatter.shape == (real,)
+        assert c.gather[c.scatter].tolist() == list(range(c.start, c.end))  # each token lands on itself
+        covered += c.gather[c.scatter].tolist()
+    assert covered == list(range(a))
 
 
 def test_cublas_workspace_is_reserved_as_pytorch_sizes_it():
@@ -758,7 +788,15 @@ def test_one_weight_page_per_micro_batch_and_the_trace(tmp_path):
     # steps; stage 0 once more, prefetched during the last stage for the next call
     stages = [int(e["name"].split()[1]) for e in by_lane["H2D weights"]]
     assert [stages.count(s) for s in range(4)] == [4 * 2, 3 * 2, 3 * 2, 3 * 2]
-    assert result.stats["trace"]["weight_transfer_s"] > 0
+    summary = result.stats["trace"]
+    assert summary["weight_transfer_s"] > 0
+    # the prefill's window: its own spans inside it, the first decode attention after it
+    prefill = [e for e in spans if e["name"].startswith("prefill")]
+    decode_attention = [e for e in by_lane["CPU attention"] if not e["name"].startswith("store prompt")]
+    ends = max(e["ts"] + e["dur"] for e in prefill) / 1e6
+    assert 0 < summary["prefill_s"] <= summary["span_s"] and ends <= min(e["ts"] for e in spans) / 1e6 + \
+        summary["prefill_s"] + 1e-9 <= min(e["ts"] for e in decode_attention) / 1e6 + 1e-9
+    assert 0 < summary["prefill_busy_s"]["GPU compute"] <= summary["prefill_s"] + 1e-9
 
 
 def test_offload_from_a_checkpoint_path(tmp_path):

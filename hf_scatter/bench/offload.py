@@ -112,11 +112,11 @@ def validate_hrm(model, reqs: list[torch.Tensor], prof, spec, budget: int, new_t
             stats = off.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, return_dict=True,
                                  progress=False).stats
             realised = Policy(n, micro, weights_gpu_fraction=off.store.layout.fraction)
-            cpu_budget = off.cpu_budget
+            cpu_budget, options = off.cpu_budget, off.cost_options
         finally:
             off.close()
         workload = Workload.from_prompts([len(r) for r in batch], new_tokens)
-        prediction = predict(realised, spec, prof, workload, gpu, cpu_budget)
+        prediction = predict(realised, spec, prof, workload, gpu, cpu_budget, options)
         rows.append(_validation_row(what, gpu, realised, stats, prediction, spec.layers))
     return rows
 
@@ -251,10 +251,11 @@ def _run(layers, new_tokens, requests, gpu_memory, peer_batch, peer_new_tokens, 
     peak = torch.cuda.max_memory_allocated()
     stats = result.stats
     realised = dataclasses.replace(policy, weights_gpu_fraction=offloaded.store.layout.fraction, prediction=None)
-    predicted = {prof.name: predict(realised, spec, prof, workload, budget, offloaded.cpu_budget)}
+    options = offloaded.cost_options
+    predicted = {prof.name: predict(realised, spec, prof, workload, budget, offloaded.cpu_budget, options)}
     if prof.name != "h100-host-anchors":
         predicted["h100-host-anchors"] = predict(realised, spec, load_profile("h100-host-anchors"), workload, budget,
-                                                 offloaded.cpu_budget)
+                                                 offloaded.cpu_budget, options)
     ours = stats["tokens_per_s"]
     main_prediction = predicted[prof.name]  # the profile the policy was planned with
     report = {
@@ -333,7 +334,7 @@ def routed_row(offloaded, batch: list[torch.Tensor], prof, spec, budget: int, ne
                                    return_dict=True, progress=False).stats
         policy = Policy(stats["batch_size"], stats["micro_batch_size"],  # the batches the runtime ran
                         weights_gpu_fraction=offloaded.store.layout.fraction, routed_experts=mode == "routed")
-        prediction = predict(policy, spec, prof, workload, budget, offloaded.cpu_budget)
+        prediction = predict(policy, spec, prof, workload, budget, offloaded.cpu_budget, offloaded.cost_options)
         row[mode] = {"measured_layer_s": stats["decode_s"] / max(stats["decode_steps"], 1) / spec.layers,
                      "predicted_layer_s": prediction.decode_layer.seconds,
                      "predicted_bottleneck": prediction.decode_layer.bottleneck,
@@ -387,6 +388,10 @@ def to_markdown(report: dict) -> str:
                      f"{trace['weight_transfer_s']:.1f} s; compute under a transfer: "
                      f"{trace.get('compute_under_transfer') or 0:.0%} of {trace.get('compute_s', 0):.1f} s; link busy "
                      f"{trace['weight_transfer_s'] / (trace['span_s'] or 1):.0%} of the run (trace: {trace['path']})")
+        if trace.get("prefill_s"):
+            busy = trace["prefill_busy_s"]
+            lines.append(f"prefill {trace['prefill_s']:.2f} s: GPU compute busy {busy['GPU compute']:.2f} s, weights "
+                         f"arriving {busy['H2D weights']:.2f} s, prompt KV stores {busy['CPU attention']:.2f} s")
     if report.get("hrm_validation"):
         lines += ["", "HRM validation: per-layer decode time, predicted against measured", "",
                   validation_markdown(report["hrm_validation"])]

@@ -186,13 +186,14 @@ def run_rank(*, model: str, layers: int, published_layers: int, new_tokens: int,
                 "tokens_digest": hash(tuple(map(tuple, result.tokens)))}
         realised = dataclasses.replace(policy, weights_gpu_fraction=offloaded.store.layout.fraction, prediction=None)
         cpu_budget = offloaded.cpu_budget * world  # the host's, as the planner counts it
+        options = offloaded.cost_options
         describe = offloaded.describe()
         offloaded.close()
         ranks = [None] * world
         dist.all_gather_object(ranks, mine)
         if rank != 0:
             return None
-    prediction = predict(realised, spec, prof, workload, budget, cpu_budget)
+    prediction = predict(realised, spec, prof, workload, budget, cpu_budget, options)
     lead = ranks[0]
     row = {"gpus": world, "gpu_budget_per_gpu": budget, "cpu_budget": cpu_budget, "policy": realised.to_dict(),
             "policy_markdown": describe, "tokens_per_s": lead["tokens_per_s"],

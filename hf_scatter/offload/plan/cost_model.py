@@ -38,6 +38,9 @@ class CostOptions:
     """Knobs of the model that are choices, not measurements."""
 
     prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS  # prompt tokens per prefill kernel call
+    # prompt tokens whose activations the GPU holds at once: each such group streams the layer's weights once more
+    # (None: the whole batch at once; a run states its own, which its memory left for activations sets)
+    prefill_group_tokens: int | None = None
     decode_samples: int = 8  # context lengths at which the generation is integrated (midpoint rule)
     gpu_margin: float = 0.05  # part of the GPU budget left to allocator fragmentation
     cpu_memory_fraction: float = 0.9  # default CPU budget: this share of the profile's CPU memory
@@ -341,9 +344,10 @@ def _op_weight_bytes(model: ModelSpec, name: str) -> float:
 def prefill_terms(hrm: HierarchicalRoofline, model: ModelSpec, policy: Policy, workload: Workload,
                   options: CostOptions) -> Terms:
     """One layer of the prefill of a batch: everything on the GPU in chunks of prompt tokens, every weight
-    of the layer streamed once, the prompt's KV written to CPU memory (its GPU share kept)."""
+    of the layer streamed once per group of chunks, the prompt's KV written to CPU memory (its GPU share kept)."""
     tokens = policy.batch_size * workload.prompt_len
     chunk = min(options.prefill_chunk_tokens, tokens)
+    groups = math.ceil(tokens / options.prefill_group_tokens) if options.prefill_group_tokens else 1
     chunks = tokens / chunk
     gpu = Lin()
     launches = 0.0
@@ -352,7 +356,7 @@ def prefill_terms(hrm: HierarchicalRoofline, model: ModelSpec, policy: Policy, w
         seconds = Lin(chunks * hrm.gpu_seconds(op))
         gpu += seconds
         launches += math.ceil(chunks) * op.kernels * hrm.launch_s
-        link = on_cpu_share(_op_weight_bytes(model, name))
+        link = on_cpu_share(_op_weight_bytes(model, name)) * groups
         ops[name] = ("gpu", Lin(chunks * op.flops), Lin(chunks * op.bytes), link, seconds)
     _check_group(hrm, policy)
     if hrm.gpus > 1:
@@ -360,7 +364,7 @@ def prefill_terms(hrm: HierarchicalRoofline, model: ModelSpec, policy: Policy, w
         gpu += seconds
         launches += math.ceil(chunks) * 2 * hrm.launch_s
         ops["all-reduce"] = ("gpu", Lin(), Lin(), Lin(), seconds)
-    weights = on_cpu_share(model.layer_weight_bytes)  # every expert: a prefill chunk routes to all of them
+    weights = on_cpu_share(model.layer_weight_bytes) * groups  # every expert: a prefill chunk routes to all of them
     kv = tokens * model.kv_bytes_per_token
     d2h = Lin(kv, 0, -kv) if policy.attention_on_gpu else Lin(kv)
     pieces = {"gpu_compute": [gpu], "gpu_launch": [Lin(launches)], "cpu": []}

@@ -86,11 +86,13 @@ def _link_scale(profile: HardwareProfile, gpus: int) -> float | None:
 
 
 def attention_threads(cores: int, ranks: int = 1) -> int:
-    """Intra-op threads of one process's CPU attention when ``ranks`` processes share ``cores``: its share, less one
-    core for the thread driving its GPU and, in a group, one for NCCL's proxy thread (which polls). Filling every
-    core made each OpenMP region wait on descheduled threads: 4 ranks x 16 threads on 64 cores ran decode
-    attention 2.5-6x slower than one process with 63 (H100 x4 host, 2026-11)."""
-    reserved = 1 if ranks == 1 else 2
+    """Intra-op threads of one process's CPU attention when ``ranks`` processes share ``cores``: its share, less the
+    cores its other busy threads take: the thread driving its GPU and the weight pager, and in a group NCCL's
+    proxy (which polls) and one to spare. A thread team whose region waits on a descheduled member stalls: 4 ranks
+    x 16 threads on 64 cores ran decode attention 2.5-6x slower than one process with 63, and 2 ranks x 30 threads
+    (a micro-batch pipeline keeping the driving thread busy too) had 1 in 10 attention calls 5x slower than the
+    median (H100 x4 host, 2026-11)."""
+    reserved = 2 if ranks == 1 else 4
     return max(1, int(cores) // int(ranks) - reserved)
 
 

@@ -12,10 +12,13 @@ value, and a softmax scale of its own.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from ..families.adapter import Dims, LayerAttention
+from ..plan.attention_buckets import SLACK, length_buckets
 
 
 def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None,
@@ -83,49 +86,91 @@ def window_start(position: int, window: int | None) -> int:
     return 0 if window is None else max(0, position - window + 1)
 
 
+@dataclass(frozen=True)
+class PromptCall:
+    """Prompts ``first`` .. ``first + count`` of a chunk (tokens ``start`` .. ``end``) in one attention call,
+    each right-padded to ``length``: ``gather`` [count * length] picks the padded rows out of the chunk's tokens
+    (a padded position repeats its prompt's last token), ``scatter`` [end - start] picks each real token's output
+    back out of them; both None where every prompt has ``length`` tokens (the call reads the chunk in place).
+    Right padding needs no mask of its own: under the causal mask a real query never sees a later position."""
+
+    start: int
+    end: int
+    count: int
+    length: int
+    gather: torch.Tensor | None = None
+    scatter: torch.Tensor | None = None
+
+
+def prompt_calls(rows: list[tuple[int, int, int]], device=None, slack: float = SLACK) -> list[PromptCall]:
+    """The attention calls of a chunk's prompts ``rows`` = (row, first token, end token), adjacent in the
+    chunk: prompts longest first go in the fewest calls whose padding stays within ``1 + slack`` of their real
+    tokens (one call per prompt length, as many as the chunk has lengths, left the prefill bound by the host:
+    GPT-OSS's sink path launches about a dozen kernels a call); otherwise one call per run of equal lengths."""
+    lens = [b - a for _, a, b in rows]
+    if all(x >= y for x, y in zip(lens, lens[1:])):
+        spans = [(s, e) for s, e, _ in length_buckets(lens, slack)]
+    else:
+        spans, i = [], 0
+        while i < len(rows):
+            j = i + 1
+            while j < len(rows) and lens[j] == lens[i]:
+                j += 1
+            spans.append((i, j))
+            i = j
+    calls = []
+    for s, e in spans:
+        start, end, length = rows[s][1], rows[e - 1][2], max(lens[s:e])
+        if all(p == length for p in lens[s:e]):
+            calls.append(PromptCall(start, end, e - s, length))
+            continue
+        t = torch.arange(length)
+        gather = torch.cat([a + t.clamp(max=b - a - 1) for _, a, b in rows[s:e]])  # [count * length]
+        scatter = torch.cat([j * length + torch.arange(b - a) for j, (_, a, b) in enumerate(rows[s:e])])
+        calls.append(PromptCall(start, end, e - s, length, gather.to(device), scatter.to(device)))
+    return calls
+
+
 def prompt_attention(qkv: torch.Tensor, rows: list[tuple[int, int, int]], d: Dims,
                      layer: LayerAttention = LayerAttention(), sinks: torch.Tensor | None = None,
-                     max_score_bytes: int = 1 << 28) -> torch.Tensor:
+                     max_score_bytes: int = 1 << 28, calls: list[PromptCall] | None = None) -> torch.Tensor:
     """Causal attention within each prompt of a chunk: ``qkv`` [T, q + 2 kv] (rotary applied; [T, q + kv]
     when the keys are the values), ``rows`` =
-    (row, first token, end token) per prompt; returns [T, q]. Prompts of equal length share one call.
+    (row, first token, end token) per prompt; returns [T, q]. ``calls``: :func:`prompt_calls` of ``rows`` on
+    ``qkv``'s device (a chunk passes through every layer, so the pipeline builds them once).
     ``sinks``: ``layer.sinks`` on ``qkv``'s device; with sinks, queries go in blocks whose float32 scores
     take at most ``max_score_bytes``."""
-    T = qkv.shape[0]
-    q = qkv[:, :d.q_dim].view(T, d.heads, d.head_dim)  # [T, H, d]
-    k = qkv[:, d.q_dim:d.q_dim + d.kv_dim].view(T, d.kv_heads, d.head_dim)  # [T, Hkv, d]
-    v = k if d.values_are_keys else qkv[:, d.q_dim + d.kv_dim:].view(T, d.kv_heads, d.head_dim)
-    out = torch.empty(T, d.q_dim, dtype=qkv.dtype, device=qkv.device)
+    out = torch.empty(qkv.shape[0], d.q_dim, dtype=qkv.dtype, device=qkv.device)
     G = d.heads // d.kv_heads
-    i = 0
-    while i < len(rows):
-        p = rows[i][2] - rows[i][1]
-        j = i
-        while j < len(rows) and rows[j][2] - rows[j][1] == p:
-            j += 1
-        a, b, g = rows[i][1], rows[j - 1][2], j - i
-        qs = q[a:b].view(g, p, d.heads, d.head_dim).transpose(1, 2)  # [g, H, p, d]
-        ks = k[a:b].view(g, p, d.kv_heads, d.head_dim).transpose(1, 2)  # [g, Hkv, p, d]
-        vs = v[a:b].view(g, p, d.kv_heads, d.head_dim).transpose(1, 2)
-        dst = out[a:b].view(g, p, d.heads, d.head_dim)
+    for call in prompt_calls(rows, qkv.device) if calls is None else calls:
+        g, p = call.count, call.length
+        rows_qkv = qkv[call.start:call.end] if call.gather is None else qkv.index_select(0, call.gather)
+        q = rows_qkv[:, :d.q_dim].view(g, p, d.heads, d.head_dim).transpose(1, 2)  # [g, H, p, d]
+        k = rows_qkv[:, d.q_dim:d.q_dim + d.kv_dim].view(g, p, d.kv_heads, d.head_dim).transpose(1, 2)  # [g, Hkv, p, d]
+        v = k if d.values_are_keys else rows_qkv[:, d.q_dim + d.kv_dim:].view(g, p, d.kv_heads,
+                                                                              d.head_dim).transpose(1, 2)
         if sinks is None and layer.window is None:
-            dst.copy_(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True,
-                                                     scale=layer.scale).transpose(1, 2))
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=layer.scale)
+            o = o.transpose(1, 2)  # [g, p, H, d]
         elif sinks is None:
             allowed = visible_keys(torch.arange(p, device=qkv.device), 0, p, layer.window)  # [p, p]
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed, enable_gqa=True, scale=layer.scale)
-            dst.copy_(o.transpose(1, 2))
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True, scale=layer.scale)
+            o = o.transpose(1, 2)
         else:
+            o = torch.empty(g, p, d.heads, d.head_dim, dtype=qkv.dtype, device=qkv.device)  # [g, p, H, d]
             block = max(1, max_score_bytes // (4 * d.heads * p * g))
-            qg = qs.reshape(g, d.kv_heads, G, p, d.head_dim)  # [g, Hkv, G, p, d]
+            qg = q.reshape(g, d.kv_heads, G, p, d.head_dim)  # [g, Hkv, G, p, d]
             for s in range(0, p, block):
                 e = min(p, s + block)
                 first = window_start(s, layer.window)  # keys before it are outside every query's window
                 allowed = visible_keys(torch.arange(s, e, device=qkv.device), first, e, layer.window)
-                o = sink_attention(qg[:, :, :, s:e], ks[:, :, first:e], vs[:, :, first:e], allowed, sinks,
-                                   layer.scale)
-                dst[:, s:e].copy_(o.reshape(g, d.heads, e - s, d.head_dim).transpose(1, 2))
-        i = j
+                o[:, s:e] = sink_attention(qg[:, :, :, s:e], k[:, :, first:e], v[:, :, first:e], allowed, sinks,
+                                           layer.scale).reshape(g, d.heads, e - s, d.head_dim).transpose(1, 2)
+        dst = out[call.start:call.end]  # [tokens, q]
+        if call.scatter is None:
+            dst.view(g, p, d.heads, d.head_dim).copy_(o)
+        else:
+            torch.index_select(o.reshape(g * p, d.q_dim), 0, call.scatter, out=dst)
     return out
 
 

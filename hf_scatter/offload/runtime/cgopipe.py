@@ -34,15 +34,17 @@ import torch
 
 from ..families.adapter import PipelineAdapter
 from ..plan.attention_buckets import BucketCosts
-from .attention import prompt_attention
+from .attention import PromptCall, prompt_attention, prompt_calls
 from .batching import Batch
-from .cpu_attention import AttentionWorker, KVCache
+from .cpu_attention import AttentionWorker, KVCache, intra_op_threads
 from .memory import HEAD_ROWS
 from .paging import WeightStreamer
 from .sampling import History, Sampling
 from .stopping import Stopping
 from .streams import DONE, Streams
 from .trace import NullTracer
+
+STORE_THREADS = 4  # threads of a prompt's KV store: a strided copy of a few MiB, bound by its region's start and wait
 
 
 @dataclass
@@ -79,6 +81,7 @@ class _Chunk:
     positions: torch.Tensor
     last: torch.Tensor  # index of each prompt's last token
     row_index: torch.Tensor  # rows of the micro-batch, on the device
+    calls: list[PromptCall] = field(default_factory=list)  # its prompts' attention calls, the same in every layer
     x: torch.Tensor | None = None
     attn: torch.Tensor | None = None
     cos: torch.Tensor | None = None
@@ -380,13 +383,14 @@ class CGOPipe:
             return None
         qkv = adapter.qkv(w.pre, c.x, c.cos, c.sin)
         # the scores of a block of queries (sinks) within what the chunk's workspace was sized for
-        c.attn = prompt_attention(qkv, c.rows, self.dims, self.attention[s], self.device_sinks[s],
+        c.attn = prompt_attention(qkv, c.rows, self.dims, self.attention[s], self.device_sinks[s], calls=c.calls,
                                   max_score_bytes=self.chunk_tokens * self.dims.q_dim * self.dtype.itemsize)
         return qkv
 
     def _store_prompt(self, kv: KVCache, layer: int, c: _Chunk, buf: torch.Tensor, ready) -> None:
         ready.synchronize()
-        with self.tracer.host_span("CPU attention", f"store prompt kv L{layer} mb {c.mb}"):
+        with self.tracer.host_span("CPU attention", f"store prompt kv L{layer} mb {c.mb}"), \
+                intra_op_threads(STORE_THREADS):
             kv.write_prompts(layer, c.mb, c.rows, buf)
 
     def _chunks(self, mbs: list[_MicroBatch], prompts: list[torch.Tensor]) -> list[_Chunk]:
@@ -414,7 +418,7 @@ class CGOPipe:
         last = torch.tensor([b - 1 for _, _, b in spans])
         dev = self.device
         return _Chunk(mb.index, spans, ids.to(dev), positions.to(dev), last.to(dev),
-                      torch.tensor(rows, dtype=torch.long).to(dev))
+                      torch.tensor(rows, dtype=torch.long).to(dev), prompt_calls(spans, dev))
 
     def _groups(self, chunks: list[_Chunk]) -> list[list[_Chunk]]:
         """Consecutive chunks whose activations fit on the device together (each group streams the

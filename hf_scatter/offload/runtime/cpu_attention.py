@@ -16,6 +16,7 @@ intra-op thread count comes from the hardware profile (one core is left to the t
 
 from __future__ import annotations
 
+import contextlib
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -155,6 +156,19 @@ def attention_threads(profile=None, ranks: int = 1) -> int:
 
 def _init_worker(threads: int) -> None:
     torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def intra_op_threads(threads: int):
+    """Run this thread's torch ops on at most ``threads`` threads meanwhile. For small copies: a region of every
+    attention thread costs more in its start and its wait for the slowest member than the copy itself (a prompt's
+    KV store of 2 MiB took 4.4 ms with 63 threads while the GPU thread was busy, H100 x4 host)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, min(threads, before)))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class AttentionWorker:

@@ -26,7 +26,7 @@ from ..families.registry import adapter_for
 from ..families.sharding import Shard
 from ..families.spec import ModelSpec
 from ..plan.attention_buckets import SLACK, BucketCosts
-from ..plan.cost_model import decode_layer_time
+from ..plan.cost_model import CostOptions, decode_layer_time
 from ..plan.known_profiles import load_profile
 from ..plan.policy import PlanError, Policy, Workload
 from ..plan.profile import HardwareProfile, host_memory_bytes
@@ -498,6 +498,12 @@ class OffloadedModel:
         return n, min(self.policy.micro_batch_size, n)
 
     # ------------------------------------------------------------------ reporting
+    @property
+    def cost_options(self) -> CostOptions:
+        """The planner's cost options as this run realises them: its prefill chunk, and the prompt tokens whose
+        activations fit at once (each group streams the weights again), so a prediction prices the run made."""
+        return CostOptions(prefill_chunk_tokens=self.plan.chunk_tokens, prefill_group_tokens=self.plan.group_tokens)
+
     def memory(self) -> dict:
         """Planned device and host bytes by purpose."""
         self._check_open()
@@ -747,7 +753,7 @@ def _profile(profile, device: torch.device, required: bool) -> HardwareProfile |
 
 
 def _default_cpu_budget(profile: HardwareProfile | None) -> int:
-    from ..plan.cost_model import CostOptions, default_cpu_limit
+    from ..plan.cost_model import default_cpu_limit
 
     if profile is not None and profile.cpu_memory:
         return int(default_cpu_limit(profile, CostOptions()))

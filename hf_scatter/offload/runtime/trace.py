@@ -91,14 +91,23 @@ class Tracer:
     def summary(self) -> dict:
         """Busy seconds per lane, how much of the weight transfer ran while the GPU or the CPU computed, and
         how much of that compute ran under a transfer (in a link-bound run the second is the telling one:
-        the link cannot be hidden behind less compute than it takes, but the compute can hide under it)."""
+        the link cannot be hidden behind less compute than it takes, but the compute can hide under it); and
+        each lane's busy seconds within the prefill (a prefill whose lanes idle most of it is bound by the host
+        issuing its work)."""
         spans = self.spans()
         busy = {lane: union([(s, e) for la, _, s, e in spans if la == lane]) for lane in LANES}
         weights = union(busy["H2D weights"] + busy["H2D routed experts"])
         compute = union(busy["GPU compute"] + busy["CPU attention"])
         hidden = overlap(weights, compute)
         total, computing = length(weights), length(compute)
+        # the prefill ends with the last span it labels (its stages and its prompts' KV stores)
+        prefill_end = max((e for _, name, _, e in spans if name.startswith("prefill") or "prompt" in name),
+                          default=0.0)
+        start = min((s for _, _, s, _ in spans), default=0.0)
+        prefill = [(start, prefill_end)] if prefill_end > start else []
         return {"busy_s": {lane: length(iv) for lane, iv in busy.items()},
+                "prefill_s": length(prefill),
+                "prefill_busy_s": {lane: overlap(iv, prefill) for lane, iv in busy.items()},
                 "weight_transfer_s": total, "weight_transfer_overlapped_s": hidden,
                 "weight_transfer_overlap": hidden / total if total else None,
                 "compute_s": computing, "compute_under_transfer": hidden / computing if computing else None,
