@@ -145,7 +145,7 @@ def prompt_attention(qkv: torch.Tensor, rows: list[tuple[int, int, int]], d: Dim
     for call in prompt_calls(rows, qkv.device) if calls is None else calls:
         g, p = call.count, call.length
         rows_qkv = qkv[call.start:call.end] if call.gather is None else qkv.index_select(0, call.gather)
-        q = rows_qkv[:, :d.q_dim].view(g, p, d.heads, d.head_dim).transpose(1, 2)  # [g, H, p, d]
+        q = rows_qkv[:, :d.q_dim].view(g, p, d.heads, d.head_dim).transpose(1, 2)  # [g, H, p, d], a view
         k = rows_qkv[:, d.q_dim:d.q_dim + d.kv_dim].view(g, p, d.kv_heads, d.head_dim).transpose(1, 2)  # [g, Hkv, p, d]
         v = k if d.values_are_keys else rows_qkv[:, d.q_dim + d.kv_dim:].view(g, p, d.kv_heads,
                                                                               d.head_dim).transpose(1, 2)
@@ -159,7 +159,7 @@ def prompt_attention(qkv: torch.Tensor, rows: list[tuple[int, int, int]], d: Dim
         else:
             o = torch.empty(g, p, d.heads, d.head_dim, dtype=qkv.dtype, device=qkv.device)  # [g, p, H, d]
             block = max(1, max_score_bytes // (4 * d.heads * p * g))
-            qg = q.reshape(g, d.kv_heads, G, p, d.head_dim)  # [g, Hkv, G, p, d]
+            qg = q.unflatten(1, (d.kv_heads, G))  # [g, Hkv, G, p, d], a view: each block copies only its queries
             for s in range(0, p, block):
                 e = min(p, s + block)
                 first = window_start(s, layer.window)  # keys before it are outside every query's window

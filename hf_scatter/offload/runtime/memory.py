@@ -8,12 +8,14 @@ request whose prompt or KV cache cannot fit at all is refused with its index and
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
 
 from ...common.units import format_bytes
 from ..families.adapter import Dims, PipelineAdapter
+from ..plan.attention_buckets import SLACK
 from ..plan.cost_model import PREFILL_CHUNK_TOKENS
 from ..plan.policy import PlanError
 from .paging import Layout
@@ -59,8 +61,10 @@ def cublas_workspace_size(config: str, major: int) -> int:
 
 def stage_bytes(d: Dims, tokens: int, b: int) -> int:
     """Transient device memory of ``tokens`` rows through one stage (upper bound: every temporary of the
-    largest step counted as live at once)."""
-    pre = tokens * b * (d.hidden + d.qkv_dim + 3 * (d.q_dim + d.kv_dim) + d.q_dim + 2 * d.kv_dim)
+    largest step counted as live at once; prompt attention's padded copies of the QKV and of its output
+    at their most, 1 + SLACK times the tokens)."""
+    padded = math.ceil(tokens * (1 + SLACK)) * b * (d.qkv_dim + d.q_dim)
+    pre = tokens * b * (d.hidden + d.qkv_dim + 3 * (d.q_dim + d.kv_dim) + d.q_dim + 2 * d.kv_dim) + padded
     experts = tokens * (3 * d.ffn_width + d.top_k * d.hidden) * b + tokens * d.top_k * 32
     post = tokens * b * 5 * d.hidden + tokens * d.experts * 16 + experts
     return max(pre, post)
