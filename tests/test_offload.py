@@ -650,9 +650,14 @@ def test_fused_decode_with_sinks_matches_the_unfused_softmax(dtype, tol):
     [3, 9, 9, 5, 12],  # any order: a call per run of one length
 ])
 @pytest.mark.parametrize("window, with_sinks", [(None, False), (5, False), (None, True), (5, True)])
-def test_prompt_attention_with_windows_and_sinks_matches_the_reference(window, with_sinks, lens):
-    """The prefill's attention within each prompt of a chunk, in blocks of queries small enough that the
-    sink path takes several (max_score_bytes), against float64 attention of every position."""
+@pytest.mark.parametrize("device, dtype, tol", [
+    ("cpu", torch.float32, 1e-5),
+    pytest.param("cuda", torch.bfloat16, 2e-2, marks=pytest.mark.gpu),  # bf16 output: 2^-8 relative, a few ulps
+])
+def test_prompt_attention_with_windows_and_sinks_matches_the_reference(window, with_sinks, lens, device, dtype, tol):
+    """The prefill's attention within each prompt of a chunk (fused where no window cuts a prompt, else in blocks
+    of queries small enough that the sink path takes several: max_score_bytes), against float64 attention of
+    every position of the same inputs."""
     from hf_scatter.offload.families.adapter import Dims
     from hf_scatter.offload.runtime.attention import prompt_attention
 
@@ -664,17 +669,18 @@ def test_prompt_attention_with_windows_and_sinks_matches_the_reference(window, w
     for i, p in enumerate(lens):
         rows.append((i, a, a + p))
         a += p
-    qkv = torch.randn(a, dims.qkv_dim)
+    qkv = torch.randn(a, dims.qkv_dim).to(dtype)
     sinks = torch.randn(H) * 2 if with_sinks else None
-    out = prompt_attention(qkv, rows, dims, LayerAttention(window=window, sinks=sinks), sinks,
-                           max_score_bytes=4 * H * 11 * 2 * 3)  # 3 queries a block
+    on = None if sinks is None else sinks.to(device)
+    out = prompt_attention(qkv.to(device), rows, dims, LayerAttention(window=window, sinks=sinks), on,
+                           max_score_bytes=4 * H * 11 * 2 * 3).cpu()  # 3 queries a block
     for _, a, b in rows:
         q = qkv[a:b, :H * d].view(-1, H, d)
         k = qkv[a:b, H * d:(H + Hkv) * d].view(-1, Hkv, d)
         v = qkv[a:b, (H + Hkv) * d:].view(-1, Hkv, d)
         for t in range(b - a):
             ref = reference_attention(q[t], k[:t + 1], v[:t + 1], window, sinks)
-            torch.testing.assert_close(out[a + t].double(), ref, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(out[a + t].double(), ref, rtol=tol, atol=tol)
 
 
 def test_prompt_calls_pad_near_lengths_together_within_the_slack():

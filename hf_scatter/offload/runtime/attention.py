@@ -76,9 +76,16 @@ def _fused_sink_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     if mask is not None:
         bias = torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, float("-inf")).view(n, 1, 1, -1)
     out, lse = _FUSED_WITH_LSE(q, k, v, attn_mask=bias, scale=scale)  # [n, Hkv, G, d], lse [n, Hkv, G]
-    acc = torch.promote_types(q.dtype, torch.float32)
-    keep = torch.sigmoid(lse.to(acc) - sinks.to(acc).view(1, Hkv, G))  # [n, Hkv, G]
-    return (out.to(acc) * keep.unsqueeze(-1)).to(v.dtype)
+    return _with_sinks(out, lse, sinks.view(1, Hkv, G))
+
+
+def _with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention ``out`` [..., d] without the sink, given each query's log-sum-exp ``lse`` [...] of its scores and
+    its head's sink logit (``sinks`` broadcast to ``lse``), as attention with the sink in the softmax's
+    denominator: scaled by ``exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink)``."""
+    acc = torch.promote_types(out.dtype, torch.float32)
+    keep = torch.sigmoid(lse.to(acc) - sinks.to(acc))
+    return (out.to(acc) * keep.unsqueeze(-1)).to(out.dtype)
 
 
 def window_start(position: int, window: int | None) -> int:
@@ -156,6 +163,10 @@ def prompt_attention(qkv: torch.Tensor, rows: list[tuple[int, int, int]], d: Dim
             allowed = visible_keys(torch.arange(p, device=qkv.device), 0, p, layer.window)  # [p, p]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True, scale=layer.scale)
             o = o.transpose(1, 2)
+        elif qkv.device.type == "cpu" and _FUSED_WITH_LSE is not None and (layer.window or p) >= p:
+            # one fused pass where no window cuts a prompt: causal attention and its log-sum-exp, rescaled
+            o, lse = _FUSED_WITH_LSE(q, k, v, is_causal=True, scale=layer.scale)  # [g, H, p, d], [g, H, p]
+            o = _with_sinks(o, lse, sinks.view(1, d.heads, 1)).transpose(1, 2)
         else:
             o = torch.empty(g, p, d.heads, d.head_dim, dtype=qkv.dtype, device=qkv.device)  # [g, p, H, d]
             block = max(1, max_score_bytes // (4 * d.heads * p * g))
