@@ -805,6 +805,27 @@ def test_one_weight_page_per_micro_batch_and_the_trace(tmp_path):
     assert 0 < summary["prefill_busy_s"]["GPU compute"] <= summary["prefill_s"] + 1e-9
 
 
+def test_a_wholly_resident_stage_takes_no_slot_so_the_next_one_streams_during_the_last(tmp_path):
+    """Once the dense weights are resident, the first stage streams nothing: the stage after it is copied while
+    the previous step's last stage computes (into the slot its predecessor freed), not after, so the link does
+    not idle at every step's turn; and the tokens are the model's own."""
+    model = tiny_mixtral(layers=3)
+    ids, mask = padded(requests((6, 9, 4, 7)))
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    off = hf_scatter.offload(model, gpu_memory="1GiB", device="cpu", policy=Policy(4, 2, weights_gpu_fraction=0.1),
+                             progress=False)
+    assert [t.nbytes > 0 for t in off.store.stage_tables] == [False, True, True, True]
+    path = tmp_path / "trace.json"
+    out = off.generate(ids, attention_mask=mask, max_new_tokens=4, progress=False, trace=str(path))
+    assert torch.equal(out, expected)
+    spans = sorted((e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"), key=lambda e: e["ts"])
+    lanes = {e["args"]["name"]: e["tid"] for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "M"}
+    for t in range(3):  # every decode step but the last is followed by another
+        last_stage = next(i for i, e in enumerate(spans) if e["name"] == f"post L2 step {t} stage 3 mb 0")
+        copied = [e["name"] for e in spans[:last_stage] if e["tid"] == lanes["H2D weights"]]
+        assert copied[-1].startswith("stage 1 "), copied[-3:]
+
+
 def test_offload_from_a_checkpoint_path(tmp_path):
     model = tiny_dbrx(seed=2)
     model.save_pretrained(tmp_path)
