@@ -564,6 +564,32 @@ def test_cpu_attention_of_a_group_runs_on_the_threads_its_ranks_keep():
     assert one / four == pytest.approx(62 / 48)
 
 
+def test_a_measured_group_attention_replaces_the_thread_model():
+    """Where the profile measured the ranks' CPU attention at once (the slowest rank over one process), the group
+    plans with it, interpolated between the counts measured, and no longer lists the term as assumed; it survives
+    the profile's JSON."""
+    from hf_scatter.offload.plan.hrm import HierarchicalRoofline
+    from hf_scatter.offload.plan.profile import HardwareProfile
+    from hf_scatter.offload.plan.tensor_parallel import TensorParallel
+
+    host = two_gpu_host(gpus=4, cpu_cores=64, cpu_attention_group=[[2, 0.7], [4, 0.8]], cpu_attention=[
+        {"batch": 64, "context": c, "q_heads": 32, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2,
+         "seconds": c * 1e-5} for c in (256, 1024)])
+    assert HardwareProfile.from_dict(host.to_dict()) == host
+    one = HierarchicalRoofline(host, 1).cpu_attention_rate(512)[0]
+    for n, scale in ((2, 0.7), (3, 0.75), (4, 0.8)):
+        assert one / HierarchicalRoofline(host, n).cpu_attention_rate(512)[0] == pytest.approx(scale)
+        assert not any("cpu_attention_group" in u for u in TensorParallel.from_profile(host, n)[1])
+
+
+def test_group_attention_is_measured_with_the_ranks_at_once():
+    """Two processes of this host attend their halves of the heads in lockstep (gloo barriers; no GPU here, so
+    no copies meanwhile): the slowest rank's time per step comes back."""
+    from hf_scatter.offload.measure import group_attention_seconds
+
+    assert 0 < group_attention_seconds(2, calls=3) < 10
+
+
 def test_a_shared_host_switch_is_read_from_the_concurrent_copy_measurement():
     from hf_scatter.offload.plan.tensor_parallel import TensorParallel
 
@@ -571,7 +597,7 @@ def test_a_shared_host_switch_is_read_from_the_concurrent_copy_measurement():
     assert TensorParallel.from_profile(shared, 2)[0].link_scale == pytest.approx(1.4)
     assert TensorParallel.from_profile(shared, 3)[0].link_scale == pytest.approx(1.5)  # between the measured
     tp, assumed = TensorParallel.from_profile(synthetic(), 4)  # nothing measured: independent, and said so
-    assert tp.link_scale == 4 and len(assumed) == 3 and "independent" in assumed[0]
+    assert tp.link_scale == 4 and len(assumed) == 4 and "independent" in assumed[0] and "threads" in assumed[3]
     assert tp.allreduce_seconds(0) == pytest.approx(20e-6) and TensorParallel.from_profile(synthetic(), 1)[0] \
         .allreduce_seconds(1e9) == 0
 

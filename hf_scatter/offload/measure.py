@@ -1,5 +1,5 @@
-"""``hf-scatter profile``: measure this machine's roofs into a :class:`HardwareProfile` (GPU, CPU, PCIe; under a
-minute). It runs the offloaded runtime's own CPU attention and expert kernels, so it sits above both the
+"""``hf-scatter profile``: measure this machine's roofs into a :class:`HardwareProfile` (GPU, CPU, PCIe; a minute
+or two). It runs the offloaded runtime's own CPU attention and expert kernels, so it sits above both the
 planner (whose profile format it fills) and the runtime (whose kernels it times)."""
 
 from __future__ import annotations
@@ -89,19 +89,19 @@ def _cpu_attention_point(worker, batch: int, context: int, shape=STANDARD_ATTENT
 
 
 @contextlib.contextmanager
-def _link_traffic():
-    """Pinned host->device copies running meanwhile (as the weights stream during decode: they take host
-    memory bandwidth from the CPU's attention); nothing without a GPU."""
+def _link_traffic(device: int = 0):
+    """Pinned host->device copies to GPU ``device`` running meanwhile (as the weights stream during decode: they
+    take host memory bandwidth from the CPU's attention); nothing without a GPU."""
 
     if not torch.cuda.is_available():
         yield False
         return
     src = torch.empty(256 * 2**20, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty_like(src, device="cuda")
+    dst = torch.empty_like(src, device=f"cuda:{device}")
     stop = threading.Event()
 
     def pump():
-        stream = torch.cuda.Stream()
+        stream = torch.cuda.Stream(device)
         while not stop.is_set():
             with torch.cuda.stream(stream):
                 dst.copy_(src, non_blocking=True)
@@ -318,14 +318,89 @@ def _multi_gpu(p: HardwareProfile, quick: bool) -> None:
     p.notes["allreduce_latency_s"] = f"measured: NCCL all-reduce of 4 KiB over the {count} GPUs"
 
 
+GROUP_ATTENTION_ROWS, GROUP_ATTENTION_CONTEXT = 256, 512  # one micro-batch of a decode step
+
+
+def _group_attention_rank(rank: int, ranks: int, calls: int, store: str, results) -> None:
+    """One of ``ranks`` processes attending its share of the standard shape's heads on its share of the cores, in
+    lockstep with the others (a barrier per call, as the group's all-reduces make them), pinned copies to its GPU
+    running meanwhile where it has one; rank 0 puts every rank's call times on ``results``."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=ranks)
+    try:
+        heads, kv_heads, head_dim, _ = STANDARD_ATTENTION_SHAPE
+        heads, kv_heads, rows = heads // ranks, kv_heads // ranks, GROUP_ATTENTION_ROWS
+        lens = [round(GROUP_ATTENTION_CONTEXT * (1.1 - 0.2 * i / (rows - 1))) for i in range(rows)]
+        cache = KVCache([[(p, p + 1) for p in lens]], 1, kv_heads, head_dim, heads, torch.bfloat16)
+        qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim).to(torch.bfloat16)
+        out = torch.empty(rows, heads * head_dim, dtype=torch.bfloat16)
+        worker = AttentionWorker(attention_threads(os.cpu_count(), ranks))
+        busy = _link_traffic(rank) if torch.cuda.device_count() > rank else contextlib.nullcontext(False)
+        times = []
+        with busy:
+            for i in range(calls + 3):
+                dist.barrier()
+                start = time.perf_counter()
+                worker.submit(cache.attend, 0, 0, 0, qkv, out).result()
+                times.append(time.perf_counter() - start)
+        worker.close()
+        gathered = [None] * ranks
+        dist.all_gather_object(gathered, times[3:])
+        if rank == 0:
+            results.put(gathered)
+    finally:
+        dist.destroy_process_group()
+
+
+def group_attention_seconds(ranks: int, calls: int = 30) -> float:
+    """Mean time of a decode step's CPU attention (:data:`STANDARD_ATTENTION_SHAPE`, a micro-batch of rows) for
+    ``ranks`` processes of this host at once, each over its share of the heads with the threads it keeps: the
+    slowest rank's time per step, which the group waits for."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_group_attention_rank, args=(r, ranks, calls, f"{tmp}/store", results))
+                 for r in range(ranks)]
+        for proc in procs:
+            proc.start()
+        try:
+            per_rank = results.get(timeout=300)
+        finally:
+            for proc in procs:
+                proc.join()
+    return statistics.mean(max(step) for step in zip(*per_rank))
+
+
+def _group_attention(p: HardwareProfile, quick: bool) -> None:
+    """The ranks' CPU attention at once, against one process's over every head (the planner's group attention):
+    for 2, 4, ... ranks up to the host's GPUs, measured the same way at one rank first."""
+    count = torch.cuda.device_count()
+    heads = STANDARD_ATTENTION_SHAPE[1]
+    sizes = [n for n in (2, 4, 8) if n <= count and heads % n == 0]
+    if not sizes:
+        return
+    calls = 10 if quick else 30
+    one = group_attention_seconds(1, calls)
+    p.cpu_attention_group = [[n, group_attention_seconds(n, calls) / one] for n in sizes]
+    p.notes["cpu_attention_group"] = (
+        f"measured: {GROUP_ATTENTION_ROWS} rows at context {GROUP_ATTENTION_CONTEXT}, that many processes at once, "
+        "each its share of the heads and cores and copies to its GPU; the slowest rank per step over one process")
+
+
 # (label, step) pairs that fill the GPU and link fields, in order (the efficiency fits read the roofs).
 GPU_STEPS = [("GPU matmul", _gpu_flops), ("GPU copy", _gpu_bandwidth), ("GEMM efficiency", _gemm_efficiency),
              ("MoE kernel efficiency", _moe_efficiency), ("GPU attention", _gpu_attention), ("GPU launch", _gpu_launch),
-             ("PCIe", _link), ("host DRAM", _host_dram), ("several GPUs", _multi_gpu)]
+             ("PCIe", _link), ("host DRAM", _host_dram), ("several GPUs", _multi_gpu),
+             ("CPU attention of several ranks", _group_attention)]
 
 
 def measure_profile(quick: bool = False, progress: bool = True, attention_shapes=()) -> HardwareProfile:
-    """Measure this machine (about 30 s with a GPU, ``quick``: a few seconds). Without a CUDA GPU only the CPU
+    """Measure this machine (about 30 s with a GPU, up to a minute more with several; ``quick``: a few seconds). Without a CUDA GPU only the CPU
     terms are filled and ``notes['gpu']`` says the GPU terms are missing. ``attention_shapes``: models (their
     :class:`ModelSpec`) whose own CPU attention shape is measured too (query heads per KV head, head size and
     MLA's shared key and value change the speed per KV byte by up to 8x on the H100 host)."""

@@ -68,6 +68,9 @@ class HardwareProfile:
     h2d_pinned_concurrent: list = field(default_factory=list)  # [[GPUs, total bytes/s]] pinned H2D to each at once
     allreduce_bus_bandwidth: float | None = None  # NCCL all-reduce of a block's hidden states, bus bytes/s
     allreduce_latency_s: float | None = None  # one small all-reduce
+    # [[ranks, time]]: a decode step's CPU attention with that many ranks at once (each its share of the heads and
+    # cores; the slowest rank) over one process's with every head and core
+    cpu_attention_group: list = field(default_factory=list)
     notes: dict = field(default_factory=dict)
 
     # ----- persistence -----
@@ -89,7 +92,7 @@ class HardwareProfile:
             data["name"] = os.path.basename(origin)
         for key, value in data.items():
             if key in ("gemm_efficiency", "moe_efficiency", "cpu_attention", "h2d_pinned_concurrent", "notes",
-                       "name", "host", "device", "source", "date"):
+                       "cpu_attention_group", "name", "host", "device", "source", "date"):
                 continue
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0):
                 raise ValueError(f"{origin}: {key} must be a positive number or null, got {value!r}")
@@ -158,6 +161,8 @@ class HardwareProfile:
              or "not measured"),
             ("all-reduce bus bandwidth / latency", "allreduce_bus_bandwidth",
              f"{rate(self.allreduce_bus_bandwidth, 'GB/s', 1e9)} / {rate(self.allreduce_latency_s, 'us', 1e-6)}"),
+            ("CPU attention of several ranks at once, over one process's", "cpu_attention_group",
+             ", ".join(f"{int(n)} ranks: {r:.2f}x" for n, r in self.cpu_attention_group) or "not measured"),
         ]
         return [[label, value, self.notes.get(key, self.source if getattr(self, key) not in (None, []) else "")]
                 for label, key, value in rows]

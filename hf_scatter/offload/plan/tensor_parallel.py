@@ -41,6 +41,8 @@ class TensorParallel:
     allreduce_bus_bandwidth: float  # bytes/s, NCCL's bus bandwidth: 2 (N - 1) / N x size / time
     allreduce_latency_s: float
     links_measured: bool = False  # link_scale comes from copies to these GPUs at once on this host
+    # the group's CPU attention time over one process's (the slowest rank, each its share of heads and cores)
+    attention_scale: float = 1.0
 
     def allreduce_seconds(self, nbytes: float) -> float:
         """One all-reduce of ``nbytes`` over the group (ring): nothing on one GPU."""
@@ -72,17 +74,32 @@ class TensorParallel:
         if latency is None:
             latency = ALLREDUCE_LATENCY_S
             assumed.append("allreduce_latency_s (20 us assumed: not measured)")
-        return cls(int(gpus), scale, bus, latency, measured), assumed
+        attention = _measured_at(profile.cpu_attention_group, gpus)
+        if attention is None:
+            cores = profile.cpu_cores or 1
+            attention = attention_threads(cores) / (gpus * attention_threads(cores, gpus))
+            assumed.append("cpu_attention_group (the ranks' CPU attention scaled by the threads they keep: not "
+                           "measured)")
+        return cls(int(gpus), scale, bus, latency, measured, attention), assumed
+
+
+def _measured_at(points, gpus: int) -> float | None:
+    """``[[GPUs, value]]`` interpolated at ``gpus`` (None where nothing was measured at or beyond it)."""
+    points = sorted((int(n), float(v)) for n, v in points or [])
+    if not points or points[-1][0] < gpus:
+        return None
+    counts, values = zip(*points)
+    return float(np.interp(gpus, counts, values))
 
 
 def _link_scale(profile: HardwareProfile, gpus: int) -> float | None:
     """Measured aggregate pinned host->device bandwidth to ``gpus`` GPUs at once over one GPU's, interpolated
     between the measured GPU counts (None where nothing was measured at or beyond ``gpus``)."""
-    points = sorted((int(n), float(rate)) for n, rate in profile.h2d_pinned_concurrent or [])
-    if not points or points[-1][0] < gpus or not profile.h2d_pinned:
+    if not profile.h2d_pinned:
         return None
-    counts, rates = zip(*([(1, profile.h2d_pinned)] + [p for p in points if p[0] > 1]))
-    return float(np.interp(gpus, counts, rates)) / profile.h2d_pinned
+    together = [p for p in profile.h2d_pinned_concurrent or [] if int(p[0]) > 1]
+    rate = _measured_at([[1, profile.h2d_pinned]] + together, gpus)
+    return None if rate is None else rate / profile.h2d_pinned
 
 
 def attention_threads(cores: int, ranks: int = 1) -> int:
@@ -98,8 +115,8 @@ def attention_threads(cores: int, ranks: int = 1) -> int:
 
 def group_profile(profile: HardwareProfile, tp: TensorParallel) -> HardwareProfile:
     """``profile`` with its GPU widened to the group: compute, HBM bandwidth, memory and attention bandwidth
-    times ``N``, the host links at their aggregate; CPU attention slower by the threads the ranks give up
-    (:func:`attention_threads`); per-op overheads unchanged (each rank launches its own kernels in parallel).
+    times ``N``, the host links at their aggregate; CPU attention at the ranks' measured time at once (else slower
+    by the threads the ranks give up, :func:`attention_threads`); per-op overheads unchanged (each rank launches its own kernels in parallel).
     Host memory is shared too, but where copies to the group's GPUs at once were measured, it delivered at least
     their aggregate: the host-memory roof (measured with one GPU's copies beside a CPU copy) is raised to that,
     not left below what was seen."""
@@ -113,10 +130,8 @@ def group_profile(profile: HardwareProfile, tp: TensorParallel) -> HardwareProfi
     host_dram = profile.host_dram_bandwidth
     if host_dram is not None and tp.links_measured and profile.h2d_pinned:
         host_dram = max(host_dram, profile.h2d_pinned * tp.link_scale)
-    # CPU attention was measured with one process's threads; the group's ranks have fewer between them
-    cores = profile.cpu_cores or 1
-    slower = attention_threads(cores) / (n * attention_threads(cores, n))
-    cpu_attention = [{**point, "seconds": point["seconds"] * slower} for point in profile.cpu_attention]
+    # CPU attention was measured in one process; the group's ranks attend at once, their heads each
+    cpu_attention = [{**point, "seconds": point["seconds"] * tp.attention_scale} for point in profile.cpu_attention]
     return dataclasses.replace(
         profile, name=f"{n} x {profile.name}",
         gpu_flops=times(profile.gpu_flops, n), gpu_bandwidth=times(profile.gpu_bandwidth, n),
