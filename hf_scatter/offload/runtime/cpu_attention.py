@@ -11,7 +11,8 @@ picks them with the partition DP, never padding a bucket beyond ``1 + slack`` of
 the cache's memory).
 
 :class:`AttentionWorker` is a single thread, so tasks run in the order the pipeline submits them, whose
-intra-op thread count comes from the hardware profile (one core is left to the thread driving the GPU).
+intra-op thread count comes from the hardware profile (cores are left to the threads driving the GPU and the pager:
+:func:`~hf_scatter.offload.plan.tensor_parallel.attention_threads`).
 """
 
 from __future__ import annotations
