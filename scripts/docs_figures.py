@@ -17,7 +17,7 @@ A number that is not a measurement but looks like one (a target, a tolerance, a 
 
 ``python scripts/docs_figures.py`` checks everything and lists every figure that disagrees with its JSON,
 every generated block that is stale, and every measurement-looking figure (a number followed by x, ms, us,
-tok/s, req/s, GB/s, TB/s, TFLOP/s or GFLOP/s, or a percentage) that carries no source. ``tests/test_docs.py``
+tok/s, req/s, GB/s, TB/s, TFLOP/s or GFLOP/s, or a percentage) that carries no source. ``tests/tools/test_docs.py``
 runs the same checks, so a stale figure fails ``make test``.
 """
 

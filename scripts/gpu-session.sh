@@ -10,7 +10,7 @@ export PYTHONPATH=$PWD PATH=$PATH:/usr/bin:/usr/local/bin  # Triton compiles its
 for pkg in conversion eval; do [ -e hf_scatter/$pkg ] || ln -s ../$pkg hf_scatter/$pkg; done
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,power.limit --format=csv,noheader | tee "$out/gpu.txt"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout 420 python3 -m pytest -q -x --ignore=tests/test_packaging.py -p no:cacheprovider >"$out/pytest.log" 2>&1
+  timeout 420 python3 -m pytest -q -x --ignore=tests/tools/test_packaging.py -p no:cacheprovider >"$out/pytest.log" 2>&1
   echo "pytest exit $?"; tail -4 "$out/pytest.log"
 fi
 for cmd in "$@"; do

@@ -311,7 +311,7 @@ def test_declared_entry_points_name_the_registered_classes():
 
     from lm_eval.api.registry import get_model
 
-    with open(os.path.join(os.path.dirname(__file__), "..", "pyproject.toml"), "rb") as f:
+    with open(os.path.join(os.path.dirname(__file__), "..", "..", "pyproject.toml"), "rb") as f:
         declared = tomllib.load(f)["project"]["entry-points"]["lm_eval.models"]
     assert declared == hf_scatter.eval.LM_EVAL_MODELS
     for name, target in declared.items():

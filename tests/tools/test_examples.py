@@ -13,7 +13,7 @@ from transformers.distributed import DistributedConfig
 
 from hf_scatter.tiny import TINY_BUILDERS
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SIZES = dict(hidden=72, experts=6, top_k=3, intermediate=40)  # odd sizes; 6 experts: 3 per rank
 
 
@@ -29,7 +29,7 @@ def test_trainer_recipes_of_every_engine_train_alike_and_save_vanilla_checkpoint
     engines = ["fsdp2", "zero3"] + (["ep"] if "ep_size" in {f.name for f in dataclasses.fields(DistributedConfig)}
                                     else [])
     script = EXAMPLES / "trainer_distributed.py"
-    # the engines and the Trainer are under test: the kernels' torch reference (tests/test_distributed.py runs
+    # the engines and the Trainer are under test: the kernels' torch reference (tests/models/test_distributed.py runs
     # the interpreter under FSDP2)
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", HF_SCATTER_KERNELS="torch")
     trained = {}

@@ -182,7 +182,7 @@ def test_git_revision_is_quiet_outside_a_checkout(capfd, monkeypatch, tmp_path):
     monkeypatch.delenv("GIT_DIR", raising=False)
     assert git_revision(str(tmp_path)) is None
     assert capfd.readouterr().err == ""
-    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    checkout = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if shutil.which("git") and os.path.isdir(os.path.join(checkout, ".git")):
         assert re.fullmatch(r"[\w.-]+", git_revision(checkout) or "")
 
@@ -359,7 +359,7 @@ def test_plan_on_a_profile_measured_without_a_gpu_names_the_ways_out(capsys, tmp
     path = cpu_only.save(str(tmp_path / "cpu.json"))
     _one_line_error(capsys, ["plan", "--model", "mixtral-8x7b", "--gpu-memory", "16GiB", "--profile", path],
                     "--profile h100-host-anchors", "--gpu")
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
     line = next(line for line in readme.splitlines() if "hf-scatter profile &&" in line)
     assert "--profile h100-host-anchors" in line
 

@@ -13,7 +13,7 @@ from functools import lru_cache
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Where each package's files are, as installed (pyproject.toml's package-dir).
 PACKAGE_DIRS = {"hf_scatter": "hf_scatter", "hf_scatter.conversion": "conversion", "hf_scatter.eval": "eval"}
 

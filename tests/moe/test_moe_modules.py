@@ -319,7 +319,7 @@ def test_fused_gpt_oss_gate_forward_backward_with_clamping(device, dtype, tol):
 
 def test_the_backend_runs_gpt_oss_experts_on_the_fused_gate():
     """GPT-OSS's own gate is recognised and handed to the fused SwiGLU experts (its eager equality, past the
-    clamp, is tests/test_experts_backend.py's)."""
+    clamp, is tests/models/test_experts_backend.py's)."""
     from transformers import GptOssConfig
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
