@@ -5,7 +5,9 @@ head is read once). A layer's :class:`~hf_scatter.offload.families.adapter.Layer
 families need: a sliding window (a boolean mask; decode also skips the keys before every row's window) and
 attention sinks (GPT-OSS), which SDPA has no argument for. Sinks run as explicit float32 softmax over the
 scores and the sink logit, the sink's column dropped afterwards, as transformers' eager GPT-OSS attention
-does; prompts do so a block of queries at a time so the [heads, queries, keys] scores stay bounded.
+does; prompts do so a block of queries at a time so the [heads, queries, keys] scores stay bounded. On the CPU,
+where SDPA's fused kernel returns each query's log-sum-exp, decode and unwindowed prompts run fused instead and
+rescale by the sink (:func:`_with_sinks`).
 Multi-head latent attention (DeepSeek) arrives here already absorbed: one latent KV head that is both key and
 value, and a softmax scale of its own.
 """
@@ -95,8 +97,8 @@ def window_start(position: int, window: int | None) -> int:
 
 @dataclass(frozen=True)
 class PromptCall:
-    """Prompts ``first`` .. ``first + count`` of a chunk (tokens ``start`` .. ``end``) in one attention call,
-    each right-padded to ``length``: ``gather`` [count * length] picks the padded rows out of the chunk's tokens
+    """``count`` adjacent prompts of a chunk (its tokens ``start`` .. ``end``) in one attention call, each
+    right-padded to ``length``: ``gather`` [count * length] picks the padded rows out of the chunk's tokens
     (a padded position repeats its prompt's last token), ``scatter`` [end - start] picks each real token's output
     back out of them; both None where every prompt has ``length`` tokens (the call reads the chunk in place).
     Right padding needs no mask of its own: under the causal mask a real query never sees a later position."""
