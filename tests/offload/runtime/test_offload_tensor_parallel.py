@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from test_offload import BUILDERS, padded, requests
+from offload_cases import BUILDERS, padded, requests
 
 WORLD = 2
 # every family that splits over GPUs; OLMoE and DeepSeek are refused (their q/k norms span the heads; MLA)
