@@ -369,11 +369,32 @@ def group_attention_seconds(ranks: int, calls: int = 30) -> float:
         for proc in procs:
             proc.start()
         try:
-            per_rank = results.get(timeout=300)
+            per_rank = _first_result(results, procs)
         finally:
             for proc in procs:
                 proc.join()
     return statistics.mean(max(step) for step in zip(*per_rank))
+
+
+def _first_result(results, procs, timeout_s: float = 300.0):
+    """What rank 0 puts on ``results``; raises as soon as a rank has died instead (its exit code named), or after
+    ``timeout_s``."""
+    import queue
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            return results.get(timeout=1.0)
+        except queue.Empty:
+            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"the group attention measurement failed: rank(s) {dead} exited with an error "
+                                   "(their traceback is above)") from None
+    for p in procs:
+        p.kill()
+    raise RuntimeError(f"the group attention measurement took over {timeout_s:.0f} s")
 
 
 def _group_attention(p: HardwareProfile, quick: bool) -> None:

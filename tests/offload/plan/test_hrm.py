@@ -590,6 +590,28 @@ def test_group_attention_is_measured_with_the_ranks_at_once():
     assert 0 < group_attention_seconds(2, calls=3) < 10
 
 
+def test_a_rank_that_dies_ends_the_group_measurement_at_once_with_its_name():
+    """A rank that fails (its traceback printed by its own process) is named within a second, not after the
+    timeout, and the others are stopped."""
+    import queue
+    import time
+
+    from hf_scatter.offload.measure import _first_result
+
+    class Rank:
+        def __init__(self, exitcode):
+            self.exitcode, self.killed = exitcode, False
+
+        def kill(self):
+            self.killed = True
+
+    ranks = [Rank(None), Rank(1)]
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[\(1, 1\)\] exited with an error"):
+        _first_result(queue.Queue(), ranks)
+    assert time.monotonic() - start < 5 and all(r.killed for r in ranks)
+
+
 def test_a_shared_host_switch_is_read_from_the_concurrent_copy_measurement():
     from hf_scatter.offload.plan.tensor_parallel import TensorParallel
 
