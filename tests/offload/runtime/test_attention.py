@@ -49,7 +49,9 @@ def test_fused_decode_with_sinks_matches_the_unfused_softmax(dtype, tol):
 @pytest.mark.parametrize("window, with_sinks", [(None, False), (5, False), (None, True), (5, True)])
 @pytest.mark.parametrize("device, dtype, tol", [
     ("cpu", torch.float32, 1e-5),
-    pytest.param("cuda", torch.bfloat16, 2e-2, marks=pytest.mark.gpu),  # bf16 output: 2^-8 relative, a few ulps
+    # bf16 on the GPU: the block path rounds its scores (|s| up to ~4 here) to bf16 before the softmax, 2^-8 of them
+    # in a logit moves a probability by up to ~1.6%, times |v| up to ~3, plus the bf16 output and probabilities
+    pytest.param("cuda", torch.bfloat16, 6e-2, marks=pytest.mark.gpu),
 ])
 def test_prompt_attention_with_windows_and_sinks_matches_the_reference(window, with_sinks, lens, device, dtype, tol):
     """The prefill's attention within each prompt of a chunk (fused where no window cuts a prompt, else in blocks
