@@ -382,27 +382,26 @@ def _first_result(results, procs, timeout_s: float = 300.0):
     import queue
 
     deadline = time.monotonic() + timeout_s
+    problem = f"took over {timeout_s:.0f} s"
     while time.monotonic() < deadline:
         try:
             return results.get(timeout=1.0)
         except queue.Empty:
             dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
             if dead:
-                for p in procs:
-                    p.kill()
-                raise RuntimeError(f"the group attention measurement failed: rank(s) {dead} exited with an error "
-                                   "(their traceback is above)") from None
+                problem = f"failed: rank(s) {dead} exited with an error (their traceback is above)"
+                break
     for p in procs:
         p.kill()
-    raise RuntimeError(f"the group attention measurement took over {timeout_s:.0f} s")
+    raise RuntimeError(f"the group attention measurement {problem}")
 
 
 def _group_attention(p: HardwareProfile, quick: bool) -> None:
     """The ranks' CPU attention at once, against one process's over every head (the planner's group attention):
     for 2, 4, ... ranks up to the host's GPUs, measured the same way at one rank first."""
     count = torch.cuda.device_count()
-    heads = STANDARD_ATTENTION_SHAPE[1]
-    sizes = [n for n in (2, 4, 8) if n <= count and heads % n == 0]
+    kv_heads = STANDARD_ATTENTION_SHAPE[1]
+    sizes = [n for n in (2, 4, 8) if n <= count and kv_heads % n == 0]
     if not sizes:
         return
     calls = 10 if quick else 30
@@ -421,10 +420,11 @@ GPU_STEPS = [("GPU matmul", _gpu_flops), ("GPU copy", _gpu_bandwidth), ("GEMM ef
 
 
 def measure_profile(quick: bool = False, progress: bool = True, attention_shapes=()) -> HardwareProfile:
-    """Measure this machine (about 30 s with a GPU, up to a minute more with several; ``quick``: a few seconds). Without a CUDA GPU only the CPU
-    terms are filled and ``notes['gpu']`` says the GPU terms are missing. ``attention_shapes``: models (their
-    :class:`ModelSpec`) whose own CPU attention shape is measured too (query heads per KV head, head size and
-    MLA's shared key and value change the speed per KV byte by up to 8x on the H100 host)."""
+    """Measure this machine (about 30 s with a GPU, up to a minute more with several; ``quick``: a few seconds).
+    Without a CUDA GPU only the CPU terms are filled and ``notes['gpu']`` says the GPU terms are missing.
+    ``attention_shapes``: models (their :class:`ModelSpec`) whose own CPU attention shape is measured too (query
+    heads per KV head, head size and MLA's shared key and value change the speed per KV byte by up to 8x on the
+    H100 host)."""
     from tqdm import tqdm
 
     host, device = current_machine()

@@ -110,7 +110,8 @@ def main() -> None:
     for r in rows:
         print(f"ranks {r['ranks']} pinned {r['pinned']!s:5} copies {r['copies_meanwhile']!s:5}: "
               f"rank means {[round(x['mean'], 2) for x in r['per_rank_ms']]} ms, "
-              f"p90 {[round(x['p90'], 2) for x in r['per_rank_ms']]}, slowest per step {r['slowest_rank_mean_ms']:.2f} ms")
+              f"p90 {[round(x['p90'], 2) for x in r['per_rank_ms']]}, "
+              f"slowest per step {r['slowest_rank_mean_ms']:.2f} ms")
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:
             json.dump({"cpu_cores": os.cpu_count(), "torch": torch.__version__, "rows": rows}, f, indent=1)

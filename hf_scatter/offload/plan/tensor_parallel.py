@@ -116,10 +116,10 @@ def attention_threads(cores: int, ranks: int = 1) -> int:
 def group_profile(profile: HardwareProfile, tp: TensorParallel) -> HardwareProfile:
     """``profile`` with its GPU widened to the group: compute, HBM bandwidth, memory and attention bandwidth
     times ``N``, the host links at their aggregate; CPU attention at the ranks' measured time at once (else slower
-    by the threads the ranks give up, :func:`attention_threads`); per-op overheads unchanged (each rank launches its own kernels in parallel).
-    Host memory is shared too, but where copies to the group's GPUs at once were measured, it delivered at least
-    their aggregate: the host-memory roof (measured with one GPU's copies beside a CPU copy) is raised to that,
-    not left below what was seen."""
+    by the threads the ranks give up, :func:`attention_threads`); per-op overheads unchanged (each rank launches
+    its own kernels in parallel). Host memory is shared too, but where copies to the group's GPUs at once were
+    measured, it delivered at least their aggregate: the host-memory roof (measured with one GPU's copies beside a
+    CPU copy) is raised to that, not left below what was seen."""
     if tp.gpus == 1:
         return profile
     n = tp.gpus

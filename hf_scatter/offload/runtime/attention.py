@@ -52,7 +52,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     n, H, d = q.shape
     Hkv = k.shape[1]
     if sinks is not None:
-        if _FUSED_WITH_LSE is None or q.device.type != "cpu":
+        if not _fuses_lse(q):
             allowed = None if mask is None else mask.view(n, 1, 1, 1, -1)
             return sink_attention(q.view(n, Hkv, H // Hkv, 1, d), k, v, allowed, sinks, scale).reshape(n, H, d)
         return _fused_sink_decode(q.view(n, Hkv, H // Hkv, d), k, v, mask, sinks, scale).reshape(n, H, d)
@@ -64,6 +64,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 # SDPA's fused CPU kernel, which also returns each query's log-sum-exp of its scores (torch >= 2.3; private, so
 # looked up once and the unfused reference used where a build lacks it)
 _FUSED_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _fuses_lse(t: torch.Tensor) -> bool:
+    """Whether attention on ``t``'s device can run fused with its log-sum-exp (the sinks' rescaling needs it)."""
+    return _FUSED_WITH_LSE is not None and t.device.type == "cpu"
 
 
 def _fused_sink_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -165,7 +170,7 @@ def prompt_attention(qkv: torch.Tensor, rows: list[tuple[int, int, int]], d: Dim
             allowed = visible_keys(torch.arange(p, device=qkv.device), 0, p, layer.window)  # [p, p]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True, scale=layer.scale)
             o = o.transpose(1, 2)
-        elif qkv.device.type == "cpu" and _FUSED_WITH_LSE is not None and (layer.window or p) >= p:
+        elif _fuses_lse(qkv) and (layer.window or p) >= p:
             # one fused pass where no window cuts a prompt: causal attention and its log-sum-exp, rescaled
             o, lse = _FUSED_WITH_LSE(q, k, v, is_causal=True, scale=layer.scale)  # [g, H, p, d], [g, H, p]
             o = _with_sinks(o, lse, sinks.view(1, d.heads, 1)).transpose(1, 2)

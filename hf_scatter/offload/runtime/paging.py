@@ -497,7 +497,7 @@ class WeightStreamer:
             return self.store.stage_weights(stage, None)
         k = self.rounds % 2
         ahead = self._next_streamed(stage)
-        if not self.store.stage_tables[stage].nbytes:
+        if stage not in self._streamed:
             # wholly resident (the first stage once the dense weights fit): it takes no slot, so the next stage that
             # streams is already on its way into the slot the previous one frees (a slot here idled the link
             # through the last stage of every step: 14 ms a step on 2 H100s, GPT-OSS-120B)
