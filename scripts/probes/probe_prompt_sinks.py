@@ -1,6 +1,7 @@
-"""Whether GPT-OSS's prompt attention with sinks can run as one fused CUDA kernel per call instead of the explicit
-matmuls in blocks of queries the prefill uses on the GPU: a fused causal kernel that also returns each query's
-log-sum-exp, its output rescaled by sigmoid(lse - sink) (the identity decode uses on the CPU). For each candidate
+"""GPT-OSS's prompt attention with sinks on the GPU: one variable-length FlashAttention call per chunk (what
+prompt_attention runs there) against the explicit matmuls in blocks of queries of padded calls, and against fused
+padded kernels per call; each fused kernel also returns each query's log-sum-exp, its output rescaled by
+sigmoid(lse - sink) (the identity decode uses on the CPU). For each candidate
 op: the largest error against float64 attention of the same bf16 inputs, and the host and device time of a
 4096-token chunk of MTBench-like prompts at one rank's share of GPT-OSS-120B's heads on 4 GPUs (16 query heads,
 2 KV heads of 64).
@@ -18,7 +19,8 @@ import torch
 
 from hf_scatter.bench.offload_workload import prompts
 from hf_scatter.offload.families.adapter import Dims, LayerAttention
-from hf_scatter.offload.runtime.attention import prompt_attention, prompt_calls
+from hf_scatter.offload.runtime.attention import (_padded_prompt_attention, packed_prompts, prompt_attention,
+                                                  prompt_calls)
 
 HEADS, KV_HEADS, HEAD_DIM, CHUNK = 16, 2, 64, 4096
 
@@ -94,9 +96,12 @@ def main() -> None:
     layer = LayerAttention(sinks=sinks, scale=HEAD_DIM ** -0.5)
     calls = prompt_calls(rows, dev)
     ref = reference(qkv, rows, d, sinks, layer.scale)
+    packed = packed_prompts(rows, dev)
     candidates = {
-        "blocks (the prefill today)": lambda *x: prompt_attention(
-            x[0], x[1], x[2], x[3], x[4], max_score_bytes=CHUNK * d.q_dim * 2, calls=x[5]),
+        "flash varlen + lse (prompt_attention)": lambda *x: prompt_attention(x[0], x[1], x[2], x[3], x[4],
+                                                                             packed=packed),
+        "blocks (the padded path)": lambda *x: _padded_prompt_attention(
+            x[0], x[1], x[2], x[3], x[4], CHUNK * d.q_dim * 2, x[5]),
         "flash + lse, KV heads repeated": fused(_flash, True),
         "flash + lse, grouped KV heads": fused(_flash, False),
         "efficient + lse, KV heads repeated": fused(_efficient, True),

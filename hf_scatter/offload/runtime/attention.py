@@ -7,7 +7,9 @@ attention sinks (GPT-OSS), which SDPA has no argument for. Sinks run as explicit
 scores and the sink logit, the sink's column dropped afterwards, as transformers' eager GPT-OSS attention
 does; prompts do so a block of queries at a time so the [heads, queries, keys] scores stay bounded. On the CPU,
 where SDPA's fused kernel returns each query's log-sum-exp, decode and unwindowed prompts run fused instead and
-rescale by the sink (:func:`_with_sinks`).
+rescale by the sink (:func:`_with_sinks`). On the GPU (half precision), a chunk's prompts go through
+FlashAttention's variable-length kernel in one call (PyTorch's own build of it): no padding, the window as the
+kernel's own argument, and its log-sum-exp rescaled by the sink the same way.
 Multi-head latent attention (DeepSeek) arrives here already absorbed: one latent KV head that is both key and
 value, and a softmax scale of its own.
 """
@@ -145,15 +147,69 @@ def prompt_calls(rows: list[tuple[int, int, int]], device=None, slack: float = S
     return calls
 
 
+@dataclass(frozen=True)
+class PackedPrompts:
+    """A chunk's adjacent prompts as FlashAttention's variable-length kernel takes them: ``starts`` [n + 1] int32
+    (each prompt's first token, then the chunk's end) and the longest prompt's length."""
+
+    starts: torch.Tensor
+    longest: int
+
+
+def packed_prompts(rows: list[tuple[int, int, int]], device=None) -> PackedPrompts:
+    """:class:`PackedPrompts` of a chunk's prompts ``rows`` = (row, first token, end token), adjacent in the chunk."""
+    starts = [a for _, a, _ in rows] + [rows[-1][2]]
+    return PackedPrompts(torch.tensor(starts, dtype=torch.int32).to(device), max(b - a for _, a, b in rows))
+
+
+def flash_varlen_runs(device: torch.device, dtype: torch.dtype, d: Dims) -> bool:
+    """Whether a chunk's prompts in ``dtype`` on ``device`` go through FlashAttention's variable-length kernel: a
+    CUDA build with it (Ampere or newer), half precision, a head size it takes, keys and values of their own
+    (MLA's latent head is 576 wide)."""
+    return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and not d.values_are_keys
+            and d.head_dim % 8 == 0 and d.head_dim <= 256 and torch.backends.cuda.is_flash_attention_available()
+            and torch.cuda.get_device_capability(device)[0] >= 8)
+
+
+def _flash_varlen_attention(qkv: torch.Tensor, d: Dims, layer: LayerAttention, sinks: torch.Tensor | None,
+                            packed: PackedPrompts) -> torch.Tensor:
+    """Causal attention within each packed prompt in one kernel call; returns [T, q]. The window is the kernel's
+    (transformers' window w keeps keys after i - w: w - 1 to the left); sinks rescale by the log-sum-exp."""
+    T = qkv.shape[0]
+    q = qkv[:, :d.q_dim].unflatten(1, (d.heads, d.head_dim))  # [T, H, d], a view
+    k = qkv[:, d.q_dim:d.q_dim + d.kv_dim].unflatten(1, (d.kv_heads, d.head_dim))  # [T, Hkv, d]
+    v = qkv[:, d.q_dim + d.kv_dim:].unflatten(1, (d.kv_heads, d.head_dim))  # [T, Hkv, d]
+    window = {}
+    if layer.window is not None and layer.window < packed.longest:  # else no prompt reaches past it
+        window = {"window_size_left": layer.window - 1, "window_size_right": 0}
+    out, lse = torch.ops.aten._flash_attention_forward(
+        q, k, v, packed.starts, packed.starts, packed.longest, packed.longest, 0.0, True, False,
+        scale=layer.scale, **window)[:2]  # [T, H, d], [H, T] float32
+    if sinks is not None:
+        out = _with_sinks(out, lse.t(), sinks.view(1, d.heads))
+    return out.reshape(T, d.q_dim)
+
+
 def prompt_attention(qkv: torch.Tensor, rows: list[tuple[int, int, int]], d: Dims,
                      layer: LayerAttention = LayerAttention(), sinks: torch.Tensor | None = None,
-                     max_score_bytes: int = 1 << 28, calls: list[PromptCall] | None = None) -> torch.Tensor:
+                     max_score_bytes: int = 1 << 28, calls: list[PromptCall] | None = None,
+                     packed: PackedPrompts | None = None) -> torch.Tensor:
     """Causal attention within each prompt of a chunk: ``qkv`` [T, q + 2 kv] (rotary applied; [T, q + kv]
     when the keys are the values), ``rows`` =
-    (row, first token, end token) per prompt; returns [T, q]. ``calls``: :func:`prompt_calls` of ``rows`` on
-    ``qkv``'s device (a chunk passes through every layer, so the pipeline builds them once).
+    (row, first token, end token) per prompt; returns [T, q]. ``calls`` / ``packed``: :func:`prompt_calls` /
+    :func:`packed_prompts` of ``rows`` on ``qkv``'s device (a chunk passes through every layer, so the pipeline
+    builds them once; ``packed`` is read where :func:`flash_varlen_runs`, ``calls`` elsewhere).
     ``sinks``: ``layer.sinks`` on ``qkv``'s device; with sinks, queries go in blocks whose float32 scores
     take at most ``max_score_bytes``."""
+    if flash_varlen_runs(qkv.device, qkv.dtype, d):
+        return _flash_varlen_attention(qkv, d, layer, sinks, packed or packed_prompts(rows, qkv.device))
+    return _padded_prompt_attention(qkv, rows, d, layer, sinks, max_score_bytes, calls)
+
+
+def _padded_prompt_attention(qkv: torch.Tensor, rows: list[tuple[int, int, int]], d: Dims, layer: LayerAttention,
+                             sinks: torch.Tensor | None, max_score_bytes: int,
+                             calls: list[PromptCall] | None) -> torch.Tensor:
+    """:func:`prompt_attention` in calls of prompts padded to one length (SDPA, or the sinks' explicit softmax)."""
     out = torch.empty(qkv.shape[0], d.q_dim, dtype=qkv.dtype, device=qkv.device)
     G = d.heads // d.kv_heads
     for call in prompt_calls(rows, qkv.device) if calls is None else calls:

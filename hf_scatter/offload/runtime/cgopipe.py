@@ -34,7 +34,7 @@ import torch
 
 from ..families.adapter import PipelineAdapter
 from ..plan.attention_buckets import BucketCosts
-from .attention import PromptCall, prompt_attention, prompt_calls
+from .attention import PackedPrompts, PromptCall, flash_varlen_runs, packed_prompts, prompt_attention, prompt_calls
 from .batching import Batch
 from .cpu_attention import AttentionWorker, KVCache, intra_op_threads
 from .memory import HEAD_ROWS
@@ -81,7 +81,8 @@ class _Chunk:
     positions: torch.Tensor
     last: torch.Tensor  # index of each prompt's last token
     row_index: torch.Tensor  # rows of the micro-batch, on the device
-    calls: list[PromptCall] = field(default_factory=list)  # its prompts' attention calls, the same in every layer
+    calls: list[PromptCall] | None = None  # its prompts' attention calls, the same in every layer ...
+    packed: PackedPrompts | None = None  # ... or, on the GPU, its prompts packed for one FlashAttention call
     x: torch.Tensor | None = None
     attn: torch.Tensor | None = None
     cos: torch.Tensor | None = None
@@ -384,6 +385,7 @@ class CGOPipe:
         qkv = adapter.qkv(w.pre, c.x, c.cos, c.sin)
         # the scores of a block of queries (sinks) within what the chunk's workspace was sized for
         c.attn = prompt_attention(qkv, c.rows, self.dims, self.attention[s], self.device_sinks[s], calls=c.calls,
+                                  packed=c.packed,
                                   max_score_bytes=self.chunk_tokens * self.dims.q_dim * self.dtype.itemsize)
         return qkv
 
@@ -417,8 +419,10 @@ class CGOPipe:
         positions = torch.cat([torch.arange(mb.prompt_lens[i]) for i in rows])
         last = torch.tensor([b - 1 for _, _, b in spans])
         dev = self.device
+        flash = flash_varlen_runs(dev, self.dtype, self.dims)
         return _Chunk(mb.index, spans, ids.to(dev), positions.to(dev), last.to(dev),
-                      torch.tensor(rows, dtype=torch.long).to(dev), prompt_calls(spans, dev))
+                      torch.tensor(rows, dtype=torch.long).to(dev), None if flash else prompt_calls(spans, dev),
+                      packed_prompts(spans, dev) if flash else None)
 
     def _groups(self, chunks: list[_Chunk]) -> list[list[_Chunk]]:
         """Consecutive chunks whose activations fit on the device together (each group streams the
