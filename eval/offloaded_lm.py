@@ -23,8 +23,8 @@ class OffloadedLM(HFLM):
     def __init__(self, pretrained, device: str = "cuda", gpu_memory: str = "16GiB", profile: str | None = None,
                  **kwargs):
         super().__init__(pretrained, device="cpu", **kwargs)  # host memory; the layers move into the store
-        self.offloaded = hf_scatter.offload(self._model, gpu_memory=gpu_memory, device=device, profile=profile,
-                                            progress=False)
+        self.offloaded = hf_scatter.offload_model(self._model, gpu_memory=gpu_memory, device=device, profile=profile,
+                                                  progress=False)
         self.patch_report = {"model": f"offloaded: {self.offloaded!r}"}
 
     def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:

@@ -14,10 +14,11 @@ _PUBLIC = {"check_supported", "from_pretrained", "patch_model", "patch_report", 
 
 
 def __getattr__(name: str):
-    if name == "offload":  # the subpackage, callable: hf_scatter.offload(model, gpu_memory=...) (offload/__init__.py)
+    if name in ("offload", "offload_model"):  # the subpackage, or its function offload_model(model, gpu_memory=...)
         import importlib
 
-        return importlib.import_module(".offload", __name__)
+        package = importlib.import_module(".offload", __name__)
+        return package if name == "offload" else package.offload_model
     if name in _PUBLIC:
         from . import patching
 
@@ -26,7 +27,7 @@ def __getattr__(name: str):
 
 
 def __dir__():
-    return sorted(set(globals()) | _PUBLIC | {"offload"})
+    return sorted(set(globals()) | _PUBLIC | {"offload", "offload_model"})
 
 
 from .kernels.backend import interpret_if_asked as _interpret_if_asked  # noqa: E402
@@ -38,4 +39,4 @@ from .models.experts import register_experts_backend as _register_experts_backen
 
 _register_experts_backend()
 
-__all__ = ["SCATTERMOE", "__version__", "offload", *sorted(_PUBLIC)]
+__all__ = ["SCATTERMOE", "__version__", "offload", "offload_model", *sorted(_PUBLIC)]

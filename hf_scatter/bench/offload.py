@@ -8,7 +8,7 @@ tiled random block, so building takes seconds) is run
 * by HF accelerate: ``infer_auto_device_map`` + ``dispatch_model`` within the same GPU budget (what
   ``from_pretrained(device_map="auto", max_memory=...)`` does), ``model.generate`` on a small batch with a
   few new tokens (it is slow: every step moves the CPU layers over PCIe from pageable memory);
-* by ``hf_scatter.offload(model, gpu_memory=...)`` with the HRM's policy for the workload, on every
+* by ``hf_scatter.offload_model(model, gpu_memory=...)`` with the HRM's policy for the workload, on every
   request with ``new_tokens`` new tokens each, optionally writing a Chrome trace.
 
 Prompts are MTBench-like: lengths drawn uniformly from 40..114 tokens (mean 77), random token ids. Throughput of
@@ -105,8 +105,8 @@ def validate_hrm(model, reqs: list[torch.Tensor], prof, spec, budget: int, new_t
         gpu = budget if where == "run" else min(total - 4 * 2**30, weights + 8 * 2**30)
         batch = reqs[:n]
         ids, mask = left_padded(batch)
-        off = hf_scatter.offload(model, gpu_memory=gpu, policy=Policy(n, micro, weights_gpu_fraction=fraction),
-                                 profile=prof, release_weights=False, progress=False)
+        off = hf_scatter.offload_model(model, gpu_memory=gpu, policy=Policy(n, micro, weights_gpu_fraction=fraction),
+                                       profile=prof, release_weights=False, progress=False)
         try:
             off.generate(ids, attention_mask=mask, max_new_tokens=2, progress=False)  # kernels, CPU cache pages
             stats = off.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, return_dict=True,
@@ -240,7 +240,7 @@ def _run(layers, new_tokens, requests, gpu_memory, peer_batch, peer_new_tokens, 
 
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    offloaded = hf_scatter.offload(model, gpu_memory=budget, profile=prof, workload=workload, progress=progress)
+    offloaded = hf_scatter.offload_model(model, gpu_memory=budget, profile=prof, workload=workload, progress=progress)
     offload_s = time.perf_counter() - start
     policy = offloaded.policy
     ids, mask = left_padded(reqs)
@@ -301,7 +301,7 @@ def _run_routed(layers, new_tokens, gpu_memory, profile, progress, model_name, p
     reqs = prompts(max(batches), model.config.vocab_size)
     workload = Workload.from_prompts([len(r) for r in reqs], new_tokens)
     spec = ModelSpec.from_config(model.config, name=f"{model_name} ({layers} of {published_layers} layers)")
-    offloaded = hf_scatter.offload(model, gpu_memory=budget, profile=prof, workload=workload, progress=progress)
+    offloaded = hf_scatter.offload_model(model, gpu_memory=budget, profile=prof, workload=workload, progress=progress)
     plan = {"cpu_budget": offloaded.cpu_budget, "policy": offloaded.policy.to_dict(),
             "weights_gpu_fraction": offloaded.store.layout.fraction}
     try:

@@ -4,7 +4,7 @@ parallelism), each count against the HRM's prediction for it.
 Every GPU count is one ``torchrun`` of ``bench offload`` (one process per GPU, NCCL), with the same model shape,
 the same requests, the same GPU budget per GPU and one hardware profile measured first (so each count's policy is
 planned on the same numbers). Each process builds the model, keeps its share of every layer
-(``hf_scatter.offload(..., group=...)``) and generates every request; all ranks produce the same tokens, so the
+(``hf_scatter.offload_model(..., group=...)``) and generates every request; all ranks produce the same tokens, so the
 group's throughput is one rank's. The report has every rank's figures and the scaling over the first count.
 """
 
@@ -164,9 +164,9 @@ def run_rank(*, model: str, layers: int, published_layers: int, new_tokens: int,
         torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         # the ranks build the model in turns, each keeping its share: one whole model in host memory at a time
-        offloaded = hf_scatter.offload(functools.partial(build_model, layers, model=model), gpu_memory=budget,
-                                       profile=prof, workload=workload, group=dist.group.WORLD,
-                                       progress=progress and rank == 0)
+        offloaded = hf_scatter.offload_model(functools.partial(build_model, layers, model=model), gpu_memory=budget,
+                                             profile=prof, workload=workload, group=dist.group.WORLD,
+                                             progress=progress and rank == 0)
         offload_s = time.perf_counter() - start  # every rank's build and packing, one after the other
         policy = offloaded.policy
         ids, mask = left_padded(reqs)

@@ -13,15 +13,16 @@ evaluate any policy, so measured runs can be checked against the model.
 Running (CGOPipe)::
 
     import hf_scatter
-    offloaded = hf_scatter.offload(model, gpu_memory="16GiB")     # this package is callable: offload.offload
+    offloaded = hf_scatter.offload_model(model, gpu_memory="16GiB")     # also hf_scatter.offload.offload_model
     out = offloaded.generate(input_ids, attention_mask=mask, max_new_tokens=128)
 
-Over several GPUs of one host, one process each under torchrun: ``hf_scatter.offload(model, gpu_memory="16GiB",
+Over several GPUs of one host, one process each under torchrun: ``hf_scatter.offload_model(model, gpu_memory="16GiB",
 group=dist.group.WORLD)`` (tensor parallelism: each GPU keeps and streams its share of every layer).
 """
 
 import sys as _sys
 import types as _types
+import warnings as _warnings
 
 from ..common.units import format_bytes, parse_bytes
 from ..common.shapes import BUILTIN_MODELS
@@ -36,7 +37,9 @@ from .plan.profile import GPU_SPECS, HardwareProfile, default_profile_path
 from .plan.roofline_plot import operating_points, plot_roofline
 from .plan.search import search_policy
 from .runtime.batching import Batch, MicroBatch, plan_batches
-from .runtime.offloaded import GenerationResult, OffloadedModel, RequestTiming, offload
+from .runtime.offloaded import GenerationResult, OffloadedModel, RequestTiming, offload_model
+
+offload = offload_model  # the name this function had (``from hf_scatter.offload import offload``)
 
 __all__ = [
     "BUILTIN_MODELS", "CostOptions", "GPU_SPECS", "HardwareProfile", "HierarchicalRoofline", "KNOWN_PROFILES",
@@ -45,16 +48,20 @@ __all__ = [
     "measure_profile", "offloaded_model_types", "operating_points", "parse_bytes", "plot_roofline", "predict",
     "prefill_layer_time",
     "search_policy", "turning_points",
-    "Batch", "GenerationResult", "MicroBatch", "OffloadedModel", "RequestTiming", "offload", "plan_batches",
+    "Batch", "GenerationResult", "MicroBatch", "OffloadedModel", "RequestTiming", "offload", "offload_model",
+    "plan_batches",
 ]
 
 
 class _CallableModule(_types.ModuleType):
-    """``hf_scatter.offload`` is this package and, called, :func:`offload`: ``hf_scatter.offload(model, ...)``
-    and ``hf_scatter.offload.search_policy`` both work."""
+    """Deprecated, goes in the next release: calling this package as ``hf_scatter.offload(model, ...)`` (it
+    swaps its module's class to be callable; :func:`offload_model` is the plain function to call)."""
 
     def __call__(self, model, *args, **kwargs) -> OffloadedModel:
-        return offload(model, *args, **kwargs)
+        _warnings.warn("calling the package hf_scatter.offload(model, ...) is deprecated and stops working in the next "
+                       "release: call hf_scatter.offload_model(model, ...) (same arguments)", FutureWarning,
+                       stacklevel=2)
+        return offload_model(model, *args, **kwargs)
 
 
 _sys.modules[__name__].__class__ = _CallableModule

@@ -37,9 +37,10 @@ def main() -> None:
     config = builtin_config("gpt-oss-120b", num_hidden_layers=layers)
     reqs = prompts(requests, config.vocab_size)
     ids, mask = left_padded(reqs)
-    off = hf_scatter.offload(functools.partial(build_model, layers, model="gpt-oss-120b"),
-                             gpu_memory=os.environ.get("GPU_MEMORY", "16GiB"), profile=load_profile(os.environ.get("PROFILE", "docs/results/profile-h100-x4.json")),
-                             workload=Workload.from_prompts([len(r) for r in reqs], 1), progress=False)
+    off = hf_scatter.offload_model(functools.partial(build_model, layers, model="gpt-oss-120b"),
+                                   gpu_memory=os.environ.get("GPU_MEMORY", "16GiB"),
+                                   profile=load_profile(os.environ.get("PROFILE", "docs/results/profile-h100-x4.json")),
+                                   workload=Workload.from_prompts([len(r) for r in reqs], 1), progress=False)
     result = {"layers": layers, "requests": requests, "torch": torch.__version__, "plan": off.describe()}
     # each way timed on its second run: the first of a batch this large allocates its pinned buffers (seconds)
     result["flash varlen, s"] = min(prefill_seconds(off, ids, mask) for _ in range(2))

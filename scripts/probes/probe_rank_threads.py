@@ -50,11 +50,12 @@ def main() -> None:
         config = builtin_config(model, num_hidden_layers=layers)
         reqs = prompts(int(os.environ.get("REQUESTS", 1024)), config.vocab_size)
         ids, mask = left_padded(reqs)
-        off = hf_scatter.offload(functools.partial(build_model, layers, model=model),
-                                 gpu_memory=os.environ.get("GPU_MEMORY", "16GiB"),
-                                 profile=load_profile(os.environ.get("PROFILE", "docs/results/profile-h100-x4.json")),
-                                 workload=Workload.from_prompts([len(r) for r in reqs], new_tokens),
-                                 group=dist.group.WORLD, progress=False, **({"device": "cpu"} if device == "cpu" else {}))
+        profile = load_profile(os.environ.get("PROFILE", "docs/results/profile-h100-x4.json"))
+        off = hf_scatter.offload_model(functools.partial(build_model, layers, model=model),
+                                       gpu_memory=os.environ.get("GPU_MEMORY", "16GiB"), profile=profile,
+                                       workload=Workload.from_prompts([len(r) for r in reqs], new_tokens),
+                                       group=dist.group.WORLD, progress=False,
+                                       **({"device": "cpu"} if device == "cpu" else {}))
         off.generate(ids[:off.policy.batch_size], attention_mask=mask[:off.policy.batch_size], max_new_tokens=3,
                      progress=False)
         runs = []

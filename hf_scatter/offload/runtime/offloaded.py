@@ -1,4 +1,4 @@
-"""``hf_scatter.offload(model, gpu_memory="16GiB")``: batch generation with a MoE model larger than the GPU.
+"""``hf_scatter.offload_model(model, gpu_memory="16GiB")``: batch generation with a MoE model larger than the GPU.
 
 The model's decoder layers move into a :class:`~hf_scatter.offload.paging.WeightStore` (a resident part on
 the GPU, the rest in pinned CPU memory), the policy comes from the HRM search unless given, and
@@ -41,7 +41,7 @@ from .stopping import Stopping
 from .streams import Streams
 from .trace import NullTracer, Tracer
 
-# What the policy is planned for when offload() is not told the workload: `hf-scatter plan`'s defaults.
+# What the policy is planned for when offload_model() is not told the workload: `hf-scatter plan`'s defaults.
 DEFAULT_WORKLOAD = Workload(prompt_len=512, gen_len=64)
 # device="cpu" has no GPU to plan for: a small fixed policy, every weight streamed.
 CPU_DEVICE_POLICY = Policy(batch_size=32, micro_batch_size=8)
@@ -104,7 +104,7 @@ class _BatchesRun:
     fetched_experts: int = 0  # expert blocks those steps fetched
 
 
-def offload(model, gpu_memory: int | float | str = "16GiB", cpu_memory: int | float | str | None = None,
+def offload_model(model, gpu_memory: int | float | str = "16GiB", cpu_memory: int | float | str | None = None,
             policy: Policy | None = None, device: str | torch.device = "cuda", *, profile=None,
             workload: Workload | None = None, release_weights: bool = True, progress: bool = True,
             group=None) -> "OffloadedModel":
@@ -169,10 +169,10 @@ def _plan(model, shard: Shard, device: torch.device, gpu_memory, cpu_memory, pol
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"the model loader {loader!r} returned {type(model).__name__}, not a causal LM module")
     if any(p.is_meta for p in model.parameters()):
-        raise ValueError("the model's weights are on the meta device: an earlier hf_scatter.offload(model) moved them "
-                         "into its OffloadedModel (release_weights=True, the default), or the model was built "
-                         "without weights. Reuse the first OffloadedModel, or reload the model (from_pretrained) "
-                         "for a new one; pass release_weights=False to offload() to keep the model whole")
+        raise ValueError("the model's weights are on the meta device: an earlier hf_scatter.offload_model(model) "
+                         "moved them into its OffloadedModel (release_weights=True, the default), or the model was "
+                         "built without weights. Reuse the first OffloadedModel, or reload the model (from_pretrained) "
+                         "for a new one; pass release_weights=False to offload_model() to keep the model whole")
     adapter = adapter_for(model, shard)
     gpu_budget = parse_bytes(gpu_memory, "gpu_memory")
     prof = _profile(profile, device, required=policy is None)
@@ -554,8 +554,8 @@ class OffloadedModel:
             again = (" from a freshly loaded model (this one's weights went into the store that close() freed)"
                      if self._released else "")
             raise RuntimeError(f"this OffloadedModel is closed: close() (or the end of its with-block) stopped its "
-                               f"workers and freed its weights; make a new one with hf_scatter.offload(model, ...)"
-                               f"{again}")
+                               f"workers and freed its weights; make a new one with "
+                               f"hf_scatter.offload_model(model, ...){again}")
 
     def __enter__(self):
         return self
@@ -749,7 +749,7 @@ def _profile(profile, device: torch.device, required: bool) -> HardwareProfile |
     except FileNotFoundError as e:
         if profile is None and not required:
             return None
-        raise FileNotFoundError(f"{e}; or give offload() a policy=Policy(...)") from None
+        raise FileNotFoundError(f"{e}; or give offload_model() a policy=Policy(...)") from None
 
 
 def _default_cpu_budget(profile: HardwareProfile | None) -> int:

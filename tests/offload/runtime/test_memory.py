@@ -15,19 +15,20 @@ from offload_cases import padded, requests, torch_kernels_on_cpu, vanilla_new_to
 
 def test_requests_that_cannot_fit_are_refused_with_their_index():
     model = tiny_mixtral()
-    off = hf_scatter.offload(model, gpu_memory="1GiB", cpu_memory="4MiB", device="cpu", policy=Policy(4, 2),
-                             release_weights=False, progress=False)
+    off = hf_scatter.offload_model(model, gpu_memory="1GiB", cpu_memory="4MiB", device="cpu", policy=Policy(4, 2),
+                                   release_weights=False, progress=False)
     # per token the KV cache takes 2 layers x 2 (K, V) x 32 x 4 bytes = 512 B; ~3.5 MiB are left after the weights
     reqs = [torch.randint(3, 384, (n,)) for n in (10, 20_000, 15)]
     with pytest.raises(PlanError, match=r"request 1 \(20000 prompt tokens"):
         off.generate(prompts=None, input_ids=padded(reqs)[0], attention_mask=padded(reqs)[1], max_new_tokens=4,
                      progress=False)
     with pytest.raises(PlanError, match="gpu_memory|GPU budget"):
-        hf_scatter.offload(tiny_mixtral(), gpu_memory="64KiB", device="cpu", policy=Policy(4, 2), progress=False)
+        hf_scatter.offload_model(tiny_mixtral(), gpu_memory="64KiB", device="cpu", policy=Policy(4, 2), progress=False)
     with pytest.raises(ValueError, match="attention on the CPU"):
-        hf_scatter.offload(tiny_mixtral(), device="cpu", policy=Policy(4, 2, attention_on_gpu=True), progress=False)
+        hf_scatter.offload_model(tiny_mixtral(), device="cpu", policy=Policy(4, 2, attention_on_gpu=True),
+                                 progress=False)
     with pytest.raises(ValueError, match="supports dbrx, deepseek_v2, deepseek_v3, gpt_oss, granitemoe, mixtral"):
-        hf_scatter.offload(torch.nn.Linear(2, 2), device="cpu")
+        hf_scatter.offload_model(torch.nn.Linear(2, 2), device="cpu")
 
 
 def test_batch_shrinks_to_what_host_memory_holds():
@@ -36,8 +37,8 @@ def test_batch_shrinks_to_what_host_memory_holds():
     ids, mask = padded(reqs)
     alone = vanilla_new_tokens(model, reqs, 4)
     # KV of one request: (40 + 3) tokens x 512 B = 21.5 KiB; ~60 KiB of host memory left fits two at a time
-    off = hf_scatter.offload(model, gpu_memory="1GiB", device="cpu", policy=Policy(8, 4), progress=False,
-                             cpu_memory=Layout(adapter_for(model), 0.0).host_bytes + 60 * 1024)
+    off = hf_scatter.offload_model(model, gpu_memory="1GiB", device="cpu", policy=Policy(8, 4), progress=False,
+                                   cpu_memory=Layout(adapter_for(model), 0.0).host_bytes + 60 * 1024)
     result = off.generate(ids, attention_mask=mask, max_new_tokens=4, eos_token_id=[], return_dict=True,
                           progress=False)
     assert result.stats["batch_size"] < 8 and result.stats["batches"] > 1
@@ -51,7 +52,7 @@ def test_cublas_workspace_is_reserved_as_pytorch_sizes_it():
     assert cublas_workspace_size("", 8) == (4096 * 2 + 16 * 8) * 1024
     assert cublas_workspace_size(":4096:8", 8) == 32 * 2**20 and cublas_workspace_size(":16:8:4096:1", 9) == 4224 * 1024
     assert cublas_workspace_bytes("cpu") == 0
-    off = hf_scatter.offload(tiny_mixtral(), gpu_memory="1GiB", device="cpu", policy=Policy(2, 1), progress=False)
+    off = hf_scatter.offload_model(tiny_mixtral(), gpu_memory="1GiB", device="cpu", policy=Policy(2, 1), progress=False)
     assert off.memory()["device"]["cuBLAS workspace"] == 0
 
 
@@ -69,8 +70,8 @@ def test_gpu_memory_stays_within_the_budget_and_transfers_overlap(tmp_path):
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    off = hf_scatter.offload(model, gpu_memory=budget, device="cuda", policy=Policy(32, 8, weights_gpu_fraction=0.1),
-                             progress=False)
+    off = hf_scatter.offload_model(model, gpu_memory=budget, device="cuda",
+                                   policy=Policy(32, 8, weights_gpu_fraction=0.1), progress=False)
     assert 0 < off.store.layout.fraction <= 0.1
     result = off.generate(ids, attention_mask=mask, max_new_tokens=16, return_dict=True, progress=False,
                           trace=str(tmp_path / "trace.json"))

@@ -28,8 +28,8 @@ def test_greedy_tokens_equal_vanilla_generate_on_cpu(family, fraction):
     batched = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0,
                              eos_token_id=eos)
     # 7 requests, batches of 3 in micro-batches of 2: three batches, several micro-batches, every stage paged
-    off = hf_scatter.offload(model, gpu_memory="1GiB", device="cpu",
-                             policy=Policy(3, 2, weights_gpu_fraction=fraction), progress=False)
+    off = hf_scatter.offload_model(model, gpu_memory="1GiB", device="cpu",
+                                   policy=Policy(3, 2, weights_gpu_fraction=fraction), progress=False)
     assert isinstance(off, OffloadedModel)
     if fraction:
         assert 0 < off.store.layout.fraction <= fraction
@@ -48,8 +48,8 @@ def test_padding_side_and_prompts_with_a_tokenizer(tokenizer):
     texts = ["hello world", "The quick brown fox jumps over the lazy dog.", "tokens and layers, training"]
     reqs = [torch.tensor(tokenizer(t)["input_ids"]) for t in texts]
     alone = vanilla_new_tokens(model, reqs, 8)
-    off = hf_scatter.offload(model, gpu_memory="1GiB", device="cpu", policy=Policy(2, 1), release_weights=False,
-                             progress=False)
+    off = hf_scatter.offload_model(model, gpu_memory="1GiB", device="cpu", policy=Policy(2, 1), release_weights=False,
+                                   progress=False)
     ids, mask = padded(reqs, side="right")
     right = off.generate(ids, attention_mask=mask, max_new_tokens=8, progress=False, eos_token_id=[])
     assert [right[i, ids.shape[1]:].tolist() for i in range(len(reqs))] == alone  # positions ignore padding
@@ -69,30 +69,30 @@ def test_padding_side_and_prompts_with_a_tokenizer(tokenizer):
 
 def test_offloading_a_model_whose_weights_were_released_is_refused_before_any_work():
     model = tiny_mixtral()
-    first = hf_scatter.offload(model, gpu_memory="1GiB", device="cpu", policy=Policy(2, 1), progress=False)
+    first = hf_scatter.offload_model(model, gpu_memory="1GiB", device="cpu", policy=Policy(2, 1), progress=False)
     with pytest.raises(ValueError, match="meta device") as err:
-        hf_scatter.offload(model, gpu_memory="1GiB", device="cpu", policy=Policy(2, 1), progress=False)
+        hf_scatter.offload_model(model, gpu_memory="1GiB", device="cpu", policy=Policy(2, 1), progress=False)
     for fix in ("reload the model", "reuse the first offloadedmodel", "release_weights=false"):
         assert fix in str(err.value).lower()
     assert first.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, progress=False).shape == (1, 5)
     first.close()
     kept = tiny_mixtral()  # release_weights=False leaves the model whole: it can be offloaded again
-    hf_scatter.offload(kept, gpu_memory="1GiB", device="cpu", policy=Policy(2, 1), release_weights=False,
-                       progress=False).close()
-    hf_scatter.offload(kept, gpu_memory="1GiB", device="cpu", policy=Policy(2, 1), progress=False).close()
+    hf_scatter.offload_model(kept, gpu_memory="1GiB", device="cpu", policy=Policy(2, 1), release_weights=False,
+                             progress=False).close()
+    hf_scatter.offload_model(kept, gpu_memory="1GiB", device="cpu", policy=Policy(2, 1), progress=False).close()
 
 
 def test_families_without_offloading_or_with_dense_layers_are_refused_before_any_work():
     with pytest.raises(ValueError, match="offloading supports .*qwen3_moe.* causal LMs; got model_type 'qwen3_next'"):
-        hf_scatter.offload(TINY_BUILDERS["qwen3_next"](), device="cpu", progress=False)
+        hf_scatter.offload_model(TINY_BUILDERS["qwen3_next"](), device="cpu", progress=False)
     model = TINY_BUILDERS["qwen3_moe"](mlp_only_layers=[0])
     with pytest.raises(NotImplementedError, match=r"layers \[0\] of this qwen3_moe model hold a dense MLP"):
-        hf_scatter.offload(model, device="cpu", progress=False)
+        hf_scatter.offload_model(model, device="cpu", progress=False)
     assert all(p.device.type == "cpu" for p in model.parameters()), "the model was touched"
 
 
 def test_a_closed_offloaded_model_says_so():
-    off = hf_scatter.offload(tiny_mixtral(), gpu_memory="1GiB", device="cpu", policy=Policy(2, 1), progress=False)
+    off = hf_scatter.offload_model(tiny_mixtral(), gpu_memory="1GiB", device="cpu", policy=Policy(2, 1), progress=False)
     ids = torch.tensor([[5, 6, 7]])
     off.close()
     off.close()  # twice is harmless
@@ -101,8 +101,8 @@ def test_a_closed_offloaded_model_says_so():
         with pytest.raises(RuntimeError, match=r"closed.*hf_scatter\.offload"):
             run()
     assert "closed" in repr(off)
-    with hf_scatter.offload(tiny_mixtral(), gpu_memory="1GiB", device="cpu", policy=Policy(2, 1),
-                            progress=False) as off:
+    with hf_scatter.offload_model(tiny_mixtral(), gpu_memory="1GiB", device="cpu", policy=Policy(2, 1),
+                                  progress=False) as off:
         off.generate(ids, max_new_tokens=2, progress=False)
     with pytest.raises(RuntimeError, match="closed"):
         off.generate(ids, max_new_tokens=2, progress=False)
@@ -119,8 +119,8 @@ def test_sizes_must_be_finite_positive_and_below_a_pebibyte(size, problem):
     with pytest.raises(ValueError, match=f"gpu_memory.*{problem}|{problem}.*gpu_memory"):
         parse_bytes(size, "gpu_memory")
     with pytest.raises(ValueError, match=f"cpu_memory.*{problem}|{problem}.*cpu_memory"):
-        hf_scatter.offload(tiny_mixtral(), gpu_memory="1GiB", cpu_memory=size, device="cpu", policy=Policy(2, 1),
-                           progress=False)
+        hf_scatter.offload_model(tiny_mixtral(), gpu_memory="1GiB", cpu_memory=size, device="cpu", policy=Policy(2, 1),
+                                 progress=False)
 
 
 def test_a_pebibyte_is_still_a_size():
@@ -138,8 +138,8 @@ def test_generation_config_fields_are_defaults_that_keywords_override():
     ids, mask = padded(reqs)
     eos = vanilla_new_tokens(model, reqs[:1], 2, eos_token_id=[])[0][1]
     config = GenerationConfig(max_new_tokens=6, min_new_tokens=3, eos_token_id=eos, pad_token_id=0, do_sample=False)
-    off = hf_scatter.offload(model, gpu_memory="1GiB", device="cpu", policy=Policy(4, 2), release_weights=False,
-                             progress=False)
+    off = hf_scatter.offload_model(model, gpu_memory="1GiB", device="cpu", policy=Policy(4, 2), release_weights=False,
+                                   progress=False)
     for kw in ({}, {"max_new_tokens": 4, "min_new_tokens": 0}):
         want = model.generate(ids, attention_mask=mask, generation_config=config, **kw)
         assert torch.equal(off.generate(ids, attention_mask=mask, generation_config=config, progress=False, **kw),
@@ -151,7 +151,7 @@ def test_generation_config_fields_are_defaults_that_keywords_override():
 def test_unsupported_generation_options_are_named_before_any_work():
     from transformers import GenerationConfig
 
-    off = hf_scatter.offload(tiny_mixtral(), gpu_memory="1GiB", device="cpu", policy=Policy(2, 1), progress=False)
+    off = hf_scatter.offload_model(tiny_mixtral(), gpu_memory="1GiB", device="cpu", policy=Policy(2, 1), progress=False)
     ids = torch.tensor([[5, 6, 7]])
     with pytest.raises(TypeError, match=r"num_beams.*supported.*min_new_tokens.*repetition_penalty"):
         off.generate(ids, num_beams=4, progress=False)
@@ -182,18 +182,25 @@ def test_offload_from_a_checkpoint_path(tmp_path):
     reqs = requests((8, 3, 14))
     ids, mask = padded(reqs)
     expected = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    off = hf_scatter.offload(str(tmp_path), gpu_memory="1GiB", device="cpu", policy=Policy(2, 1), progress=False)
+    off = hf_scatter.offload_model(str(tmp_path), gpu_memory="1GiB", device="cpu", policy=Policy(2, 1), progress=False)
     assert torch.equal(off.generate(ids, attention_mask=mask, max_new_tokens=6, progress=False), expected)
 
 
-def test_hf_scatter_offload_is_callable_and_still_the_subpackage():
-    assert callable(hf_scatter.offload)
-    from hf_scatter.offload import offload, search_policy
+def test_offload_model_is_a_plain_function_and_the_old_call_warns_naming_it():
+    """``hf_scatter.offload_model`` is the function to call and ``hf_scatter.offload`` the subpackage (its old names
+    still import); calling the subpackage as before still works this release, with a FutureWarning naming the new
+    call."""
+    import types
 
-    assert hf_scatter.offload.search_policy is search_policy and hf_scatter.offload.offload is offload
+    from hf_scatter.offload import offload, offload_model, search_policy
+
+    assert isinstance(hf_scatter.offload_model, types.FunctionType) and hf_scatter.offload_model is offload_model
+    assert hf_scatter.offload.search_policy is search_policy and hf_scatter.offload.offload is offload is offload_model
+    with pytest.warns(FutureWarning, match=r"hf_scatter\.offload_model\(model"):
+        hf_scatter.offload(tiny_dbrx(), "1GiB", device="cpu", policy=Policy(2, 1), progress=False).close()
     model = tiny_dbrx()
-    off = hf_scatter.offload(model, "1GiB", device="cpu", profile="h100-host-anchors", progress=False,
-                             release_weights=False)
+    off = hf_scatter.offload_model(model, "1GiB", device="cpu", profile="h100-host-anchors", progress=False,
+                                   release_weights=False)
     assert off.policy.prediction is not None  # planned by the HRM
     assert (off.policy.attention_on_gpu, off.policy.experts_on_gpu) == (False, True)
     assert "weights on the device" in off.describe() and "OffloadedModel(dbrx" in repr(off)
@@ -214,8 +221,8 @@ def test_greedy_tokens_equal_vanilla_generate_on_gpu(family):
     held = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0,
                           eos_token_id=eos, min_new_tokens=4)
     penalised = vanilla_new_tokens(model, reqs, 6, eos_token_id=[], repetition_penalty=1.5, no_repeat_ngram_size=2)
-    off = hf_scatter.offload(model, gpu_memory="256MiB", device="cuda",
-                             policy=Policy(4, 2, weights_gpu_fraction=0.5), progress=False)
+    off = hf_scatter.offload_model(model, gpu_memory="256MiB", device="cuda",
+                                   policy=Policy(4, 2, weights_gpu_fraction=0.5), progress=False)
     assert off.store.host.pinned and off.store.host.tensor.is_pinned()
     out = off.generate(ids, attention_mask=mask, max_new_tokens=10, progress=False)
     assert torch.equal(out, batched)
@@ -252,7 +259,7 @@ def test_routed_sweep_rows_render_as_a_table_and_a_plot(tmp_path):
 
     model = BUILDERS["qwen3_moe"](experts=8)
     spec = ModelSpec.from_config(model.config, dtype_bytes=4)
-    off = hf_scatter.offload(model, gpu_memory="1GiB", device="cpu", policy=Policy(4, 4), progress=False)
+    off = hf_scatter.offload_model(model, gpu_memory="1GiB", device="cpu", policy=Policy(4, 4), progress=False)
     prof = load_profile("h100-host-anchors")
     reqs = requests((5, 9, 7, 4))
     rows = [bench.routed_row(off, reqs[:n], prof, spec, 2**30, 3) for n in (1, 4)]
@@ -297,8 +304,8 @@ def test_logits_of_every_position_equal_the_models_own(family):
     ids, mask = padded(reqs, side="right")
     with torch.no_grad():
         want = [model(r.unsqueeze(0)).logits[0] for r in reqs]
-    off = hf_scatter.offload(model, gpu_memory="1GiB", device="cpu", policy=Policy(3, 2, weights_gpu_fraction=0.5),
-                             release_weights=False, progress=False)
+    off = hf_scatter.offload_model(model, gpu_memory="1GiB", device="cpu",
+                                   policy=Policy(3, 2, weights_gpu_fraction=0.5), release_weights=False, progress=False)
     got = off.logits(ids, attention_mask=mask)
     assert got.shape == (*ids.shape, model.config.vocab_size) and got.dtype == torch.float32
     for i, r in enumerate(reqs):
@@ -317,8 +324,8 @@ def test_a_sliding_window_on_every_layer_holds_in_prefill_and_decode():
     with torch.no_grad():
         want = [model(r.unsqueeze(0)).logits[0] for r in reqs]
     alone = vanilla_new_tokens(model, reqs, 10)
-    off = hf_scatter.offload(model, gpu_memory="1GiB", device="cpu", policy=Policy(3, 2, weights_gpu_fraction=0.5),
-                             release_weights=False, progress=False)
+    off = hf_scatter.offload_model(model, gpu_memory="1GiB", device="cpu",
+                                   policy=Policy(3, 2, weights_gpu_fraction=0.5), release_weights=False, progress=False)
     assert {a.window for a in off.pipe.attention} == {6}
     got = off.logits(*padded(reqs, side="right"))
     for i, r in enumerate(reqs):

@@ -45,8 +45,8 @@ def _loaded_in_turns(rank: int, device: str, root: str, group) -> dict:
 
     out = {}
     for name, model in (("loader", loader), ("path", checkpoint)):
-        off = hf_scatter.offload(model, gpu_memory="1GiB", device=device, group=group, progress=False,
-                                 policy=Policy(3, 2, weights_gpu_fraction=0.5, gpus=WORLD))
+        off = hf_scatter.offload_model(model, gpu_memory="1GiB", device=device, group=group, progress=False,
+                                       policy=Policy(3, 2, weights_gpu_fraction=0.5, gpus=WORLD))
         out[name] = torch.equal(off.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
                                              progress=False).cpu(), vanilla)
         off.close()
@@ -76,8 +76,8 @@ def _rank_results(rank: int, device: str) -> dict:
         with torch.no_grad():
             logits = model(ids, attention_mask=mask).logits.float()
         whole = Layout(adapter_for(model), 0.5)
-        off = hf_scatter.offload(model, gpu_memory="1GiB", device=device, group=group, progress=False,
-                                 policy=Policy(3, 2, weights_gpu_fraction=0.5, gpus=WORLD))
+        off = hf_scatter.offload_model(model, gpu_memory="1GiB", device=device, group=group, progress=False,
+                                       policy=Policy(3, 2, weights_gpu_fraction=0.5, gpus=WORLD))
         got = off.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, progress=False)
         got_eos = off.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, eos_token_id=eos, progress=False)
         sampled = off.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=True, seed=3, progress=False)
@@ -107,14 +107,14 @@ def _rank_results(rank: int, device: str) -> dict:
         off.close()
     for family, why in REFUSED.items():
         try:
-            hf_scatter.offload(BUILDERS[family](), device=device, group=group, progress=False,
-                               policy=Policy(2, 1, gpus=WORLD))
+            hf_scatter.offload_model(BUILDERS[family](), device=device, group=group, progress=False,
+                                     policy=Policy(2, 1, gpus=WORLD))
             out[family] = "not refused"
         except NotImplementedError as e:
             out[family] = str(e)
     try:  # ranks given different arguments are stopped at the first collective, before any work
-        hf_scatter.offload(BUILDERS["mixtral"](), gpu_memory="1GiB" if rank == 0 else "2GiB", device=device,
-                           group=group, progress=False, policy=Policy(3, 2, weights_gpu_fraction=0.5, gpus=WORLD))
+        hf_scatter.offload_model(BUILDERS["mixtral"](), gpu_memory="1GiB" if rank == 0 else "2GiB", device=device,
+                                 group=group, progress=False, policy=Policy(3, 2, weights_gpu_fraction=0.5, gpus=WORLD))
         out["different_arguments"] = "not refused"
     except ValueError as e:
         out["different_arguments"] = str(e)
@@ -124,18 +124,19 @@ def _rank_results(rank: int, device: str) -> dict:
     runtime.plan_device = lambda *a, **k: dataclasses.replace(real(*a, **k), group_tokens=real(*a, **k).group_tokens
                                                               - rank)
     try:
-        hf_scatter.offload(BUILDERS["mixtral"](), gpu_memory="1GiB", device=device, group=group, progress=False,
-                           policy=Policy(3, 2, weights_gpu_fraction=0.5, gpus=WORLD))
+        hf_scatter.offload_model(BUILDERS["mixtral"](), gpu_memory="1GiB", device=device, group=group, progress=False,
+                                 policy=Policy(3, 2, weights_gpu_fraction=0.5, gpus=WORLD))
         out["different_plans"] = "not refused"
     except RuntimeError as e:
         out["different_plans"] = str(e)
     finally:
         runtime.plan_device = real
     odd = BUILDERS["mixtral"](kv_heads=1, intermediate=95)
-    for name, call in (("odd", lambda: hf_scatter.offload(odd, device=device, group=group, progress=False,
-                                                            policy=Policy(2, 1, gpus=WORLD))),
-                       ("one_gpu_policy", lambda: hf_scatter.offload(BUILDERS["mixtral"](), device=device, group=group,
-                                                                      progress=False, policy=Policy(2, 1)))):
+    for name, call in (("odd", lambda: hf_scatter.offload_model(odd, device=device, group=group, progress=False,
+                                                                  policy=Policy(2, 1, gpus=WORLD))),
+                       ("one_gpu_policy", lambda: hf_scatter.offload_model(BUILDERS["mixtral"](), device=device,
+                                                                            group=group, progress=False,
+                                                                            policy=Policy(2, 1)))):
         try:
             call()
             out[name] = "not refused"

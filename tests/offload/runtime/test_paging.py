@@ -42,8 +42,8 @@ def check_routed_streaming(family, device, monkeypatch):
         return weights
 
     monkeypatch.setattr(WeightStreamer, "enter", enter_poisoned)
-    off = hf_scatter.offload(model, gpu_memory="1GiB", device=device, policy=Policy(3, 2, routed_experts=True),
-                             progress=False)
+    off = hf_scatter.offload_model(model, gpu_memory="1GiB", device=device, policy=Policy(3, 2, routed_experts=True),
+                                   progress=False)
     if off.profile is not None:  # a saved profile would price the smaller batches again ("auto")
         off.expert_streaming = "routed"
     result = off.generate(ids, attention_mask=mask, max_new_tokens=6, return_dict=True, progress=False)
@@ -69,8 +69,8 @@ def test_a_one_layer_model_keeps_its_whole_stages_and_reports_no_routed_batch():
     model = tiny_mixtral(layers=1, experts=8)
     ids, mask = padded(requests((6, 9)))
     expected = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
-    off = hf_scatter.offload(model, gpu_memory="1GiB", device="cpu", policy=Policy(2, 2, routed_experts=True),
-                             progress=False)
+    off = hf_scatter.offload_model(model, gpu_memory="1GiB", device="cpu", policy=Policy(2, 2, routed_experts=True),
+                                   progress=False)
     result = off.generate(ids, attention_mask=mask, max_new_tokens=4, return_dict=True, progress=False)
     assert torch.equal(result.sequences, expected)
     assert result.stats["routed_batches"] == 0 and result.stats["routed_experts_fetched"] == 0
@@ -135,7 +135,7 @@ def test_resident_and_streamed_parts_rebuild_every_layer():
 def test_one_weight_page_per_micro_batch_and_the_trace(tmp_path):
     model = tiny_mixtral(layers=3)
     ids, mask = padded(requests((6, 9, 4, 7)))
-    off = hf_scatter.offload(model, gpu_memory="1GiB", device="cpu", policy=Policy(4, 2), progress=False)
+    off = hf_scatter.offload_model(model, gpu_memory="1GiB", device="cpu", policy=Policy(4, 2), progress=False)
     path = tmp_path / "trace.json"
     result = off.generate(ids, attention_mask=mask, max_new_tokens=3, eos_token_id=[], return_dict=True,
                           progress=False, trace=str(path))
@@ -167,8 +167,8 @@ def test_a_wholly_resident_stage_takes_no_slot_so_the_next_one_streams_during_th
     model = tiny_mixtral(layers=3)
     ids, mask = padded(requests((6, 9, 4, 7)))
     expected = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
-    off = hf_scatter.offload(model, gpu_memory="1GiB", device="cpu", policy=Policy(4, 2, weights_gpu_fraction=0.1),
-                             progress=False)
+    off = hf_scatter.offload_model(model, gpu_memory="1GiB", device="cpu",
+                                   policy=Policy(4, 2, weights_gpu_fraction=0.1), progress=False)
     assert [t.nbytes > 0 for t in off.store.stage_tables] == [False, True, True, True]
     path = tmp_path / "trace.json"
     out = off.generate(ids, attention_mask=mask, max_new_tokens=4, progress=False, trace=str(path))

@@ -16,8 +16,8 @@ from offload_cases import (  # noqa: F401 - the autouse fixture
 def test_stop_strings_end_a_request(tokenizer):
     model = tiny_mixtral(seed=3)
     text = "The quick brown fox"
-    off = hf_scatter.offload(model, gpu_memory="1GiB", device="cpu", policy=Policy(1, 1), release_weights=False,
-                             progress=False)
+    off = hf_scatter.offload_model(model, gpu_memory="1GiB", device="cpu", policy=Policy(1, 1), release_weights=False,
+                                   progress=False)
     free = off.generate(prompts=[text], tokenizer=tokenizer, max_new_tokens=12, return_dict=True, progress=False,
                         eos_token_id=[])
     decoded = tokenizer.decode(free.tokens[0][:6])
@@ -33,8 +33,8 @@ def test_stop_strings_end_a_request(tokenizer):
 def test_sampling_is_reproducible_with_a_seed():
     model = tiny_dbrx(seed=1)
     ids, mask = padded(requests())
-    off = hf_scatter.offload(model, gpu_memory="1GiB", device="cpu", policy=Policy(4, 2), release_weights=False,
-                             progress=False)
+    off = hf_scatter.offload_model(model, gpu_memory="1GiB", device="cpu", policy=Policy(4, 2), release_weights=False,
+                                   progress=False)
     greedy = off.generate(ids, attention_mask=mask, max_new_tokens=12, progress=False, eos_token_id=[])
     sample = lambda **kw: off.generate(ids, attention_mask=mask, max_new_tokens=12, progress=False,  # noqa: E731
                                        eos_token_id=[], do_sample=True, **kw)
@@ -60,8 +60,8 @@ def test_min_new_tokens_hold_back_eos_as_vanilla_generate_does(family):
     kw = dict(max_new_tokens=8, eos_token_id=eos, pad_token_id=0)
     vanilla = model.generate(ids, attention_mask=mask, do_sample=False, min_new_tokens=5, **kw)
     free = model.generate(ids, attention_mask=mask, do_sample=False, **kw)
-    off = hf_scatter.offload(model, gpu_memory="1GiB", device="cpu", policy=Policy(3, 2, weights_gpu_fraction=0.5),
-                             release_weights=False, progress=False)
+    off = hf_scatter.offload_model(model, gpu_memory="1GiB", device="cpu",
+                                   policy=Policy(3, 2, weights_gpu_fraction=0.5), release_weights=False, progress=False)
     assert torch.equal(off.generate(ids, attention_mask=mask, min_new_tokens=5, progress=False, **kw), vanilla)
     assert torch.equal(off.generate(ids, attention_mask=mask, progress=False, **kw), free)
     start = ids.shape[1]
@@ -78,8 +78,8 @@ def test_repetition_penalty_and_no_repeat_ngram_equal_vanilla_generate(family, m
     model = BUILDERS[family](seed=4)
     reqs = requests(seed=1)
     ids, mask = padded(reqs)
-    off = hf_scatter.offload(model, gpu_memory="1GiB", device="cpu", policy=Policy(4, 2), release_weights=False,
-                             progress=False)
+    off = hf_scatter.offload_model(model, gpu_memory="1GiB", device="cpu", policy=Policy(4, 2), release_weights=False,
+                                   progress=False)
     # prefill chunks of part of a micro-batch, and the LM head one row at a time: every slice of the history
     monkeypatch.setattr(off.pipe, "chunk_tokens", 20)
     monkeypatch.setattr(cgopipe, "HEAD_ROWS", 1)
