@@ -16,8 +16,9 @@ Running (CGOPipe)::
     offloaded = hf_scatter.offload_model(model, gpu_memory="16GiB")     # also hf_scatter.offload.offload_model
     out = offloaded.generate(input_ids, attention_mask=mask, max_new_tokens=128)
 
-Over several GPUs of one host, one process each under torchrun: ``hf_scatter.offload_model(model, gpu_memory="16GiB",
-group=dist.group.WORLD)`` (tensor parallelism: each GPU keeps and streams its share of every layer).
+Over several GPUs of one host, one process each under torchrun:
+``hf_scatter.offload_model(model, gpu_memory="16GiB", group=dist.group.WORLD)`` (tensor parallelism: each GPU
+keeps and streams its share of every layer).
 """
 
 import sys as _sys
