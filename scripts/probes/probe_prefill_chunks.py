@@ -21,7 +21,6 @@ import hf_scatter
 from hf_scatter.bench.offload_workload import build_model, left_padded, prompts
 from hf_scatter.common.shapes import builtin_config
 from hf_scatter.offload import Workload, load_profile
-from hf_scatter.offload.runtime import attention, cgopipe
 
 
 def prefill_seconds(off, ids, mask) -> float:
@@ -44,12 +43,11 @@ def main() -> None:
     result = {"layers": layers, "requests": requests, "torch": torch.__version__, "plan": off.describe()}
     # each way timed on its second run: the first of a batch this large allocates its pinned buffers (seconds)
     result["flash varlen, s"] = min(prefill_seconds(off, ids, mask) for _ in range(2))
-    flash = attention.flash_varlen_runs
-    attention.flash_varlen_runs = cgopipe.flash_varlen_runs = lambda *a: False  # the padded calls, as on the CPU
+    flash, off.pipe.flash_prompts = off.pipe.flash_prompts, False  # the padded calls, as on the CPU
     try:
         result["padded calls, s"] = min(prefill_seconds(off, ids, mask) for _ in range(2))
     finally:
-        attention.flash_varlen_runs = cgopipe.flash_varlen_runs = flash
+        off.pipe.flash_prompts = flash
     print({k: v for k, v in result.items() if k != "plan"})
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -196,13 +196,16 @@ def prompt_attention(qkv: torch.Tensor, rows: list[tuple[int, int, int]], d: Dim
                      packed: PackedPrompts | None = None) -> torch.Tensor:
     """Causal attention within each prompt of a chunk: ``qkv`` [T, q + 2 kv] (rotary applied; [T, q + kv]
     when the keys are the values), ``rows`` =
-    (row, first token, end token) per prompt; returns [T, q]. ``calls`` / ``packed``: :func:`prompt_calls` /
-    :func:`packed_prompts` of ``rows`` on ``qkv``'s device (a chunk passes through every layer, so the pipeline
-    builds them once; ``packed`` is read where :func:`flash_varlen_runs`, ``calls`` elsewhere).
+    (row, first token, end token) per prompt; returns [T, q]. ``packed`` / ``calls``: :func:`packed_prompts` /
+    :func:`prompt_calls` of ``rows`` on ``qkv``'s device (a chunk passes through every layer, so the pipeline
+    decides once, with :func:`flash_varlen_runs`, and builds one of them once): ``packed`` runs the FlashAttention
+    call, ``calls`` the padded ones; given neither, this call decides.
     ``sinks``: ``layer.sinks`` on ``qkv``'s device; with sinks, queries go in blocks whose float32 scores
     take at most ``max_score_bytes``."""
-    if flash_varlen_runs(qkv.device, qkv.dtype, d):
-        return _flash_varlen_attention(qkv, d, layer, sinks, packed or packed_prompts(rows, qkv.device))
+    if packed is None and calls is None and flash_varlen_runs(qkv.device, qkv.dtype, d):
+        packed = packed_prompts(rows, qkv.device)
+    if packed is not None:
+        return _flash_varlen_attention(qkv, d, layer, sinks, packed)
     return _padded_prompt_attention(qkv, rows, d, layer, sinks, max_score_bytes, calls)
 
 

@@ -139,6 +139,7 @@ class CGOPipe:
         self.num_stages = self.dims.layers + 1
         self.attention = adapter.layer_attention()  # each layer's window and sinks
         self.device_sinks = [None if a.sinks is None else a.sinks.to(self.device) for a in self.attention]
+        self.flash_prompts = flash_varlen_runs(self.device, self.dtype, self.dims)  # prompt attention in one call
 
     # ------------------------------------------------------------------ one batch
     def run(self, batch: Batch, prompts: list[torch.Tensor], max_new_tokens: int, sampling: Sampling,
@@ -418,8 +419,7 @@ class CGOPipe:
         ids = torch.cat([prompts[mb.requests[i]] for i in rows])
         positions = torch.cat([torch.arange(mb.prompt_lens[i]) for i in rows])
         last = torch.tensor([b - 1 for _, _, b in spans])
-        dev = self.device
-        flash = flash_varlen_runs(dev, self.dtype, self.dims)
+        dev, flash = self.device, self.flash_prompts
         return _Chunk(mb.index, spans, ids.to(dev), positions.to(dev), last.to(dev),
                       torch.tensor(rows, dtype=torch.long).to(dev), None if flash else prompt_calls(spans, dev),
                       packed_prompts(spans, dev) if flash else None)
