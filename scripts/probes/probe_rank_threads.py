@@ -47,6 +47,9 @@ def main() -> None:
     model, device = os.environ.get("MODEL", "gpt-oss-120b"), os.environ.get("DEVICE", "cuda")
     with process_group(on=True, device=device):
         rank = dist.get_rank()
+        # torchrun gives each process one intra-op thread unless told (as bench offload --gpus does, its share)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
+        begun = time.perf_counter()
         config = builtin_config(model, num_hidden_layers=layers)
         reqs = prompts(int(os.environ.get("REQUESTS", 1024)), config.vocab_size)
         ids, mask = left_padded(reqs)
@@ -58,6 +61,8 @@ def main() -> None:
                                        **({"device": "cpu"} if device == "cpu" else {}))
         off.generate(ids[:off.policy.batch_size], attention_mask=mask[:off.policy.batch_size], max_new_tokens=3,
                      progress=False)
+        if rank == 0:
+            print(f"built and warmed up in {time.perf_counter() - begun:.0f} s", flush=True)
         runs = []
         for r in range(rounds):
             for threads in counts:

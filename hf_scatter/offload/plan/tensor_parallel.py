@@ -103,14 +103,15 @@ def _link_scale(profile: HardwareProfile, gpus: int) -> float | None:
 
 
 def attention_threads(cores: int, ranks: int = 1) -> int:
-    """Intra-op threads of one process's CPU attention when ``ranks`` processes share ``cores``: its share, less the
-    cores its other busy threads take: the thread driving its GPU and the weight pager, and in a group NCCL's
-    proxy (which polls) and one to spare. A thread team whose region waits on a descheduled member stalls: 4 ranks
-    x 16 threads on 64 cores ran decode attention 2.5-6x slower than one process with 63, and 2 ranks x 30 threads
-    (a micro-batch pipeline keeping the driving thread busy too) had 1 in 10 attention calls 5x slower than the
-    median (H100 x4 host, 2026-11)."""
-    reserved = 2 if ranks == 1 else 4
-    return max(1, int(cores) // int(ranks) - reserved)
+    """Intra-op threads of one process's CPU attention when ``ranks`` processes share ``cores``. Alone: every core
+    but the two its GPU-driving and paging threads take. In a group, far fewer: each rank's OpenMP team spins
+    between regions beside the other ranks' teams, drivers, pagers and NCCL proxies, and a team whose region waits
+    on a descheduled member stalls. Two ranks x 28 threads on 64 cores spent 16.9-37.5 s per rank in CPU attention
+    for work that 2 x 12 threads did in 5.4-6.2 s, at 792-1560 against 2051-2336 tokens/s, interleaved in one run
+    (H100 x4 host, GPT-OSS-120B shape, 2026-11): so the group keeps 3/8 of the cores for its attention teams."""
+    if ranks == 1:
+        return max(1, int(cores) - 2)
+    return max(1, (3 * int(cores)) // (8 * int(ranks)))
 
 
 def group_profile(profile: HardwareProfile, tp: TensorParallel) -> HardwareProfile:

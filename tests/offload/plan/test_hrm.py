@@ -550,18 +550,18 @@ def test_host_memory_delivers_at_least_the_measured_copies_to_every_gpu_at_once(
 
 
 def test_cpu_attention_of_a_group_runs_on_the_threads_its_ranks_keep():
-    """Each rank keeps its share of the cores less those its other busy threads take (GPU driver and pager; in a
-    group NCCL's polling proxy and a spare): 4 ranks on 64 cores attend with 4 x 12 threads where one process
-    had 62, so the planner's attention is 62/48 slower (the measured rate, per thread, is unchanged)."""
+    """One process keeps every core but its GPU driver's and pager's; a group's ranks keep 3/8 of the cores between
+    them (more threads spinning beside the other ranks stalled their teams): 4 ranks on 64 cores attend with 4 x 6
+    threads where one process had 62, so the planner's attention is 62/24 slower (the rate per thread is kept)."""
     from hf_scatter.offload.plan.hrm import HierarchicalRoofline
     from hf_scatter.offload.plan.tensor_parallel import attention_threads
 
-    assert [attention_threads(64, n) for n in (1, 2, 4)] == [62, 28, 12] and attention_threads(2, 4) == 1
+    assert [attention_threads(64, n) for n in (1, 2, 4)] == [62, 12, 6] and attention_threads(2, 4) == 1
     host = two_gpu_host(gpus=4, cpu_cores=64, cpu_attention=[
         {"batch": 64, "context": c, "q_heads": 32, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2,
          "seconds": c * 1e-5} for c in (256, 1024)])
     one, four = (HierarchicalRoofline(host, n).cpu_attention_rate(512)[0] for n in (1, 4))
-    assert one / four == pytest.approx(62 / 48)
+    assert one / four == pytest.approx(62 / 24)
 
 
 def test_a_measured_group_attention_replaces_the_thread_model():
