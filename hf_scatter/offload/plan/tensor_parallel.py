@@ -76,10 +76,14 @@ class TensorParallel:
             assumed.append("allreduce_latency_s (20 us assumed: not measured)")
         attention = _measured_at(profile.cpu_attention_group, gpus)
         if attention is None:
-            cores = profile.cpu_cores or 1
-            attention = attention_threads(cores) / (gpus * attention_threads(cores, gpus))
-            assumed.append("cpu_attention_group (the ranks' CPU attention scaled by the threads they keep: not "
-                           "measured)")
+            # decode attention streams the KV cache: bound by memory more than by threads, so a rank's share of the
+            # heads on its few threads took no longer than one process over all of them on every core (H100 x4 host,
+            # GPT-OSS shape: busy 5.4-6.6 s a rank at 2 ranks x 12 threads, 3.3-4.2 s at 4 x 6, in
+            # docs/results/offload-rank-threads-h100-x4.json; one process 12.7 s in the repeats file beside it);
+            # scaling by the threads kept said 2.6x slower
+            attention = 1.0
+            assumed.append("cpu_attention_group (the ranks' CPU attention at once taken as fast as one process's "
+                           "over all heads: not measured)")
         return cls(int(gpus), scale, bus, latency, measured, attention), assumed
 
 
@@ -116,8 +120,8 @@ def attention_threads(cores: int, ranks: int = 1) -> int:
 
 def group_profile(profile: HardwareProfile, tp: TensorParallel) -> HardwareProfile:
     """``profile`` with its GPU widened to the group: compute, HBM bandwidth, memory and attention bandwidth
-    times ``N``, the host links at their aggregate; CPU attention at the ranks' measured time at once (else slower
-    by the threads the ranks give up, :func:`attention_threads`); per-op overheads unchanged (each rank launches
+    times ``N``, the host links at their aggregate; CPU attention at the ranks' measured time at once (else at one
+    process's: :meth:`TensorParallel.from_profile`); per-op overheads unchanged (each rank launches
     its own kernels in parallel). Host memory is shared too, but where copies to the group's GPUs at once were
     measured, it delivered at least their aggregate: the host-memory roof (measured with one GPU's copies beside a
     CPU copy) is raised to that, not left below what was seen."""

@@ -549,19 +549,21 @@ def test_host_memory_delivers_at_least_the_measured_copies_to_every_gpu_at_once(
     assert HierarchicalRoofline(unmeasured, 2).host_dram_bandwidth == pytest.approx(65e9)
 
 
-def test_cpu_attention_of_a_group_runs_on_the_threads_its_ranks_keep():
+def test_a_groups_ranks_attend_on_few_threads_and_unmeasured_plan_at_one_processs_rate():
     """One process keeps every core but its GPU driver's and pager's; a group's ranks keep 3/8 of the cores between
-    them (more threads spinning beside the other ranks stalled their teams): 4 ranks on 64 cores attend with 4 x 6
-    threads where one process had 62, so the planner's attention is 62/24 slower (the rate per thread is kept)."""
+    them (more threads spinning beside the other ranks stalled their teams). Without a measurement of the group,
+    the planner takes its CPU attention as fast as one process's (memory-bound: fewer threads per rank did not
+    slow it), and says that it assumed so."""
     from hf_scatter.offload.plan.hrm import HierarchicalRoofline
-    from hf_scatter.offload.plan.tensor_parallel import attention_threads
+    from hf_scatter.offload.plan.tensor_parallel import TensorParallel, attention_threads
 
     assert [attention_threads(64, n) for n in (1, 2, 4)] == [62, 12, 6] and attention_threads(2, 4) == 1
     host = two_gpu_host(gpus=4, cpu_cores=64, cpu_attention=[
         {"batch": 64, "context": c, "q_heads": 32, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2,
          "seconds": c * 1e-5} for c in (256, 1024)])
     one, four = (HierarchicalRoofline(host, n).cpu_attention_rate(512)[0] for n in (1, 4))
-    assert one / four == pytest.approx(62 / 24)
+    assert one == pytest.approx(four)
+    assert any("cpu_attention_group" in u for u in TensorParallel.from_profile(host, 4)[1])
 
 
 def test_a_measured_group_attention_replaces_the_thread_model():
@@ -619,7 +621,7 @@ def test_a_shared_host_switch_is_read_from_the_concurrent_copy_measurement():
     assert TensorParallel.from_profile(shared, 2)[0].link_scale == pytest.approx(1.4)
     assert TensorParallel.from_profile(shared, 3)[0].link_scale == pytest.approx(1.5)  # between the measured
     tp, assumed = TensorParallel.from_profile(synthetic(), 4)  # nothing measured: independent, and said so
-    assert tp.link_scale == 4 and len(assumed) == 4 and "independent" in assumed[0] and "threads" in assumed[3]
+    assert tp.link_scale == 4 and len(assumed) == 4 and "independent" in assumed[0] and "one process" in assumed[3]
     assert tp.allreduce_seconds(0) == pytest.approx(20e-6) and TensorParallel.from_profile(synthetic(), 1)[0] \
         .allreduce_seconds(1e9) == 0
 
@@ -627,14 +629,13 @@ def test_a_shared_host_switch_is_read_from_the_concurrent_copy_measurement():
 def test_plan_over_gpus_says_where_the_bottleneck_moves():
     """Mixtral-8x7B in 16 GiB per GPU on the H100 host anchors, as the CGOPipe runtime places it: one GPU is
     bound by the link; two and four stream each share over their own link and keep more weights resident in
-    their aggregate memory, so the link leaves the critical path, but the shared CPU's attention binds: on this
-    16-core host two ranks keep 2 x 4 attention threads and four 4 x 1 of one process's 14, so the plan says
-    several GPUs are slower here, and why. Each plan fits each GPU's budget and names the multi-GPU terms it
-    assumed."""
+    their aggregate memory, so the link leaves the critical path and the shared CPU's attention binds: two GPUs
+    are faster than one, four hardly faster than two, and the plan says why. Each plan fits each GPU's budget and
+    names the multi-GPU terms it assumed."""
     plans = {n: search_policy(MIXTRAL, ANCHORS, Workload(512, 64), "16GiB", gpus=n, placements=[(False, True)])
              for n in (1, 2, 4)}
     rate = {n: p.prediction.tokens_per_s for n, p in plans.items()}
-    assert rate[4] < rate[2] < rate[1]
+    assert rate[1] < rate[2] and rate[4] < 1.1 * rate[2]
     assert plans[1].bottleneck == "h2d" and plans[2].bottleneck == plans[4].bottleneck == "cpu"
     assert plans[4].prediction.decode_layer.terms["h2d"] < plans[1].prediction.decode_layer.terms["h2d"] / 4
     for n, p in plans.items():
