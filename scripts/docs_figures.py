@@ -6,6 +6,9 @@ Two forms, both invisible in rendered Markdown:
   ``<!-- generated: hf_scatter.bench.moe:to_markdown moe-h100.json -->`` and ``<!-- /generated -->`` are
   exactly what that function returns for that results file. ``python scripts/docs_figures.py --update``
   rewrites every block from its JSON.
+- README's results table, ``<!-- generated: docs_figures:headlines index.json -->``: each row of
+  ``docs/results/index.json`` names its figures as the expressions below, over any results file, and a sentence
+  they are formatted into.
 - An inline figure: ``1.43x<!--fig train-h100.json: v("results/mixtral-hf-scatter/tokens_per_s") /
   v("results/mixtral-grouped_mm/tokens_per_s")-->``. The expression is Python arithmetic over ``v(path)``
   (a "/"-separated key path into the JSON, or several arguments for keys that contain "/"), ``min``,
@@ -111,6 +114,22 @@ def _masked(text: str) -> str:
 def render(fn: str, file: str) -> str:
     module, name = fn.split(":")
     return getattr(importlib.import_module(module), name)(load_results(file)).rstrip("\n") + "\n"
+
+
+def headlines(index: dict) -> str:
+    """README's results table from ``docs/results/index.json``: per headline, its figures evaluated over their JSON
+    (as inline figures are) and formatted into its sentence, with the GPU, which direction is better and the
+    command; the files are reference links below the table, so no row runs past 200 characters."""
+    lines = ["| what | result | better | GPU | command |", "|---|---|---|---|---|"]
+    references = []
+    for r, row in enumerate(index["headlines"], 1):
+        values = {name: evaluate(file, expr) for name, (file, expr) in row["figures"].items()}
+        labels = [f"{r}{chr(ord('a') + i)}" for i in range(len(row["files"]))]
+        references += [f"[{label}]: docs/results/{file}" for label, file in zip(labels, row["files"])]
+        links = f"[json][{labels[0]}]" if len(labels) == 1 else " ".join(f"[{label}]" for label in labels)
+        lines.append(f"| {row['what']} | {row['result'].format(**values)} | {row['better']} | {row['gpu']} | "
+                     f"`{row['command']}` {links} |")
+    return "\n".join(lines + [""] + references) + "\n"
 
 
 def check_doc(doc: str) -> list[Problem]:

@@ -76,3 +76,38 @@ def test_docs_stand_alone_no_links_out_of_the_repository_and_no_issue_numbers():
         assert "../shared" not in text and "ANCHORS.md" not in text, f"{doc} refers to files outside the repository"
         found = re.findall(r"\b[Ii]ssues? #?\d+|(?<![\w&])#\d+\b", text)
         assert not found, f"{doc} refers to issue numbers: {found}"
+
+
+def test_the_readme_is_short_and_its_results_table_is_generated_from_the_index():
+    """A newcomer's page: under 150 lines, no line over 200 characters outside code blocks, and the results table
+    one generated block whose rows each say the GPU, the command and which direction is better."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    lines = text.splitlines()
+    prose = re.sub(r"```.*?```", "", text, flags=re.S).splitlines()
+    assert len(lines) < 150 and max(map(len, prose)) <= 200
+    assert "<!-- generated: docs_figures:headlines index.json -->" in text
+    index = docs_figures.load_results("index.json")
+    table = docs_figures.headlines(index)
+    rows = [r for r in table.splitlines() if r.startswith("| ") and not r.startswith("| what")]
+    assert len(rows) == len(index["headlines"])
+    for row, headline in zip(rows, index["headlines"]):
+        cells = [c.strip() for c in row.strip("|").split(" | ")]
+        assert cells[2] in ("higher", "lower") and cells[3] and headline["command"] in cells[4]
+    assert all(f"docs/results/{f}" in table for h in index["headlines"] for f in h["files"])
+
+
+def test_a_headline_figure_that_moves_in_its_json_changes_the_readme_table(scratch):
+    """The table's figures are evaluated, not copied: a changed measurement makes the block stale."""
+    index = {"headlines": [{"what": "w", "result": "{a:.2f}x", "better": "lower", "gpu": "H100", "command": "c",
+                            "figures": {"a": ["r.json", 'v("results/peer/ms") / v("results/ours/ms")']},
+                            "files": ["r.json"]}]}
+    assert "| w | 1.43x | lower | H100 | `c` [json][1a] |" in docs_figures.headlines(index)
+    (scratch / "docs" / "results" / "index.json").write_text(json.dumps(index))
+    block = "<!-- generated: docs_figures:headlines index.json -->\n{}<!-- /generated -->\n"
+    (scratch / "docs" / "page.md").write_text(block.format(docs_figures.headlines(index)))
+    assert docs_figures.check(["docs/page.md"]) == []
+    (scratch / "docs" / "results" / "r.json").write_text(json.dumps({"results": {"ours": {"ms": 10.0},
+                                                                                  "peer": {"ms": 15.0}}}))
+    docs_figures.load_results.cache_clear()
+    assert "stale" in docs_figures.check(["docs/page.md"])[0].message
