@@ -111,3 +111,14 @@ def test_a_headline_figure_that_moves_in_its_json_changes_the_readme_table(scrat
                                                                                   "peer": {"ms": 15.0}}}))
     docs_figures.load_results.cache_clear()
     assert "stale" in docs_figures.check(["docs/page.md"])[0].message
+
+
+def test_results_keep_the_current_files_on_top_each_with_the_command_that_made_it():
+    """docs/results holds at most 30 current files, and its index says what each holds and which command wrote it;
+    earlier rounds live in history/."""
+    results = os.path.join(ROOT, "docs", "results")
+    top = sorted(f for f in os.listdir(results) if os.path.isfile(os.path.join(results, f)))
+    assert len(top) <= 30
+    files = docs_figures.load_results("index.json")["files"]
+    assert sorted(files) == top
+    assert all(entry["what"] and entry["command"] for entry in files.values())
