@@ -10,6 +10,8 @@ the backend (:func:`register_experts_backend`), so ``from_pretrained(..., expert
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -63,8 +65,14 @@ def patch_interface_experts(model: nn.Module, options, class_default: bool = Fal
 
 
 def register_experts_backend() -> None:
+    """``experts_implementation="scattermoe"`` for every model. transformers' MoE integration imports torch._dynamo,
+    which writes inductor's default cache directory into the environment: undone when the user had not set it, so
+    that importing hf-scatter leaves the environment as it was (torch derives the same default when it compiles)."""
+    inductor_cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
+    if inductor_cache is None:
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
     ALL_EXPERTS_FUNCTIONS.register(SCATTERMOE, scattermoe_experts_forward)
 
 

@@ -89,7 +89,9 @@ def test_import_leaves_the_process_environment_as_it_was():
     probe = ("import os, json; before = dict(os.environ); import hf_scatter; from hf_scatter.tiny import tiny_mixtral; "
              "import torch; hf_scatter.patch_model(tiny_mixtral())(torch.randint(3, 100, (1, 4))); "
              "print(json.dumps(sorted(set(os.environ.items()) ^ set(before.items()))))")
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "HF_SCATTER_KERNELS")}
+    # this process imported torch._dynamo already, which set TORCHINDUCTOR_CACHE_DIR here: the child starts without it
+    unset = ("TRITON_INTERPRET", "HF_SCATTER_KERNELS", "TORCHINDUCTOR_CACHE_DIR")
+    env = {k: v for k, v in os.environ.items() if k not in unset}
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
