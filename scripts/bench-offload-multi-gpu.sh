@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The multi-GPU offload table of docs/offload.md on one host of several GPUs, in one device call: the two-GPU
+# The multi-GPU offload table of docs/offload-gpus.md on one host of several GPUs, in one device call: the two-GPU
 # tests, then `hf-scatter bench offload --gpus` (one torchrun per GPU count, on one measured profile). Reports go
 # to $OUT (default /tmp/hf-scatter-out): offload-gpus-<model>.json / .png / .md, the logs beside them.
 # Settings (environment): GPUS (default 1,2,4), MODEL (gpt-oss-120b), LAYERS (8), NEW_TOKENS (32), REQUESTS (1024),

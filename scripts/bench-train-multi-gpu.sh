@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The multi-GPU training table of docs/distributed.md on one host of 4 GPUs: one torchrun per row (every variant
+# The multi-GPU training table of docs/distributed-measured.md on one host of 4 GPUs: one torchrun per row (every variant
 # of a row in that process group), one row at a time (two rows side by side share the host's processors, and
 # the host-bound FSDP2 one-GPU row lost a quarter of its speed that way). Reports go to $OUT (default
 # /tmp/hf-scatter-out): train-<shape>-<engine>-<N>gpu.json, each row's log beside it.

@@ -597,7 +597,7 @@ def run(impls=None, cfg: TrainConfig | None = None, warmup: int = 3, steps: int 
                   "liger_autotune": liger_autotune, "fsdp": setup.engine == "fsdp2",
                   **setup.describe(first_rows, cuda),
                   "rows_per_rank": rows, "comm_profile": comm_profile, "flops": "Megatron-LM's count plus the "
-                  "router (model_flops in hf_scatter/bench/train.py, docs/distributed.md)", "results": {}}
+                  "router (model_flops in hf_scatter/bench/train.py, docs/distributed-bench.md)", "results": {}}
         if plan.baseline:
             report["baseline"] = {key: plan.baseline.get(key) for key in ("device", "date", "host")} | {
                 "path": baseline}

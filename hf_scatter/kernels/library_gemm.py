@@ -6,7 +6,7 @@ gradient reduces over those rows, the output projection over d_expert (768 for Q
 tile then spends a large share of its time filling its pipeline and storing its output, where CUTLASS's
 warp-specialised persistent kernel overlaps both with the next tile's loads (Triton's warp specialisation
 targets Blackwell only). The library reads grouped rows only, so it takes the products whose operands are
-grouped anyway, or whose copy pays (docs/moe.md has the measurements):
+grouped anyway, or whose copy pays (docs/moe-kernel-changes.md has the measurements):
 
 - :func:`grouped_mm_weight_grad`: the expert weight gradients, ``dW[e] = X_e^T dY_e``;
 - :func:`grouped_mm_rows`: ``Y[i] = X[i] W[e(i)]`` from grouped rows to grouped rows (the SwiGLU experts'

@@ -1,7 +1,7 @@
 """Where the library grouped GEMM starts to pay for the SwiGLU experts' output projection and input gradient:
 fwd and fwd+bwd of the experts with those products on our kernels and on the library, at 64 to 1024 mean
 rows per expert, for the fine-grained shapes (GPU, bf16). The figures behind
-``kernels/library_gemm.LIBRARY_MIN_ROWS_PER_EXPERT`` (docs/moe.md).
+``kernels/library_gemm.LIBRARY_MIN_ROWS_PER_EXPERT`` (docs/moe-kernel-changes.md).
 
     python3 scripts/probes/probe_library_rows.py OUT.json
 """

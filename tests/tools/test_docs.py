@@ -122,3 +122,9 @@ def test_results_keep_the_current_files_on_top_each_with_the_command_that_made_i
     files = docs_figures.load_results("index.json")["files"]
     assert sorted(files) == top
     assert all(entry["what"] and entry["command"] for entry in files.values())
+
+
+def test_every_docs_page_stays_readable_in_one_sitting():
+    """No page a user opens runs past 350 lines: a longer topic is split into pages that link each other."""
+    long = {doc: n for doc in docs_figures.DOCS if (n := open(os.path.join(ROOT, doc)).read().count("\n")) > 350}
+    assert not long, long

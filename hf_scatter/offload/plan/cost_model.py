@@ -6,7 +6,7 @@ takes as long as its busiest resource::
 
     T_layer = max(T_gpu_compute, T_gpu_launch, T_cpu, T_h2d, T_d2h, T_link_duplex, T_host_memory, T_chain)
 
-Each term is the sum over the micro-batches of that resource's work (see ``docs/offload.md`` for the
+Each term is the sum over the micro-batches of that resource's work (see ``docs/offload-planning.md`` for the
 formulas). ``T_chain`` is the data dependency of one micro-batch (GPU -> CPU -> GPU): with few micro-batches
 the GPU and CPU cannot overlap. With routed streaming the link carries only the chosen experts' share of
 the expert columns, but the GPU waits for them after each micro-batch's router (a term of its own in
