@@ -78,7 +78,7 @@ class TensorParallel:
         if attention is None:
             # decode attention streams the KV cache: bound by memory more than by threads, so a rank's share of the
             # heads on its few threads took no longer than one process over all of them on every core (H100 x4 host,
-            # GPT-OSS shape: busy 5.4-6.6 s a rank at 2 ranks x 12 threads, 3.3-4.2 s at 4 x 6, in
+            # GPT-OSS shape: busy 5.4-6.6 s a rank at 2 ranks x 12 threads, 2.7-2.9 s at 4 x 12, in
             # docs/results/history/offload-rank-threads-h100-x4.json; one process 12.7 s in the multi-GPU table's
             # repeats); scaling by the threads kept said 2.6x slower
             attention = 1.0
@@ -106,16 +106,22 @@ def _link_scale(profile: HardwareProfile, gpus: int) -> float | None:
     return None if rate is None else rate / profile.h2d_pinned
 
 
+# a group's ranks attend on teams of at most this many threads: larger ones stalled (see attention_threads)
+GROUP_TEAM_MAX = 12
+
+
 def attention_threads(cores: int, ranks: int = 1) -> int:
     """Intra-op threads of one process's CPU attention when ``ranks`` processes share ``cores``. Alone: every core
-    but the two its GPU-driving and paging threads take. In a group, far fewer: each rank's OpenMP team spins
-    between regions beside the other ranks' teams, drivers, pagers and NCCL proxies, and a team whose region waits
-    on a descheduled member stalls. Two ranks x 28 threads on 64 cores spent 16.9-37.5 s per rank in CPU attention
-    for work that 2 x 12 threads did in 5.4-6.2 s, at 792-1560 against 2051-2336 tokens/s, interleaved in one run
-    (H100 x4 host, GPT-OSS-120B shape, 2026-11): so the group keeps 3/8 of the cores for its attention teams."""
+    but the two its GPU-driving and paging threads take. In a group: its share less four (its driver, pager, NCCL's
+    polling proxy and one to spare), and at most :data:`GROUP_TEAM_MAX`: each rank's OpenMP team spins between
+    regions beside the other ranks' teams, drivers, pagers and proxies, and a team waits at every barrier for a
+    descheduled member, so the larger the team the more it stalls. In one torchrun, interleaved (H100 x4 host,
+    GPT-OSS-120B shape, 2026-11): two ranks of 28 threads spent 16.9-37.5 s each in CPU attention where two of 12
+    spent 5.4-6.2 s (792-1560 against 2051-2336 tokens/s); four ranks of 12, 6 and 3 threads spent 2.7-2.9,
+    3.3-4.2 and 5.2-5.5 s."""
     if ranks == 1:
         return max(1, int(cores) - 2)
-    return max(1, (3 * int(cores)) // (8 * int(ranks)))
+    return max(1, min(int(cores) // int(ranks) - 4, GROUP_TEAM_MAX))
 
 
 def group_profile(profile: HardwareProfile, tp: TensorParallel) -> HardwareProfile:

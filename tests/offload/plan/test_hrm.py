@@ -550,14 +550,14 @@ def test_host_memory_delivers_at_least_the_measured_copies_to_every_gpu_at_once(
 
 
 def test_a_groups_ranks_attend_on_few_threads_and_unmeasured_plan_at_one_processs_rate():
-    """One process keeps every core but its GPU driver's and pager's; a group's ranks keep 3/8 of the cores between
-    them (more threads spinning beside the other ranks stalled their teams). Without a measurement of the group,
+    """One process keeps every core but its GPU driver's and pager's; a group's rank keeps its share less four, in a
+    team of at most 12 (larger teams spinning beside the other ranks' stalled). Without a measurement of the group,
     the planner takes its CPU attention as fast as one process's (memory-bound: fewer threads per rank did not
     slow it), and says that it assumed so."""
     from hf_scatter.offload.plan.hrm import HierarchicalRoofline
     from hf_scatter.offload.plan.tensor_parallel import TensorParallel, attention_threads
 
-    assert [attention_threads(64, n) for n in (1, 2, 4)] == [62, 12, 6] and attention_threads(2, 4) == 1
+    assert [attention_threads(64, n) for n in (1, 2, 4, 8)] == [62, 12, 12, 4] and attention_threads(2, 4) == 1
     host = two_gpu_host(gpus=4, cpu_cores=64, cpu_attention=[
         {"batch": 64, "context": c, "q_heads": 32, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2,
          "seconds": c * 1e-5} for c in (256, 1024)])
