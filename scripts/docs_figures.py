@@ -1,6 +1,6 @@
 """Keeps every performance figure in README.md and docs/*.md tied to the JSON in docs/results/ it came from.
 
-Two forms, both invisible in rendered Markdown:
+Three forms, all invisible in rendered Markdown:
 
 - A generated block, for result tables: the lines between
   ``<!-- generated: hf_scatter.bench.moe:to_markdown moe-h100.json -->`` and ``<!-- /generated -->`` are
@@ -113,7 +113,9 @@ def _masked(text: str) -> str:
 
 def render(fn: str, file: str) -> str:
     module, name = fn.split(":")
-    return getattr(importlib.import_module(module), name)(load_results(file)).rstrip("\n") + "\n"
+    # this script's own generators (README's table) come from this module, run as a script or imported
+    source = sys.modules[__name__] if module == "docs_figures" else importlib.import_module(module)
+    return getattr(source, name)(load_results(file)).rstrip("\n") + "\n"
 
 
 def headlines(index: dict) -> str:

@@ -8,7 +8,7 @@ and the head's gradients, made in the forward (the backward only scales them). N
 linear cross-entropy, which reads the count of valid labels back in its forward and compares the incoming
 gradient with 1 on the host in its backward: two waits per step. Under FSDP2 on one H100 (whose per-layer
 hooks need the host ahead of the GPU) a step of the Qwen3-30B-A3B layers took 342 ms with it and 243 ms with
-this module's torch path (docs/distributed.md); ``bench loss`` runs both. Liger's path stays selectable
+this module's torch path (docs/distributed-earlier.md); ``bench loss`` runs both. Liger's path stays selectable
 (``use_liger=True``). The torch reference (CPU, float64, the kernel's test oracle) makes the same chunks
 with torch ops.
 

@@ -6,6 +6,7 @@ host that drifts affects every count alike). Per run: tokens/s and every rank's 
 The variance it looks into: the same two-GPU row gave 680 to 1,996 tokens/s across runs on one kind of host, its
 CPU attention busy time 10.9 to 44.3 s per rank (docs/results/offload-gpus-gpt-oss-120b-h100-x4-repeats.json).
 Run it twice, with and without OMP_WAIT_POLICY=PASSIVE (read at start-up), to see whether spinning teams matter.
+Its runs on the 4 x H100 host, per run and rank, are in docs/results/history/offload-rank-threads-h100-x4.json.
 
 Usage (GPU host, repository root):
   PYTHONPATH=. NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node=2 scripts/probes/probe_rank_threads.py OUT.json

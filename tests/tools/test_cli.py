@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -92,9 +93,11 @@ def test_import_leaves_the_process_environment_as_it_was():
     # this process imported torch._dynamo already, which set TORCHINDUCTOR_CACHE_DIR here: the child starts without it
     unset = ("TRITON_INTERPRET", "HF_SCATTER_KERNELS", "TORCHINDUCTOR_CACHE_DIR")
     env = {k: v for k, v in os.environ.items() if k not in unset}
-    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
+    for users in ({}, {"TORCHINDUCTOR_CACHE_DIR": os.path.join(tempfile.gettempdir(), "users-inductor-cache")}):
+        proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env={**env, **users},
+                              timeout=600)
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout.strip().splitlines()[-1]) == [], users
 
 
 # ----------------------------------------------------------------------------- bad input, caught up front

@@ -86,7 +86,8 @@ def test_the_readme_is_short_and_its_results_table_is_generated_from_the_index()
     lines = text.splitlines()
     prose = re.sub(r"```.*?```", "", text, flags=re.S).splitlines()
     assert len(lines) < 150 and max(map(len, prose)) <= 200
-    assert "<!-- generated: docs_figures:headlines index.json -->" in text
+    opening = "<!-- generated: docs_figures:headlines index.json -->"
+    assert opening in text and "<!-- /generated -->" in text[text.index(opening):]
     index = docs_figures.load_results("index.json")
     table = docs_figures.headlines(index)
     rows = [r for r in table.splitlines() if r.startswith("| ") and not r.startswith("| what")]
@@ -95,6 +96,7 @@ def test_the_readme_is_short_and_its_results_table_is_generated_from_the_index()
         cells = [c.strip() for c in row.strip("|").split(" | ")]
         assert cells[2] in ("higher", "lower") and cells[3] and headline["command"] in cells[4]
     assert all(f"docs/results/{f}" in table for h in index["headlines"] for f in h["files"])
+    assert all(os.path.isfile(os.path.join(ROOT, "docs", "results", f)) for h in index["headlines"] for f in h["files"])
 
 
 def test_a_headline_figure_that_moves_in_its_json_changes_the_readme_table(scratch):
@@ -128,3 +130,23 @@ def test_every_docs_page_stays_readable_in_one_sitting():
     """No page a user opens runs past 350 lines: a longer topic is split into pages that link each other."""
     long = {doc: n for doc in docs_figures.DOCS if (n := open(os.path.join(ROOT, doc)).read().count("\n")) > 350}
     assert not long, long
+
+
+def _anchor(heading: str) -> str:
+    """The anchor a Markdown renderer gives a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_to_a_heading_finds_it():
+    """A page split or a heading renamed must not leave links to headings that are gone."""
+    anchors = {}
+    for doc in docs_figures.DOCS:
+        text = re.sub(r"```.*?```", "", open(os.path.join(ROOT, doc)).read(), flags=re.S)
+        anchors[doc] = {_anchor(h) for h in re.findall(r"^#{1,6} (.+)$", text, flags=re.M)}
+    missing = []
+    for doc in docs_figures.DOCS:
+        for page, anchor in re.findall(r"\]\(([^)\s#]*)#([\w-]+)\)", open(os.path.join(ROOT, doc)).read()):
+            target = os.path.normpath(os.path.join(os.path.dirname(doc), page)) if page else doc
+            if target in anchors and anchor not in anchors[target]:
+                missing.append(f"{doc}: {page}#{anchor}")
+    assert not missing, missing

@@ -78,7 +78,7 @@ class TensorParallel:
         if attention is None:
             # decode attention streams the KV cache: bound by memory more than by threads, so a rank's share of the
             # heads on its few threads took no longer than one process over all of them on every core (H100 x4 host,
-            # GPT-OSS shape: busy 5.4-6.6 s a rank at 2 ranks x 12 threads, 2.7-2.9 s at 4 x 12, in
+            # GPT-OSS shape: busy 5.4-6.2 s a rank at 2 ranks x 12 threads, 2.7-2.9 s at 4 x 12, in
             # docs/results/history/offload-rank-threads-h100-x4.json; one process 12.7 s in the multi-GPU table's
             # repeats); scaling by the threads kept said 2.6x slower
             attention = 1.0

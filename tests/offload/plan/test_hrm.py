@@ -566,7 +566,7 @@ def test_a_groups_ranks_attend_on_few_threads_and_unmeasured_plan_at_one_process
     assert any("cpu_attention_group" in u for u in TensorParallel.from_profile(host, 4)[1])
 
 
-def test_a_measured_group_attention_replaces_the_thread_model():
+def test_a_measured_group_attention_replaces_the_assumed_rate():
     """Where the profile measured the ranks' CPU attention at once (the slowest rank over one process), the group
     plans with it, interpolated between the counts measured, and no longer lists the term as assumed; it survives
     the profile's JSON."""
@@ -635,7 +635,7 @@ def test_plan_over_gpus_says_where_the_bottleneck_moves():
     plans = {n: search_policy(MIXTRAL, ANCHORS, Workload(512, 64), "16GiB", gpus=n, placements=[(False, True)])
              for n in (1, 2, 4)}
     rate = {n: p.prediction.tokens_per_s for n, p in plans.items()}
-    assert rate[1] < rate[2] and rate[4] < 1.1 * rate[2]
+    assert rate[1] < rate[2] <= rate[4] < 1.1 * rate[2]
     assert plans[1].bottleneck == "h2d" and plans[2].bottleneck == plans[4].bottleneck == "cpu"
     assert plans[4].prediction.decode_layer.terms["h2d"] < plans[1].prediction.decode_layer.terms["h2d"] / 4
     for n, p in plans.items():
