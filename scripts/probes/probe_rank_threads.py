@@ -4,7 +4,7 @@ then generates the table's requests with each CPU attention thread count in THRE
 host that drifts affects every count alike). Per run: tokens/s and every rank's CPU attention busy time (traced).
 
 The variance it looks into: the same two-GPU row gave 680 to 1,996 tokens/s across runs on one kind of host, its
-CPU attention busy time 10.9 to 44.3 s per rank (docs/results/offload-gpus-gpt-oss-120b-h100-x4-repeats.json).
+CPU attention busy time 10.9 to 44.3 s per rank (docs/results/history/offload-gpus-gpt-oss-120b-h100-x4-repeats.json).
 Run it twice, with and without OMP_WAIT_POLICY=PASSIVE (read at start-up), to see whether spinning teams matter.
 Its runs on the 4 x H100 host, per run and rank, are in docs/results/history/offload-rank-threads-h100-x4.json.
 
