@@ -21,10 +21,6 @@ Over several GPUs of one host, one process each under torchrun:
 keeps and streams its share of every layer).
 """
 
-import sys as _sys
-import types as _types
-import warnings as _warnings
-
 from ..common.units import format_bytes, parse_bytes
 from ..common.shapes import BUILTIN_MODELS
 from .families.registry import offloaded_model_types
@@ -52,17 +48,3 @@ __all__ = [
     "Batch", "GenerationResult", "MicroBatch", "OffloadedModel", "RequestTiming", "offload", "offload_model",
     "plan_batches",
 ]
-
-
-class _CallableModule(_types.ModuleType):
-    """Deprecated, goes in the next release: calling this package as ``hf_scatter.offload(model, ...)`` (it
-    swaps its module's class to be callable; :func:`offload_model` is the plain function to call)."""
-
-    def __call__(self, model, *args, **kwargs) -> OffloadedModel:
-        _warnings.warn("calling the package hf_scatter.offload(model, ...) is deprecated and stops working in the next "
-                       "release: call hf_scatter.offload_model(model, ...) (same arguments)", FutureWarning,
-                       stacklevel=2)
-        return offload_model(model, *args, **kwargs)
-
-
-_sys.modules[__name__].__class__ = _CallableModule

@@ -178,6 +178,20 @@ def test_no_module_writes_its_globals():
     assert not writes, "\n".join(writes)
 
 
+def test_no_module_swaps_its_own_class():
+    """A package is a plain module: none replaces its ``sys.modules`` entry's class (to be callable, say), a
+    trick every reader of ``import`` would have to know about."""
+    swaps = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.Assign):
+                for target in node.targets:
+                    if (isinstance(target, ast.Attribute) and target.attr == "__class__"
+                            and "modules[" in ast.unparse(target.value)):
+                        swaps.append(f"{path}:{node.lineno}: {name} swaps a module's class")
+    assert not swaps, "\n".join(swaps)
+
+
 def _public_names(package: str) -> set[str]:
     import importlib
 

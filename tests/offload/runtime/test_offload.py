@@ -186,18 +186,16 @@ def test_offload_from_a_checkpoint_path(tmp_path):
     assert torch.equal(off.generate(ids, attention_mask=mask, max_new_tokens=6, progress=False), expected)
 
 
-def test_offload_model_is_a_plain_function_and_the_old_call_warns_naming_it():
-    """``hf_scatter.offload_model`` is the function to call and ``hf_scatter.offload`` the subpackage (its old names
-    still import); calling the subpackage as before still works this release, with a FutureWarning naming the new
-    call."""
+def test_offload_model_is_a_plain_function_and_offload_a_plain_package():
+    """``hf_scatter.offload_model`` is the function to call and ``hf_scatter.offload`` the subpackage, a plain
+    module (not callable); the function's earlier name still imports from it."""
     import types
 
     from hf_scatter.offload import offload, offload_model, search_policy
 
     assert isinstance(hf_scatter.offload_model, types.FunctionType) and hf_scatter.offload_model is offload_model
     assert hf_scatter.offload.search_policy is search_policy and hf_scatter.offload.offload is offload is offload_model
-    with pytest.warns(FutureWarning, match=r"hf_scatter\.offload_model\(model"):
-        hf_scatter.offload(tiny_dbrx(), "1GiB", device="cpu", policy=Policy(2, 1), progress=False).close()
+    assert type(hf_scatter.offload) is types.ModuleType and not callable(hf_scatter.offload)
     model = tiny_dbrx()
     off = hf_scatter.offload_model(model, "1GiB", device="cpu", profile="h100-host-anchors", progress=False,
                                    release_weights=False)
