@@ -38,7 +38,7 @@ def main() -> None:
     ids, mask = left_padded(reqs)
     off = hf_scatter.offload_model(functools.partial(build_model, layers, model="gpt-oss-120b"),
                                    gpu_memory=os.environ.get("GPU_MEMORY", "16GiB"),
-                                   profile=load_profile(os.environ.get("PROFILE", "docs/results/profile-h100-x4.json")),
+                                   profile=load_profile(os.environ.get("PROFILE", "docs/results/history/profile-h100-x4.json")),
                                    workload=Workload.from_prompts([len(r) for r in reqs], 1), progress=False)
     result = {"layers": layers, "requests": requests, "torch": torch.__version__, "plan": off.describe()}
     # each way timed on its second run: the first of a batch this large allocates its pinned buffers (seconds)

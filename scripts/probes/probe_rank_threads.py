@@ -11,7 +11,7 @@ Its runs on the 4 x H100 host, per run and rank, are in docs/results/history/off
 Usage (GPU host, repository root):
   PYTHONPATH=. NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node=2 scripts/probes/probe_rank_threads.py OUT.json
 Settings (environment): THREADS (default "28,20,12"), ROUNDS (2), MODEL (gpt-oss-120b), LAYERS (8), REQUESTS (1024),
-NEW_TOKENS (32), GPU_MEMORY (16GiB), PROFILE (docs/results/profile-h100-x4.json), DEVICE (cuda; cpu: gloo ranks, a
+NEW_TOKENS (32), GPU_MEMORY (16GiB), PROFILE (docs/results/history/profile-h100-x4.json), DEVICE (cuda; cpu: gloo ranks, a
 smoke test of the script itself).
 """
 
@@ -54,7 +54,7 @@ def main() -> None:
         config = builtin_config(model, num_hidden_layers=layers)
         reqs = prompts(int(os.environ.get("REQUESTS", 1024)), config.vocab_size)
         ids, mask = left_padded(reqs)
-        profile = load_profile(os.environ.get("PROFILE", "docs/results/profile-h100-x4.json"))
+        profile = load_profile(os.environ.get("PROFILE", "docs/results/history/profile-h100-x4.json"))
         off = hf_scatter.offload_model(functools.partial(build_model, layers, model=model),
                                        gpu_memory=os.environ.get("GPU_MEMORY", "16GiB"), profile=profile,
                                        workload=Workload.from_prompts([len(r) for r in reqs], new_tokens),
