@@ -9,6 +9,9 @@ Three forms, all invisible in rendered Markdown:
 - README's results table, ``<!-- generated: docs_figures:headlines index.json -->``: each row of
   ``docs/results/index.json`` names its figures as the expressions below, over any results file, and a sentence
   they are formatted into.
+- A table of figures, ``<!-- generated: docs_figures:table tables/moe.json#host-time -->``: the table named
+  ``host-time`` in the page's sidecar ``docs/tables/moe.json``, each row a line of text or a ``{"text",
+  "figures"}`` pair formatted as README's rows are, so a table row stays one readable line in the page.
 - An inline figure: ``1.43x<!--fig train-h100.json: v("results/mixtral-hf-scatter/tokens_per_s") /
   v("results/mixtral-grouped_mm/tokens_per_s")-->``. The expression is Python arithmetic over ``v(path)``
   (a "/"-separated key path into the JSON, or several arguments for keys that contain "/"), ``min``,
@@ -111,11 +114,32 @@ def _masked(text: str) -> str:
     return text
 
 
+def load_source(ref: str):
+    """A generated block's data: one table of a page's sidecar (``tables/PAGE.json#NAME``, under docs/), else a
+    results file (under docs/results)."""
+    if ref.startswith("tables/"):
+        path, _, name = ref.partition("#")
+        with open(os.path.join(ROOT, "docs", path)) as f:
+            return json.load(f)[name]
+    return load_results(ref)
+
+
 def render(fn: str, file: str) -> str:
     module, name = fn.split(":")
     # this script's own generators (README's table) come from this module, run as a script or imported
     source = sys.modules[__name__] if module == "docs_figures" else importlib.import_module(module)
-    return getattr(source, name)(load_results(file)).rstrip("\n") + "\n"
+    return getattr(source, name)(load_source(file)).rstrip("\n") + "\n"
+
+
+def _formatted(template: str, figures: dict) -> str:
+    """``template`` with each named figure evaluated over its results file (as inline figures are)."""
+    return template.format(**{name: evaluate(file, expr) for name, (file, expr) in figures.items()})
+
+
+def table(spec: dict) -> str:
+    """A sidecar table: its rows in order, a plain line as written, a ``{"text", "figures"}`` row formatted."""
+    return "\n".join(row if isinstance(row, str) else _formatted(row["text"], row["figures"])
+                     for row in spec["rows"]) + "\n"
 
 
 def headlines(index: dict) -> str:
@@ -125,11 +149,10 @@ def headlines(index: dict) -> str:
     lines = ["| what | result | better | GPU | command |", "|---|---|---|---|---|"]
     references = []
     for r, row in enumerate(index["headlines"], 1):
-        values = {name: evaluate(file, expr) for name, (file, expr) in row["figures"].items()}
         labels = [f"{r}{chr(ord('a') + i)}" for i in range(len(row["files"]))]
         references += [f"[{label}]: docs/results/{file}" for label, file in zip(labels, row["files"])]
         links = f"[json][{labels[0]}]" if len(labels) == 1 else " ".join(f"[{label}]" for label in labels)
-        lines.append(f"| {row['what']} | {row['result'].format(**values)} | {row['better']} | {row['gpu']} | "
+        lines.append(f"| {row['what']} | {_formatted(row['result'], row['figures'])} | {row['better']} | {row['gpu']} | "
                      f"`{row['command']}` {links} |")
     return "\n".join(lines + [""] + references) + "\n"
 

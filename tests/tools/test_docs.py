@@ -99,6 +99,41 @@ def test_the_readme_is_short_and_its_results_table_is_generated_from_the_index()
     assert all(os.path.isfile(os.path.join(ROOT, "docs", "results", f)) for h in index["headlines"] for f in h["files"])
 
 
+def test_a_sidecar_table_renders_its_figures_and_goes_stale_when_they_move(scratch):
+    """A table of figures lives in its page's sidecar (docs/tables/PAGE.json): the page shows plain rows, and a
+    changed measurement makes the block stale, as an inline figure would be."""
+    (scratch / "docs" / "tables").mkdir()
+    spec = {"speed": {"rows": ["| impl | ms | vs peer |", "|---|---|---|",
+                                {"text": "| ours | {a:.1f} | {b:.2f}x |",
+                                 "figures": {"a": ["r.json", 'v("results/ours/ms")'],
+                                             "b": ["r.json", 'v("results/peer/ms") / v("results/ours/ms")']}}]}}
+    (scratch / "docs" / "tables" / "page.json").write_text(json.dumps(spec))
+    rows = "| impl | ms | vs peer |\n|---|---|---|\n| ours | 10.0 | 1.43x |\n"
+    assert docs_figures.table(spec["speed"]) == rows
+    (scratch / "docs" / "page.md").write_text(f"<!-- generated: docs_figures:table tables/page.json#speed -->\n"
+                                              f"{rows}<!-- /generated -->\n")
+    assert docs_figures.check(["docs/page.md"]) == []
+    (scratch / "docs" / "results" / "r.json").write_text(json.dumps({"results": {"ours": {"ms": 11.0},
+                                                                                  "peer": {"ms": 14.3}}}))
+    docs_figures.load_results.cache_clear()
+    assert "stale" in docs_figures.check(["docs/page.md"])[0].message
+
+
+def test_table_rows_carry_no_inline_figures_and_every_sidecar_table_is_shown():
+    """A table row with inline figure comments runs to a thousand characters in the page's source: tables of
+    figures come from sidecars, and a sidecar table no page shows is a stale leftover."""
+    inline, shown = [], set()
+    for doc in docs_figures.DOCS:
+        text = open(os.path.join(ROOT, doc)).read()
+        inline += [f"{doc}:{n}" for n, line in enumerate(text.splitlines(), 1)
+                   if line.lstrip().startswith("|") and "<!--fig" in line]
+        shown |= set(re.findall(r"<!-- generated: docs_figures:table (tables/\S+) -->", text))
+    assert not inline, inline
+    tables = os.path.join(ROOT, "docs", "tables")
+    kept = {f"tables/{f}#{name}" for f in os.listdir(tables) for name in json.load(open(os.path.join(tables, f)))}
+    assert kept == shown
+
+
 def test_a_headline_figure_that_moves_in_its_json_changes_the_readme_table(scratch):
     """The table's figures are evaluated, not copied: a changed measurement makes the block stale."""
     index = {"headlines": [{"what": "w", "result": "{a:.2f}x", "better": "lower", "gpu": "H100", "command": "c",
