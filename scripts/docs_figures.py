@@ -152,8 +152,8 @@ def headlines(index: dict) -> str:
         labels = [f"{r}{chr(ord('a') + i)}" for i in range(len(row["files"]))]
         references += [f"[{label}]: docs/results/{file}" for label, file in zip(labels, row["files"])]
         links = f"[json][{labels[0]}]" if len(labels) == 1 else " ".join(f"[{label}]" for label in labels)
-        lines.append(f"| {row['what']} | {_formatted(row['result'], row['figures'])} | {row['better']} | {row['gpu']} | "
-                     f"`{row['command']}` {links} |")
+        result = _formatted(row["result"], row["figures"])
+        lines.append(f"| {row['what']} | {result} | {row['better']} | {row['gpu']} | `{row['command']}` {links} |")
     return "\n".join(lines + [""] + references) + "\n"
 
 

@@ -89,8 +89,9 @@ def test_stock_lm_eval_command_resolves_hf_scatter_after_pip_install(wheel_venv,
     tests/tools/test_eval.py::test_stock_lm_eval_command_runs_the_hf_scatter_model_in_this_environment."""
     pytest.importorskip("lm_eval", reason="lm-eval is in the dev extra: make test installs it")
     venv, env = wheel_venv
+    names = ("hf-scatter", "hf-scatter-mlm", "hf-scatter-offloaded")
     lookup = ("import inspect, lm_eval.models; from lm_eval.api.registry import get_model; "
-              "print(*(inspect.getfile(get_model(n)) for n in ('hf-scatter', 'hf-scatter-mlm', 'hf-scatter-offloaded')))")
+              f"print(*(inspect.getfile(get_model(n)) for n in {names!r}))")
     env = {**env, "HF_SCATTER_KERNELS": "torch"}
     found = subprocess.run([venv / "bin" / "python", "-c", lookup], capture_output=True, text=True, env=env,
                            cwd=tmp_path, timeout=600)
