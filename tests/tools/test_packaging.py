@@ -89,6 +89,13 @@ def test_stock_lm_eval_command_resolves_hf_scatter_after_pip_install(wheel_venv,
     tests/tools/test_eval.py::test_stock_lm_eval_command_runs_the_hf_scatter_model_in_this_environment."""
     pytest.importorskip("lm_eval", reason="lm-eval is in the dev extra: make test installs it")
     venv, env = wheel_venv
+    tasks = subprocess.run([venv / "bin" / "python", "-c", "import hf_scatter.eval as e; print(e.TASKS_DIR)"],
+                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120).stdout.strip()
+    assert tasks.endswith("tasks") and tasks.startswith(str(venv)), tasks  # the suite's task files ship in it
+    shipped = sorted(p.relative_to(tasks).as_posix() for p in Path(tasks).rglob("*") if p.is_file())
+    source = sorted(p.relative_to(REPO / "eval" / "tasks").as_posix() for p in (REPO / "eval" / "tasks").rglob("*")
+                    if p.is_file() and "__pycache__" not in p.parts)
+    assert shipped == source
     names = ("hf-scatter", "hf-scatter-mlm", "hf-scatter-offloaded")
     lookup = ("import inspect, lm_eval.models; from lm_eval.api.registry import get_model; "
               f"print(*(inspect.getfile(get_model(n)) for n in {names!r}))")
