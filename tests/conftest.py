@@ -50,16 +50,41 @@ def device() -> torch.device:
     return torch.device("cuda" if HAS_GPU else "cpu")
 
 
+_USERS_KERNELS = os.environ.get("HF_SCATTER_KERNELS")  # a path the user chose for the whole run
+
+
 @pytest.fixture
 def kernel_bodies(monkeypatch):
     """``kernel_bodies(interpreted)``: on the CPU, False runs the kernels' torch reference instead of the Triton
     interpreter, for a test whose subject is not the kernels' arithmetic (the same ops and autograd functions
-    run; only their bodies differ). On a GPU the kernels run either way."""
+    run; only their bodies differ); True runs the interpreter (or the path the user chose for the run). On a
+    GPU the kernels run either way."""
     def choose(interpreted: bool) -> None:
-        if not interpreted and not HAS_GPU:
+        if HAS_GPU:
+            return
+        if not interpreted:
             monkeypatch.setenv("HF_SCATTER_KERNELS", "torch")
+        elif _USERS_KERNELS is None:
+            monkeypatch.delenv("HF_SCATTER_KERNELS", raising=False)
+        else:
+            monkeypatch.setenv("HF_SCATTER_KERNELS", _USERS_KERNELS)
 
     return choose
+
+
+@pytest.fixture(autouse=True)
+def _kernel_bodies_marked(request):
+    """``@pytest.mark.kernel_bodies("reference" | "interpreted")`` on a test, class or module (``pytestmark``):
+    the closest mark chooses, as ``kernel_bodies`` would. The Triton interpreter costs about 2.5 s per tiny
+    model's forward and backward on 2 cores, so integration tests take the reference and name the few that
+    keep the interpreter in the loop."""
+    mark = request.node.get_closest_marker("kernel_bodies")
+    if mark is None:
+        return
+    if mark.args not in (("reference",), ("interpreted",)):
+        raise pytest.UsageError(f"{request.node.nodeid}: kernel_bodies takes 'reference' or 'interpreted', "
+                                f"not {mark.args}")
+    request.getfixturevalue("kernel_bodies")(mark.args[0] == "interpreted")
 
 
 @pytest.fixture(scope="session")

@@ -26,12 +26,13 @@ NO_ROPE = {"dbrx", "deepseek_v3", "deepseek_v2"} | LINEAR_ATTENTION  # RoPE stay
 DENSE_MLP = {"deepseek_v3", "deepseek_v2", "qwen2_moe"} | LINEAR_ATTENTION
 
 
-# Tests whose subject is how a patched model fits transformers (generate, gradient checkpointing, pickling, patch
-# switching, accelerate hooks, the fused loss's wiring, autocast, torch.compile's tracing), not the kernels'
-# arithmetic: on the CPU these families keep the Triton interpreter
-# in the loop and the others run the kernels' torch reference (the kernels, and every family's logits and
-# gradients, are held to references under the interpreter by the other tests). On a GPU every family runs Triton.
-INTERPRETED_FAMILIES = {"mixtral", "qwen3_moe"}
+# Tests whose subject is how a patched model fits transformers (routing outputs, generate, gradient checkpointing,
+# pickling, patch switching, accelerate hooks, the fused loss's wiring, autocast, torch.compile's tracing), not the
+# kernels' arithmetic: on the CPU Mixtral keeps the Triton interpreter in the loop and the others run the kernels'
+# torch reference (the kernels, and every family's logits and gradients, are held to references under the
+# interpreter by the kernel tests and test_logits_and_every_gradient_match_vanilla_with_padding). On a GPU every
+# family runs Triton.
+INTERPRETED_FAMILIES = {"mixtral"}
 
 
 @pytest.fixture
@@ -113,7 +114,8 @@ def _seeded_forward(model, ids, **kwargs):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_routing_router_logits_aux_loss_and_jitter_are_the_familys(family, device):
+def test_routing_router_logits_aux_loss_and_jitter_are_the_familys(family, device, integration_kernels):
+    integration_kernels(family)  # the family's routing semantics; the router kernel has its own tests
     jitter = {"mixtral": {"router_jitter_noise": 0.1}, "dbrx": {"jitter_eps": 0.1}}.get(family, {})
     vanilla, patched = vanilla_and_patched(family, device, output_router_logits=True, **jitter)
     vanilla.train()
@@ -482,6 +484,7 @@ def test_a_missing_liger_kernel_is_said_once_per_op_and_the_step_stays_right(mon
     torch.testing.assert_close(loss, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.kernel_bodies("reference")  # the language layers' patching, not the kernels, is under test
 def test_qwen3_5_moe_multimodal_model_patches_its_language_layers():
     """Qwen3.5-MoE checkpoints are multimodal (model_type "qwen3_5_moe"): patching the whole model fuses the routers
     and experts of its language layers, leaves the vision tower alone, and a text batch gives vanilla's logits,

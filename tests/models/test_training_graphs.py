@@ -12,6 +12,10 @@ from hf_scatter.models.training_graphs import IMPL as GRAPHS_IMPL
 from hf_scatter.models.training_graphs import graphs_of
 from hf_scatter.tiny import TINY_BUILDERS, tiny_dbrx, tiny_mixtral
 
+# CUDA graphs capture on a GPU only: on the CPU these tests hold the bookkeeping (reports, fallbacks, unpatching),
+# which runs the same with the kernels' torch reference as under the interpreter
+pytestmark = pytest.mark.kernel_bodies("reference")
+
 IMPL = GRAPHS_IMPL["moe_graphs"]
 LAYER_IMPL = GRAPHS_IMPL["layer_graphs"]
 

@@ -131,6 +131,7 @@ def _count_expert_stacking(monkeypatch) -> list[str]:
     return calls
 
 
+@pytest.mark.kernel_bodies("reference")  # the loading of the converted layout is under test, not the kernels
 @pytest.mark.parametrize("kind", KINDS)
 def test_converted_checkpoint_loads_patched_with_vanilla_logits_and_no_stacking(kind, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM

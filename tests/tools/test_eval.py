@@ -84,6 +84,7 @@ def test_mixtral_converted_layout_parity_fp32_offline(mixtral_dir, tmp_path, cap
     assert plot.stat().st_size > 0
 
 
+@pytest.mark.kernel_bodies("reference")
 def test_dbrx_parity_fp32(tmp_path, tokenizer, capsys):
     path = tmp_path / "dbrx"
     tiny_dbrx().save_pretrained(path)
@@ -95,18 +96,19 @@ def test_dbrx_parity_fp32(tmp_path, tokenizer, capsys):
     assert report["backends"][1]["patch_report"], "the patched backend must run hf-scatter's modules"
 
 
-INTERPRETED_EVAL_FAMILY = "qwen3_moe"  # the others run the kernels' torch reference: the harness is under test here
+# The harness is under test in this file: the kernels run their torch reference, except in the converted Mixtral's
+# parity (every task, interpreted) and one fine-grained family's; the kernels' own tests and the family suite of
+# test_models.py hold the kernels to float64 references.
+INTERPRETED_EVAL_FAMILY = "qwen3_moe"
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v2", "gpt_oss", "qwen2_moe",
                                     "granitemoe"])
-def test_fine_grained_families_parity_fp32(family, tmp_path, capsys, monkeypatch):
+def test_fine_grained_families_parity_fp32(family, tmp_path, capsys, kernel_bodies):
     """Each family's random checkpoint: patched (its router, norms, RoPE and experts) and offloaded (CGOPipe on
     the CPU stand-in) equal vanilla request by request, log-likelihoods and greedy generations alike. One
-    family runs the Triton kernels under the interpreter; the kernels' own tests and the family suite of
-    test_models.py hold them to float64 references, so the others take the torch path (half the time)."""
-    if family != INTERPRETED_EVAL_FAMILY:
-        monkeypatch.setenv("HF_SCATTER_KERNELS", "torch")
+    family runs the Triton kernels under the interpreter, the others their torch reference (half the time)."""
+    kernel_bodies(family == INTERPRETED_EVAL_FAMILY)
     rc, report, out = _eval(["--random", f"tiny-{family}", *FP32, "--limit", "2", *LL,
                              "--tasks", "hfs_facts,hfs_generation", "--backends", "vanilla,patched,offloaded"],
                             tmp_path, capsys)
@@ -131,6 +133,7 @@ def _perturbed(settings):
     return lm
 
 
+@pytest.mark.kernel_bodies("reference")
 def test_broken_backend_fails_and_the_table_shows_where(mixtral_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(BACKENDS, "perturbed", Backend("perturbed", "perturbed", _perturbed))
     rc, report, out = _eval(["--model", mixtral_dir, *FP32, "--limit", "3", "--backends", "vanilla,perturbed",
@@ -176,6 +179,7 @@ def _one_expert_scaled(settings):
     return lm
 
 
+@pytest.mark.kernel_bodies("reference")
 def test_ll_tolerance_passes_another_summation_order_and_fails_a_scaled_expert(mixtral_dir, tmp_path, capsys,
                                                                               monkeypatch):
     """The per-token tolerance holds on any processor: float32 sums in another order pass (under an absolute
@@ -238,6 +242,7 @@ def test_eager_backend_needs_interface_experts(tmp_path, tokenizer, capsys):
     assert rc == 2 and "experts_implementation switch" in out.err and "DbrxForCausalLM" in out.err
 
 
+@pytest.mark.kernel_bodies("reference")
 def test_offloaded_backend_matches_vanilla_request_by_request(mixtral_dir, tmp_path, capsys):
     """The checkpoint through hf_scatter.offload (the same pipeline on the CPU): fp32 log-likelihoods and
     greedy generations equal transformers'."""
@@ -330,6 +335,7 @@ def test_stock_lm_eval_command_runs_the_hf_scatter_model_in_this_environment(mix
     assert "hfs_arithmetic" in done.stdout and "acc" in done.stdout
 
 
+@pytest.mark.kernel_bodies("reference")
 def test_bert_is_scored_by_pseudo_log_likelihood_and_skips_generation(tmp_path, capsys):
     rc, report, out = _eval(["--random", "tiny-bert", *FP32, "--limit", "2", *LL,
                              "--tasks", "hfs_facts,hfs_generation"], tmp_path, capsys)
