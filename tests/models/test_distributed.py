@@ -22,6 +22,10 @@ SIZES = dict(hidden=72, experts=6, top_k=3, intermediate=40)  # odd sizes; 6 exp
 WORLD, STEPS, ROWS, LENGTH = 2, 3, 4, 12
 
 
+# what the engines do around the patched model is under test: see _engine_only_on_the_cpu
+pytestmark = pytest.mark.kernel_bodies("reference")
+
+
 def _engine_only_on_the_cpu(monkeypatch) -> None:
     """The kernels' torch reference inside the engines on the CPU (gloo): these tests are about what the engine
     does around the patched model (the same ops and autograd functions run, only their bodies differ; the
@@ -75,20 +79,53 @@ def _fsdp_worker(rank: int, init_file: str, out: str) -> None:
             dist.all_reduce(losses)  # equal token counts per rank: the mean of the ranks' means is the global mean
             state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
             found[family] = {"losses": losses / WORLD, "state": state}
+        found["misuse"] = _patch_after_fully_shard()
         if rank == 0:
             torch.save(found, out)
     finally:
         dist.destroy_process_group()
 
 
-def test_fsdp2_training_equals_one_process_and_saves_a_vanilla_checkpoint(tmp_path, monkeypatch):
-    _engine_only_on_the_cpu(monkeypatch)
-    out = str(tmp_path / "fsdp.pt")
-    mp.start_processes(_fsdp_worker, args=(str(tmp_path / "init"), out), nprocs=WORLD, start_method="spawn",
-                       join=True)
-    got = torch.load(out)
+def _patch_after_fully_shard() -> dict:
+    """A plain model sharded first, then patched and unpatched: what each call raised."""
+    from torch.distributed.fsdp import fully_shard
+
+    found = {}
+    sharded = TINY_BUILDERS["mixtral"](**SIZES)
+    found["before"] = sharded_by(sharded)
+    for layer in sharded.model.layers:
+        fully_shard(layer)
+    fully_shard(sharded)
+    found["after"] = sharded_by(sharded)
+    for call in (hf_scatter.patch_model, hf_scatter.unpatch_model):
+        try:
+            call(sharded)
+        except ValueError as error:
+            found[call.__name__] = str(error)
+    return found
+
+
+@pytest.fixture(scope="module")
+def fsdp2_run(tmp_path_factory) -> dict:
+    """One pair of FSDP2 processes (starting them is most of a test's cost) for the tests that read it."""
+    tmp = tmp_path_factory.mktemp("fsdp2")
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _engine_only_on_the_cpu(monkeypatch)
+        mp.start_processes(_fsdp_worker, args=(str(tmp / "init"), str(tmp / "fsdp.pt")), nprocs=WORLD,
+                           start_method="spawn", join=True)
+    return torch.load(tmp / "fsdp.pt")
+
+
+def test_fsdp2_training_equals_one_process_and_saves_a_vanilla_checkpoint(fsdp2_run):
     for family in ENGINE_FAMILIES:
-        _assert_trained_like_one_process(family, got[family])
+        _assert_trained_like_one_process(family, fsdp2_run[family])
+
+
+def test_patching_after_fully_shard_is_refused_with_the_order_to_use(fsdp2_run):
+    found = fsdp2_run["misuse"]
+    assert found["before"] is None and found["after"] == FSDP2
+    for call in ("patch_model", "unpatch_model"):
+        assert "patch it first, then shard it" in found[call], call
 
 
 def _assert_trained_like_one_process(family: str, got: dict) -> None:
@@ -228,37 +265,6 @@ def test_every_family_loaded_partitioned_by_zero3_trains_like_one_unpartitioned_
         torch.testing.assert_close(got[family]["losses"], want[family], **TOL, msg=family)
 
 
-def _misuse_worker(rank: int, init_file: str, out: str) -> None:
-    from torch.distributed.fsdp import fully_shard
-
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=1)
-    try:
-        found = {}
-        sharded = TINY_BUILDERS["mixtral"](**SIZES)
-        found["before"] = sharded_by(sharded)
-        for layer in sharded.model.layers:
-            fully_shard(layer)
-        fully_shard(sharded)
-        found["after"] = sharded_by(sharded)
-        for call in (hf_scatter.patch_model, hf_scatter.unpatch_model):
-            try:
-                call(sharded)
-            except ValueError as error:
-                found[call.__name__] = str(error)
-        torch.save(found, out)
-    finally:
-        dist.destroy_process_group()
-
-
-def test_patching_after_fully_shard_is_refused_with_the_order_to_use(tmp_path):
-    out = str(tmp_path / "found.pt")
-    mp.start_processes(_misuse_worker, args=(str(tmp_path / "init"), out), nprocs=1, start_method="spawn", join=True)
-    found = torch.load(out)
-    assert found["before"] is None and found["after"] == FSDP2
-    for call in ("patch_model", "unpatch_model"):
-        assert "patch it first, then shard it" in found[call], call
-
-
 def test_graphs_over_parameters_partitioned_by_zero3_are_refused():
     """DeepSpeed ZeRO-3 marks each partitioned parameter with ``ds_id``: patching such a model with
     moe_graphs=True warns once and leaves the blocks eager (a graph replays fixed addresses)."""
@@ -369,10 +375,7 @@ def test_library_grouped_gemm_under_fsdp2_holds_no_extra_weight_copy(tmp_path):
     assert found["on"]["peak"] <= 1.02 * found["0"]["peak"], found
 
 
-def _expert_parallel_worker(rank: int, root: str, init_file: str, out: str,
-                            families: tuple = ENGINE_FAMILIES) -> None:
-    from transformers import AutoModelForCausalLM
-
+def _expert_parallel_worker(rank: int, root: str, init_file: str, out: str) -> None:
     import os
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD))  # what transformers reads
@@ -380,13 +383,8 @@ def _expert_parallel_worker(rank: int, root: str, init_file: str, out: str,
     try:
         config, shared_batch = expert_parallel_config(WORLD)  # what bench train's ep engine builds
         found = {}
-        for family in families:  # one pair of processes for both
-            hf_scatter.patch_transformers()
-            try:
-                model = AutoModelForCausalLM.from_pretrained(f"{root}/{family}", distributed_config=config,
-                                                             dtype=torch.float32)
-            finally:
-                hf_scatter.unpatch_transformers()
+        for family in ENGINE_FAMILIES:  # one pair of processes for both
+            model = _expert_parallel_model(f"{root}/{family}", config)
             model.config.use_cache = False
             experts = model.model.layers[0].mlp.experts
             per_rank = ROWS // WORLD
@@ -396,27 +394,51 @@ def _expert_parallel_worker(rank: int, root: str, init_file: str, out: str,
             found[family] = {"losses": losses / WORLD, "report": hf_scatter.patch_report(model),
                              "num_local": experts.num_experts,
                              "local": {name: p.to_local().detach().clone() for name, p in experts.named_parameters()}}
+        try:  # 5 experts over 2 ranks
+            _expert_parallel_model(f"{root}/qwen3_moe-5-experts", config)
+            found["uneven"] = None
+        except Exception as error:  # noqa: BLE001 - the test reads which error, and what it says
+            found["uneven"] = f"{type(error).__name__}: {error}"
         torch.save(found, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
 
 
-def test_expert_parallel_training_equals_one_process(tmp_path, monkeypatch):
-    _engine_only_on_the_cpu(monkeypatch)
-    # On CPU with gloo: transformers would place each rank on its own GPU where one is visible.
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    for family in ENGINE_FAMILIES:
-        torch.manual_seed(0)
-        TINY_BUILDERS[family](**SIZES).save_pretrained(tmp_path / family)
-    out = str(tmp_path / "ep.pt")
-    mp.start_processes(_expert_parallel_worker, args=(str(tmp_path), str(tmp_path / "init"), out),
-                       nprocs=WORLD, start_method="spawn", join=True)
-    got = [torch.load(f"{out}.{rank}") for rank in range(WORLD)]
-
+def _expert_parallel_model(path: str, config):
     from transformers import AutoModelForCausalLM
 
+    hf_scatter.patch_transformers()
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, distributed_config=config, dtype=torch.float32)
+    finally:
+        hf_scatter.unpatch_transformers()
+
+
+@pytest.fixture(scope="module")
+def expert_parallel_run(tmp_path_factory) -> tuple:
+    """One pair of expert-parallel processes for the tests that read it: (checkpoints folder, each rank's
+    results)."""
+    tmp = tmp_path_factory.mktemp("ep")
     for family in ENGINE_FAMILIES:
-        single = hf_scatter.patch_model(AutoModelForCausalLM.from_pretrained(tmp_path / family, dtype=torch.float32))
+        torch.manual_seed(0)
+        TINY_BUILDERS[family](**SIZES).save_pretrained(tmp / family)
+    TINY_BUILDERS["qwen3_moe"](**dict(SIZES, experts=5)).save_pretrained(tmp / "qwen3_moe-5-experts")
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _engine_only_on_the_cpu(monkeypatch)
+        # On CPU with gloo: transformers would place each rank on its own GPU where one is visible.
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+        out = str(tmp / "ep.pt")
+        mp.start_processes(_expert_parallel_worker, args=(str(tmp), str(tmp / "init"), out),
+                           nprocs=WORLD, start_method="spawn", join=True)
+    return tmp, [torch.load(f"{out}.{rank}") for rank in range(WORLD)]
+
+
+def test_expert_parallel_training_equals_one_process(expert_parallel_run):
+    from transformers import AutoModelForCausalLM
+
+    root, got = expert_parallel_run
+    for family in ENGINE_FAMILIES:
+        single = hf_scatter.patch_model(AutoModelForCausalLM.from_pretrained(root / family, dtype=torch.float32))
         single.config.use_cache = False
         want_losses = torch.stack(_train(single.train(), slice(None)))
         experts = single.model.layers[0].mlp.experts
@@ -431,12 +453,8 @@ def test_expert_parallel_training_equals_one_process(tmp_path, monkeypatch):
                                            **TOL, msg=f"{family}, rank {rank}: {name}")
 
 
-def test_expert_parallel_over_ranks_that_do_not_divide_the_experts_is_refused(tmp_path, monkeypatch):
+def test_expert_parallel_over_ranks_that_do_not_divide_the_experts_is_refused(expert_parallel_run):
     """5 experts over 2 ranks: construction stops with transformers' error naming both numbers, on every rank,
     before any step (the patch adds nothing that would hide it)."""
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    TINY_BUILDERS["qwen3_moe"](**dict(SIZES, experts=5)).save_pretrained(tmp_path / "qwen3_moe")
-    with pytest.raises(mp.ProcessRaisedException, match="5 experts across 2"):
-        mp.start_processes(_expert_parallel_worker, args=(str(tmp_path), str(tmp_path / "init"),
-                                                          str(tmp_path / "ep.pt"), ("qwen3_moe",)),
-                           nprocs=WORLD, start_method="spawn", join=True)
+    for rank, found in enumerate(expert_parallel_run[1]):
+        assert found["uneven"] is not None and "5 experts across 2" in found["uneven"], (rank, found["uneven"])

@@ -1,4 +1,4 @@
-"""The command line: version, environment report, and the offline demo end to end."""
+"""The command line: version, environment report, fresh user processes, every command's bad input."""
 
 import argparse
 import json
@@ -31,73 +31,54 @@ def test_env_reports_versions_and_kernel_path(capsys):
         assert key in out
 
 
-def _kernel_path_said(text: str, prefix: str) -> str:
-    return next(line for line in text.splitlines() if prefix in line).split(prefix, 1)[1].strip()
-
-
-def test_demo_runs_offline_passes_and_reports_the_kernel_path_env_reports():
-    # Fresh processes, as a user runs them: the CLI itself must switch on the interpreter on CPU.
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "HF_SCATTER_KERNELS")}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    run = lambda *argv: subprocess.run([sys.executable, "-m", "hf_scatter.cli", *argv], capture_output=True,  # noqa: E731
-                                       text=True, env=env, timeout=600)
-    proc = run("demo", "--quick")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "all" in proc.stdout and "checks passed" in proc.stdout
-    assert "FAIL" not in proc.stdout
-    if not torch.cuda.is_available():
-        assert "triton-interpreter" in proc.stdout, "on CPU the demo must exercise the kernels, interpreted"
-    # `hf-scatter env` and the demo make the same statement about the kernel path on this machine, and the
-    # demo's table shows the kernels it says it checks
-    said = _kernel_path_said(run("env").stdout, "kernel path")
-    assert _kernel_path_said(proc.stdout, "kernel path:") == said
-    checked = said.rsplit("`hf-scatter demo` checks ", 1)[-1]
-    table = proc.stdout.split("\n", 1)[1]
-    assert all(checked in row for row in table.splitlines()[2:-1]), proc.stdout
+# `hf-scatter demo` and `env` in fresh processes, as a user runs them: from the installed wheel, in
+# tests/tools/test_packaging.py
 
 
 _PROBE = """
+import json, os
+before = dict(os.environ)
 import torch, hf_scatter
 from hf_scatter.kernels.backend import kernel_path
 from hf_scatter.tiny import tiny_dbrx
 model = hf_scatter.patch_model(tiny_dbrx())
 assert model(torch.randint(3, 100, (1, 5))).logits.shape == (1, 5, 384)
 print(kernel_path("cpu"))
+print(json.dumps(sorted(set(os.environ.items()) ^ set(before.items()))))
 """
+
+
+def _fresh_user_process(**users_env) -> tuple[str, list]:
+    """A user process that never heard of TRITON_INTERPRET imports hf_scatter and runs a patched model: the
+    kernel path it takes on CPU tensors and the environment variables that changed meanwhile. On a CPU-only
+    machine the reference is the designed path: any RuntimeWarning fails (on a GPU machine CPU tensors are a
+    fallback, and say so)."""
+    # this process imported torch._dynamo already, which set TORCHINDUCTOR_CACHE_DIR here: the child starts without it
+    unset = ("TRITON_INTERPRET", "HF_SCATTER_KERNELS", "TORCHINDUCTOR_CACHE_DIR")
+    env = {**{k: v for k, v in os.environ.items() if k not in unset}, **users_env}
+    strict = ["-W", "error::RuntimeWarning"] if not torch.cuda.is_available() else []
+    proc = subprocess.run([sys.executable, *strict, "-c", _PROBE], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    path, changed = proc.stdout.strip().splitlines()[-2:]
+    return path, [tuple(item) for item in json.loads(changed)]
 
 
 @pytest.mark.parametrize("force", [None, "triton"])
 def test_plain_import_on_cpu_uses_the_fast_reference_unless_kernels_are_asked_for(force):
-    """A user process that never heard of TRITON_INTERPRET: importing works, CPU tensors take the torch
-    reference (interpreted kernels are far slower), and HF_SCATTER_KERNELS=triton interprets them."""
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "HF_SCATTER_KERNELS")}
-    if force:
-        env["HF_SCATTER_KERNELS"] = force
+    """Importing works, CPU tensors take the torch reference (interpreted kernels are far slower), and
+    HF_SCATTER_KERNELS=triton interprets them. ``import hf_scatter`` (and a patched model's forward) sets no
+    environment variable a user did not ask for; HF_SCATTER_KERNELS=triton on a machine without a GPU is the one
+    request that needs TRITON_INTERPRET."""
     cpu_only = not torch.cuda.is_available()
-    # On a CPU-only machine the reference is the designed path: no warning. (On a GPU machine CPU tensors
-    # are a fallback, and say so.)
-    strict = ["-W", "error::RuntimeWarning"] if cpu_only else []
-    proc = subprocess.run([sys.executable, *strict, "-c", _PROBE], capture_output=True, text=True, env=env,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    expected = "triton-interpreter" if (force and cpu_only) else "torch"
-    assert proc.stdout.strip().splitlines()[-1] == expected
+    path, changed = _fresh_user_process(**({"HF_SCATTER_KERNELS": force} if force else {}))
+    assert path == ("triton-interpreter" if (force and cpu_only) else "torch")
+    assert changed == ([("TRITON_INTERPRET", "1")] if (force and cpu_only) else [])
 
 
-def test_import_leaves_the_process_environment_as_it_was():
-    """``import hf_scatter`` (and a patched model's forward) sets no environment variable a user did not ask for;
-    ``HF_SCATTER_KERNELS=triton`` on a machine without a GPU is the one request that needs TRITON_INTERPRET."""
-    probe = ("import os, json; before = dict(os.environ); import hf_scatter; from hf_scatter.tiny import tiny_mixtral; "
-             "import torch; hf_scatter.patch_model(tiny_mixtral())(torch.randint(3, 100, (1, 4))); "
-             "print(json.dumps(sorted(set(os.environ.items()) ^ set(before.items()))))")
-    # this process imported torch._dynamo already, which set TORCHINDUCTOR_CACHE_DIR here: the child starts without it
-    unset = ("TRITON_INTERPRET", "HF_SCATTER_KERNELS", "TORCHINDUCTOR_CACHE_DIR")
-    env = {k: v for k, v in os.environ.items() if k not in unset}
-    for users in ({}, {"TORCHINDUCTOR_CACHE_DIR": os.path.join(tempfile.gettempdir(), "users-inductor-cache")}):
-        proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env={**env, **users},
-                              timeout=600)
-        assert proc.returncode == 0, proc.stderr
-        assert json.loads(proc.stdout.strip().splitlines()[-1]) == [], users
+def test_import_leaves_the_users_inductor_cache_setting_alone():
+    users = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(tempfile.gettempdir(), "users-inductor-cache")}
+    assert _fresh_user_process(**users)[1] == []
 
 
 # ----------------------------------------------------------------------------- bad input, caught up front
@@ -343,8 +324,16 @@ def test_replot_of_a_file_that_is_not_json_is_one_line(capsys, tmp_path):
 
 
 def test_profile_says_where_plan_finds_it(capsys, monkeypatch, tmp_path):
-    """Saved to the default place, `plan` finds it by itself; saved elsewhere, the message says --profile FILE."""
+    """Saved to the default place, `plan` finds it by itself; saved elsewhere, the message says --profile FILE.
+    (The measuring itself is tested in tests/offload/plan/test_hrm.py: here a profile of this machine's name.)"""
+    import hf_scatter.offload.measure as measure
+    from hf_scatter.offload.plan.profile import HardwareProfile, current_machine
+
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    host, device = current_machine()
+    monkeypatch.setattr(measure, "measure_profile", lambda **_: HardwareProfile(
+        name="this machine", host=host, device=device, cpu_flops_bf16=1e11, cpu_bandwidth=1e10,
+        cpu_memory=64 * 2**30, cpu_flops_fp32=1e11))
     out = tmp_path / "mine.json"
     assert main(["profile", "--quick", "--no-progress", "--out", str(out)]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]

@@ -68,18 +68,37 @@ def wheel_venv(wheel, tmp_path_factory):
     return venv, env
 
 
-def test_installed_wheel_runs_version_and_demo(wheel_venv, tmp_path):
+def _kernel_path_said(text: str, prefix: str) -> str:
+    return next(line for line in text.splitlines() if prefix in line).split(prefix, 1)[1].strip()
+
+
+def test_installed_wheel_runs_env_and_the_demo_offline(wheel_venv, tmp_path):
+    """The console script of the installed wheel, as a user runs it in fresh processes (no TRITON_INTERPRET, no
+    network): `hf-scatter env` and `hf-scatter demo --quick` pass and make the same statement about the kernel
+    path, the demo's table shows the kernels it says it checks, and on CPU those are the interpreted kernels."""
+    import torch
+
     venv, env = wheel_venv
-    vpy = venv / "bin" / "python"
+    env = {k: v for k, v in env.items() if k != "HF_SCATTER_KERNELS"}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     cli = venv / "bin" / "hf-scatter"
-    version = subprocess.run([cli, "--version"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
-    assert version.returncode == 0 and version.stdout.startswith("hf-scatter "), version.stderr
-    where = subprocess.run([vpy, "-c", "import hf_scatter.conversion as c; print(c.__file__)"], capture_output=True,
-                           text=True, env=env, cwd=tmp_path, timeout=120)
+    run = lambda *argv: subprocess.run([cli, *argv], capture_output=True, text=True, env=env, cwd=tmp_path,  # noqa: E731
+                                       timeout=600)
+    where = subprocess.run([venv / "bin" / "python", "-c", "import hf_scatter.conversion as c; print(c.__file__)"],
+                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     assert str(venv) in where.stdout, "hf_scatter.conversion must come from the installed wheel"
-    demo = subprocess.run([cli, "demo", "--quick"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    said = run("env")
+    assert said.returncode == 0, said.stderr
+    demo = run("demo", "--quick")
     assert demo.returncode == 0, demo.stdout + demo.stderr
-    assert "checks passed" in demo.stdout
+    assert "all" in demo.stdout and "checks passed" in demo.stdout and "FAIL" not in demo.stdout
+    if not torch.cuda.is_available():
+        assert "triton-interpreter" in demo.stdout, "on CPU the demo must exercise the kernels, interpreted"
+    kernel_path = _kernel_path_said(said.stdout, "kernel path")
+    assert _kernel_path_said(demo.stdout, "kernel path:") == kernel_path
+    checked = kernel_path.rsplit("`hf-scatter demo` checks ", 1)[-1]
+    table = demo.stdout.split("\n", 1)[1]
+    assert all(checked in row for row in table.splitlines()[2:-1]), demo.stdout
 
 
 def test_stock_lm_eval_command_resolves_hf_scatter_after_pip_install(wheel_venv, tmp_path):
