@@ -24,6 +24,8 @@ def _version(name: str) -> str:
 def environment_report() -> dict[str, str]:
     report = {"python": platform.python_version(), "platform": platform.platform()}
     report.update({name: _version(name) for name in _PACKAGES})
+    # which copy runs (an editable checkout, a wheel in some venv...): the first question when two disagree
+    report["hf-scatter location"] = os.path.dirname(os.path.abspath(__file__))
     if torch.cuda.is_available():
         device = torch.device("cuda")
         props = torch.cuda.get_device_properties(device)
