@@ -1,0 +1,150 @@
+"""MXFP4 weights as GPT-OSS checkpoints ship them, and their dequantization.
+
+The OCP microscaling format: each byte holds two e2m1 values (1 sign, 2 exponent, 1 mantissa bit; low nibble
+first), and every 32 consecutive values along the input dimension share one e8m0 scale (a power of two stored
+as its exponent plus 127). A checkpoint's tensors, as transformers' ``integrations/mxfp4.py`` reads them:
+
+    blocks  [..., N, K // 32, 16]  uint8   (N output rows, 32 values = 16 bytes per group)
+    scales  [..., N, K // 32]      uint8
+    weight  [..., N, K]            = e2m1(blocks) * 2 ** (scales - 127)
+
+GPT-OSS's experts keep ``gate_up_proj`` as ``[E, hidden, 2 * intermediate]``: that is ``weight`` transposed on
+its last two dimensions. The format is 4.25 bits per weight, 3.76x fewer bytes than bf16.
+
+Every value of the format is exact in bf16 and float32, so dequantization is exact (up to float32 overflow of
+6 * 2**127 and subnormal results of the smallest scales, which no trained checkpoint holds).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .backend import cdiv, kernels_enabled, triton_runs
+from .checks import check_out, fail
+from .custom_ops import mutating_op, run_op
+
+GROUP = 32  # values per shared scale
+SCALE_BIAS = 127
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+E2M1_MAX_EXPONENT = 2  # 6 = 1.5 * 2**2: a group's scale puts its largest magnitude in [4, 8)
+BYTES_PER_WEIGHT = (4 + 8 / GROUP) / 8  # 0.53125
+
+if kernels_enabled():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _dequantize_mxfp4_kernel(blocks_ptr, scales_ptr, out_ptr, R, B, BIAS: tl.constexpr,
+                                 BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr):
+        # blocks [R, B] bytes (B = K / 2), scales [R, B / 16], out [R, 2 * B]; all contiguous
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+        mask = (rows < R)[:, None] & (cols < B)[None, :]
+        packed = tl.load(blocks_ptr + rows[:, None] * B + cols[None, :], mask=mask, other=0).to(tl.int32)
+        exponent = tl.load(scales_ptr + rows[:, None] * (B // 16) + cols[None, :] // 16, mask=mask, other=BIAS)
+        scale = tl.exp2(exponent.to(tl.float32) - BIAS)
+        lo = _e2m1(packed & 0xF) * scale  # [BLOCK_R, BLOCK_B] fp32
+        hi = _e2m1(packed >> 4) * scale
+        values = tl.interleave(lo, hi)  # [BLOCK_R, 2 * BLOCK_B]: value 2b from byte b's low nibble
+        out_cols = tl.program_id(1) * (2 * BLOCK_B) + tl.arange(0, 2 * BLOCK_B)
+        out_mask = (rows < R)[:, None] & (out_cols < 2 * B)[None, :]
+        tl.store(out_ptr + rows[:, None] * (2 * B) + out_cols[None, :], values.to(out_ptr.dtype.element_ty),
+                 mask=out_mask)
+
+    @triton.jit
+    def _e2m1(nibble):
+        """The e2m1 value of 4 bits, as float32: exponent 0 is subnormal (0 or 0.5), else (1 + m/2) * 2**(e-1)."""
+        exponent = (nibble >> 1) & 3
+        mantissa = (nibble & 1).to(tl.float32)
+        normal = (1.0 + mantissa * 0.5) * tl.exp2(exponent.to(tl.float32) - 1)
+        magnitude = tl.where(exponent == 0, mantissa * 0.5, normal)
+        return tl.where((nibble & 8) != 0, -magnitude, magnitude)
+
+
+def dequantize_mxfp4_reference(blocks: torch.Tensor, scales: torch.Tensor,
+                               dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Pure-torch definition of :func:`dequantize_mxfp4` (tests and devices without Triton): a table lookup of
+    each nibble, then the group's power of two (``ldexp``, as transformers dequantizes)."""
+    table = torch.tensor(E2M1_VALUES, dtype=dtype, device=blocks.device)
+    packed = blocks.to(torch.int64)
+    values = torch.stack((table[packed & 0xF], table[packed >> 4]), dim=-1).flatten(-2)  # [..., N, G, 32]
+    values = torch.ldexp(values, (scales.to(torch.int32) - SCALE_BIAS)[..., None].to(dtype))
+    return values.flatten(-2)
+
+
+def dequantize_mxfp4_triton(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Launch the kernel into ``out`` ([..., N, K], contiguous); inputs are assumed validated."""
+    B = blocks.shape[-2] * blocks.shape[-1]
+    R = out.numel() // (2 * B) if B else 0
+    if R == 0:
+        return out
+    BLOCK_R, BLOCK_B = 16, 64
+    _dequantize_mxfp4_kernel[(cdiv(R, BLOCK_R), cdiv(B, BLOCK_B))](
+        blocks, scales, out, R, B, BIAS=SCALE_BIAS, BLOCK_R=BLOCK_R, BLOCK_B=BLOCK_B)
+    return out
+
+
+def _dequantize_impl(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+    if triton_runs(out, "dequantize_mxfp4"):
+        dequantize_mxfp4_triton(blocks, scales, out)
+    else:
+        out.copy_(dequantize_mxfp4_reference(blocks, scales, out.dtype))
+
+
+_dequantize_op = mutating_op("dequantize_mxfp4", "out")(_dequantize_impl)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """``blocks [..., N, K/32, 16]`` and ``scales [..., N, K/32]`` (uint8, a checkpoint's ``*_blocks`` and
+    ``*_scales``) as ``[..., N, K]`` values in ``dtype`` (exact)."""
+    op = "dequantize_mxfp4"
+    for name, t in (("blocks", blocks), ("scales", scales)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8:
+            fail(op, f"{name} must be a uint8 tensor (the checkpoint's *_{name}), got "
+                     f"{getattr(t, 'dtype', type(t).__name__)}")
+    if blocks.dim() < 3 or blocks.shape[-1] != GROUP // 2:
+        fail(op, f"blocks must be [..., N, K/{GROUP}, {GROUP // 2}] (16 bytes per group of {GROUP} values), "
+                 f"got {tuple(blocks.shape)}")
+    if tuple(scales.shape) != tuple(blocks.shape[:-1]):
+        fail(op, f"scales must be blocks' shape without its last dimension, {tuple(blocks.shape[:-1])}, "
+                 f"got {tuple(scales.shape)}")
+    if scales.device != blocks.device:
+        fail(op, f"blocks are on {blocks.device} but scales on {scales.device}")
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        fail(op, f"dtype must be float32, bfloat16 or float16, got {dtype}")
+    shape = (*blocks.shape[:-2], blocks.shape[-2] * GROUP)
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=blocks.device)
+    else:
+        check_out(op, out, shape, out)
+        if not out.is_contiguous():
+            fail(op, "out must be contiguous")
+    run_op(_dequantize_op, _dequantize_impl, blocks.contiguous(), scales.contiguous(), out)
+    return out
+
+
+def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight [..., N, K]`` (K a multiple of 32) as MXFP4 ``(blocks, scales)``, the OCP way: each group's
+    scale is ``2 ** (floor(log2(max |w|)) - 2)``, and each value rounds to the nearest e2m1 value (ties to the
+    even code; beyond 6 it saturates). For making small checkpoints in tests and tools; checkpoints ship
+    quantized already."""
+    op = "quantize_mxfp4"
+    if not weight.is_floating_point() or weight.dim() < 2 or weight.shape[-1] % GROUP:
+        fail(op, f"weight must be a float tensor [..., N, K] with K a multiple of {GROUP}, got "
+                 f"{weight.dtype} {tuple(weight.shape)}")
+    groups = weight.float().unflatten(-1, (-1, GROUP))  # [..., N, G, 32]
+    amax = groups.abs().amax(dim=-1)
+    _, e = torch.frexp(amax)  # amax = m * 2**e, m in [0.5, 1): floor(log2(amax)) = e - 1, exactly
+    exponent = torch.where(amax > 0, (e - 1 - E2M1_MAX_EXPONENT).float(), torch.full_like(amax, -SCALE_BIAS))
+    exponent = exponent.clamp(-SCALE_BIAS, SCALE_BIAS)
+    scaled = groups / torch.exp2(exponent)[..., None]
+    # the nearest of the 8 magnitudes; on a tie the even code (mantissa bit 0) wins
+    magnitudes = torch.tensor(E2M1_VALUES[:8], device=weight.device)
+    distance = (scaled.abs()[..., None] - magnitudes).abs()
+    tie_break = (torch.arange(8, device=weight.device) & 1) * 1e-6  # prefers the even code among equals
+    code = (distance + tie_break).argmin(dim=-1)
+    code = code | ((scaled < 0) & (code > 0)).to(code.dtype) << 3  # -0.0 stored as +0.0
+    pairs = code.to(torch.uint8).unflatten(-1, (-1, 2))
+    blocks = pairs[..., 0] | (pairs[..., 1] << 4)
+    return blocks.contiguous(), (exponent + SCALE_BIAS).to(torch.uint8)
