@@ -117,7 +117,7 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     if out is None:
         out = torch.empty(shape, dtype=dtype, device=blocks.device)
     else:
-        check_out(op, out, shape, out)
+        check_out(op, out, shape, blocks.new_empty(0, dtype=dtype))  # dtype asked for, on blocks' device
         if not out.is_contiguous():
             fail(op, "out must be contiguous")
     run_op(_dequantize_op, _dequantize_impl, blocks.contiguous(), scales.contiguous(), out)

@@ -80,5 +80,7 @@ def test_bad_input_names_the_tensor_and_the_layout():
         dequantize_mxfp4(blocks[..., :8], scales)
     with pytest.raises(ValueError, match=r"scales must be blocks' shape without its last dimension"):
         dequantize_mxfp4(blocks, scales[:, :, :1])
+    with pytest.raises(ValueError, match=r"out must be \(2, 3, 64\) torch.bfloat16"):
+        dequantize_mxfp4(blocks, scales, torch.bfloat16, out=torch.empty(2, 3, 64))
     with pytest.raises(ValueError, match="K a multiple of 32"):
         quantize_mxfp4(torch.randn(3, 40))
