@@ -110,11 +110,17 @@ def test_a_sidecar_table_renders_its_figures_and_goes_stale_when_they_move(scrat
     (scratch / "docs" / "tables" / "page.json").write_text(json.dumps(spec))
     rows = "| impl | ms | vs peer |\n|---|---|---|\n| ours | 10.0 | 1.43x |\n"
     assert docs_figures.table(spec["speed"]) == rows
-    (scratch / "docs" / "page.md").write_text(f"<!-- generated: docs_figures:table tables/page.json#speed -->\n"
-                                              f"{rows}<!-- /generated -->\n")
+    _assert_block_goes_stale(scratch, f"<!-- generated: docs_figures:table tables/page.json#speed -->\n"
+                                      f"{rows}<!-- /generated -->\n", ours_ms=11.0, peer_ms=14.3)
+
+
+def _assert_block_goes_stale(scratch, page: str, ours_ms: float, peer_ms: float) -> None:
+    """``page`` (a generated block over the scratch r.json) checks clean; once r.json holds other measurements,
+    the check calls the block stale."""
+    (scratch / "docs" / "page.md").write_text(page)
     assert docs_figures.check(["docs/page.md"]) == []
-    (scratch / "docs" / "results" / "r.json").write_text(json.dumps({"results": {"ours": {"ms": 11.0},
-                                                                                  "peer": {"ms": 14.3}}}))
+    (scratch / "docs" / "results" / "r.json").write_text(json.dumps({"results": {"ours": {"ms": ours_ms},
+                                                                                  "peer": {"ms": peer_ms}}}))
     docs_figures.load_results.cache_clear()
     assert "stale" in docs_figures.check(["docs/page.md"])[0].message
 
@@ -141,13 +147,9 @@ def test_a_headline_figure_that_moves_in_its_json_changes_the_readme_table(scrat
                             "files": ["r.json"]}]}
     assert "| w | 1.43x | lower | H100 | `c` [json][1a] |" in docs_figures.headlines(index)
     (scratch / "docs" / "results" / "index.json").write_text(json.dumps(index))
-    block = "<!-- generated: docs_figures:headlines index.json -->\n{}<!-- /generated -->\n"
-    (scratch / "docs" / "page.md").write_text(block.format(docs_figures.headlines(index)))
-    assert docs_figures.check(["docs/page.md"]) == []
-    (scratch / "docs" / "results" / "r.json").write_text(json.dumps({"results": {"ours": {"ms": 10.0},
-                                                                                  "peer": {"ms": 15.0}}}))
-    docs_figures.load_results.cache_clear()
-    assert "stale" in docs_figures.check(["docs/page.md"])[0].message
+    _assert_block_goes_stale(scratch, "<!-- generated: docs_figures:headlines index.json -->\n"
+                                      f"{docs_figures.headlines(index)}<!-- /generated -->\n",
+                             ours_ms=10.0, peer_ms=15.0)
 
 
 def test_results_keep_the_current_files_on_top_each_with_the_command_that_made_it():
