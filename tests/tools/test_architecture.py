@@ -214,3 +214,11 @@ def test_conversion_and_eval_use_only_the_public_api(user):
                 private.append(f"{modules()[name]}:{line}: {name} imports {target}"
                                + (f".{what}" if what else "") + " (not in that module's __all__)")
     assert not private, "\n".join(private)
+
+
+def test_the_suites_run_order_names_files_that_exist():
+    """conftest's heaviest-first order is matched by path: a renamed file would silently fall back to the end."""
+    from conftest import HEAVIEST_FILES
+
+    missing = [name for name in HEAVIEST_FILES if not os.path.isfile(os.path.join(ROOT, name))]
+    assert not missing, f"tests/conftest.py HEAVIEST_FILES names files that do not exist: {missing}"

@@ -107,22 +107,21 @@ def test_stock_lm_eval_command_resolves_hf_scatter_after_pip_install(wheel_venv,
     tests/tools/test_eval.py::test_stock_lm_eval_command_runs_the_hf_scatter_model_in_this_environment."""
     pytest.importorskip("lm_eval", reason="lm-eval is in the dev extra: make test installs it")
     venv, env = wheel_venv
-    tasks = subprocess.run([venv / "bin" / "python", "-c", "import hf_scatter.eval as e; print(e.TASKS_DIR)"],
-                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120).stdout.strip()
+    names = ("hf-scatter", "hf-scatter-mlm", "hf-scatter-offloaded")
+    lookup = ("import inspect, lm_eval.models; from lm_eval.api.registry import get_model; "
+              f"print(*(inspect.getfile(get_model(n)) for n in {names!r}))")
+    env = {**env, "HF_SCATTER_KERNELS": "torch"}
+    also_tasks = "; import hf_scatter.eval as e; print(e.TASKS_DIR)"
+    found = subprocess.run([venv / "bin" / "python", "-c", lookup + also_tasks], capture_output=True, text=True,
+                           env=env, cwd=tmp_path, timeout=600)
+    assert found.returncode == 0, found.stderr[-4000:]
+    *files, tasks = found.stdout.split()
+    assert len(files) == 3 and all(f.startswith(str(venv)) and "/hf_scatter/eval/" in f for f in files), files
     assert tasks.endswith("tasks") and tasks.startswith(str(venv)), tasks  # the suite's task files ship in it
     shipped = sorted(p.relative_to(tasks).as_posix() for p in Path(tasks).rglob("*") if p.is_file())
     source = sorted(p.relative_to(REPO / "eval" / "tasks").as_posix() for p in (REPO / "eval" / "tasks").rglob("*")
                     if p.is_file() and "__pycache__" not in p.parts)
     assert shipped == source
-    names = ("hf-scatter", "hf-scatter-mlm", "hf-scatter-offloaded")
-    lookup = ("import inspect, lm_eval.models; from lm_eval.api.registry import get_model; "
-              f"print(*(inspect.getfile(get_model(n)) for n in {names!r}))")
-    env = {**env, "HF_SCATTER_KERNELS": "torch"}
-    found = subprocess.run([venv / "bin" / "python", "-c", lookup], capture_output=True, text=True, env=env,
-                           cwd=tmp_path, timeout=600)
-    assert found.returncode == 0, found.stderr[-4000:]
-    files = found.stdout.split()
-    assert len(files) == 3 and all(f.startswith(str(venv)) and "/hf_scatter/eval/" in f for f in files), files
     # the same interpreter without site processing (no .pth files run): lm-eval does not know the model
     bare = subprocess.run([venv / "bin" / "python", "-S", "-c", "import sys, site; sys.path[:0] = "
                            f"{[p for p in sys.path if p.endswith(('site-packages', 'dist-packages'))]!r}; " + lookup],
