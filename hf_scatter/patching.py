@@ -99,10 +99,15 @@ def _refuse_fully_sharded(root: nn.Module, caller: str) -> None:
 
 def from_pretrained(path, *args, patch: dict | None = None, **kwargs) -> nn.Module:
     """``AutoModelForCausalLM.from_pretrained(path, ...)`` patched with ``patch_model(**patch)``: loads HF
-    checkpoints and ``hf-scatter convert`` output alike (the latter with no per-expert stacking)."""
+    checkpoints and ``hf-scatter convert`` output alike (the latter with no per-expert stacking); GPT-OSS's MXFP4
+    experts stay MXFP4 (``models/mxfp4_experts.py``)."""
     from transformers import AutoModelForCausalLM
 
-    return patch_model(AutoModelForCausalLM.from_pretrained(path, *args, **kwargs), **(patch or {}))
+    from .models.mxfp4_experts import mxfp4_as_shipped
+
+    with mxfp4_as_shipped():
+        model = AutoModelForCausalLM.from_pretrained(path, *args, **kwargs)
+    return patch_model(model, **(patch or {}))
 
 
 def unpatch_model(model: nn.Module) -> nn.Module:
@@ -152,10 +157,14 @@ def _patching_post_init(options: PatchOptions, family: Family, original_post_ini
 
 def patch_transformers(**options) -> None:
     """Class level: every model of a supported family that transformers builds from now on (``from_pretrained``,
-    ``from_config``, a constructor) comes out patched with ``options``. An explicit
-    ``experts_implementation=...`` at load time still wins. Undo with :func:`unpatch_transformers`."""
+    ``from_config``, a constructor) comes out patched with ``options``, and GPT-OSS's MXFP4 checkpoints load
+    as shipped (``models/mxfp4_experts.py``). An explicit ``experts_implementation=...`` at load time still
+    wins. Undo with :func:`unpatch_transformers`."""
+    from .models.mxfp4_experts import load_mxfp4_as_shipped
+
     opts = PatchOptions.from_kwargs("patch_transformers", **options)
     unpatch_transformers()
+    load_mxfp4_as_shipped(True)
     for family in families().values():
         cls = _family_base(family)
         attrs = {"post_init": _patching_post_init(opts, family, cls.post_init), **family.class_hooks(opts)}
@@ -167,6 +176,9 @@ def patch_transformers(**options) -> None:
 def unpatch_transformers() -> None:
     """Restore every class :func:`patch_transformers` touched; models built while it was on stay patched
     (use :func:`unpatch_model` on those)."""
+    from .models.mxfp4_experts import load_mxfp4_as_shipped
+
+    load_mxfp4_as_shipped(False)
     while _CLASS_PATCHES:
         cls, attr, saved = _CLASS_PATCHES.pop()
         if saved is _ABSENT:

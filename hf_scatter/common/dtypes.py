@@ -16,7 +16,9 @@ def autocast_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if not torch.is_autocast_enabled(device_type):
         return x, weight, bias
     dtype = torch.get_autocast_dtype(device_type)
-    return x.to(dtype), weight.to(dtype), (bias.to(dtype) if bias is not None else None)
+    if isinstance(weight, torch.Tensor):  # a quantized weight is decoded into x's dtype by the kernels
+        weight = weight.to(dtype)
+    return x.to(dtype), weight, (bias.to(dtype) if bias is not None else None)
 
 
 __all__ = ["FLOAT_DTYPES", "INDEX_DTYPES", "autocast_operands"]

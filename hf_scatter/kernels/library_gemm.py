@@ -53,6 +53,8 @@ def grouped_mm_applies(weight: torch.Tensor, *operands: torch.Tensor) -> bool:
     the kernels are not forced to the torch reference, and ``HF_SCATTER_GROUPED_MM`` does not switch it off
     (0, false, no or off). Callers then make the operands grouped. The weight gradient (no bias gradient)
     takes it whenever this holds."""
+    if not isinstance(weight, torch.Tensor):  # a quantized weight: our kernels decode it
+        return False
     E, K, N = weight.shape
     return (weight.is_cuda and weight.dtype == torch.bfloat16 and all(t.dtype == torch.bfloat16 for t in operands)
             and K % 8 == 0 and N % 8 == 0 and E <= _MAX_GROUPS and K * N <= LIBRARY_MAX_EXPERT_ELEMENTS
@@ -66,7 +68,8 @@ def grouped_mm_rows_apply(weight: torch.Tensor, x_grouped: torch.Tensor) -> bool
     :func:`grouped_mm_applies`, at a batch of at least ``LIBRARY_MIN_ROWS_PER_EXPERT`` mean rows per expert,
     with the weight as the library reads an operand (16-byte aligned start, one unit stride in its matrices:
     transformers' tensors and their transposed views; other views stay on our kernels)."""
-    return (x_grouped.shape[0] >= LIBRARY_MIN_ROWS_PER_EXPERT * weight.shape[0] and weight.data_ptr() % 16 == 0
+    return (isinstance(weight, torch.Tensor) and x_grouped.shape[0] >= LIBRARY_MIN_ROWS_PER_EXPERT * weight.shape[0]
+            and weight.data_ptr() % 16 == 0
             and 1 in weight.stride()[-2:] and grouped_mm_applies(weight, x_grouped))
 
 

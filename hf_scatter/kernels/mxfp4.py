@@ -17,6 +17,8 @@ Every value of the format is exact in bf16 and float32, so dequantization is exa
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .backend import cdiv, kernels_enabled, triton_runs
@@ -52,6 +54,21 @@ if kernels_enabled():
                  mask=out_mask)
 
     @triton.jit
+    def mxfp4_tile(blocks_ptr, scales_ptr, expert, k0, K, cols, col_mask, stride_be, stride_bn, stride_se, stride_sn,
+                   BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+        """The [BLOCK_K, BLOCK_N] float32 tile at K step ``k0`` of one expert's weight [K, N] held as MXFP4 bytes
+        [N, K / 2] (row n's values 2b and 2b + 1 in byte b) and exponents [N, K / 32]; K a multiple of 32."""
+        b = k0 * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)  # the tile's bytes along K
+        mask = (b < K // 2)[:, None] & col_mask[None, :]
+        packed = tl.load(blocks_ptr + expert * stride_be + cols[None, :] * stride_bn + b[:, None], mask=mask,
+                         other=0).to(tl.int32)  # [BLOCK_K / 2, BLOCK_N]
+        exponent = tl.load(scales_ptr + expert * stride_se + cols[None, :] * stride_sn + (b // 16)[:, None],
+                           mask=mask, other=127)
+        scale = tl.exp2(exponent.to(tl.float32) - 127)
+        pairs = tl.join(_e2m1(packed & 0xF) * scale, _e2m1(packed >> 4) * scale)  # [BLOCK_K / 2, BLOCK_N, 2]
+        return tl.reshape(tl.permute(pairs, (0, 2, 1)), (BLOCK_K, BLOCK_N))  # row 2b: low nibble, 2b + 1: high
+
+    @triton.jit
     def _e2m1(nibble):
         """The e2m1 value of 4 bits, as float32: exponent 0 is subnormal (0 or 0.5), else (1 + m/2) * 2**(e-1)."""
         exponent = (nibble >> 1) & 3
@@ -59,6 +76,54 @@ if kernels_enabled():
         normal = (1.0 + mantissa * 0.5) * tl.exp2(exponent.to(tl.float32) - 1)
         magnitude = tl.where(exponent == 0, mantissa * 0.5, normal)
         return tl.where((nibble & 8) != 0, -magnitude, magnitude)
+
+
+@dataclass(frozen=True)
+class Mxfp4Weight:
+    """Experts' weights in the kernels' layout [E, d_in, d_out] held as MXFP4, as a checkpoint ships them:
+    ``blocks`` [E, d_out, d_in / 32, 16] and ``scales`` [E, d_out, d_in / 32] (uint8; each expert's [d_out, d_in]
+    matrix quantized along d_in). The expert GEMMs read it in place; :meth:`dequantize` gives the values."""
+
+    blocks: torch.Tensor
+    scales: torch.Tensor
+
+    def __post_init__(self):
+        op = "Mxfp4Weight"
+        _check_packed(op, self.blocks, self.scales)
+        if self.blocks.dim() != 4:
+            fail(op, f"blocks must be [E, d_out, d_in/{GROUP}, {GROUP // 2}] (one matrix per expert), got "
+                     f"{tuple(self.blocks.shape)}")
+        if self.blocks.stride(-1) != 1 or self.blocks.stride(-2) != GROUP // 2 or self.scales.stride(-1) != 1:
+            fail(op, "each row of blocks and scales must be contiguous (as a checkpoint stores them): pass "
+                     "blocks.contiguous() and scales.contiguous()")
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        E, N, G, _ = self.blocks.shape
+        return (E, G * GROUP, N)
+
+    @property
+    def device(self) -> torch.device:
+        return self.blocks.device
+
+    def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """The values, [E, d_in, d_out] (a transposed view of the dequantized [E, d_out, d_in])."""
+        return dequantize_mxfp4(self.blocks, self.scales, dtype).transpose(1, 2)
+
+
+def _check_packed(op: str, blocks, scales) -> None:
+    for name, t in (("blocks", blocks), ("scales", scales)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8:
+            fail(op, f"{name} must be a uint8 tensor (the checkpoint's *_{name}), got "
+                     f"{getattr(t, 'dtype', type(t).__name__)}")
+    if blocks.dim() < 3 or blocks.shape[-1] != GROUP // 2:
+        fail(op, f"blocks must be [..., N, K/{GROUP}, {GROUP // 2}] (16 bytes per group of {GROUP} values), "
+                 f"got {tuple(blocks.shape)}")
+    if tuple(scales.shape) != tuple(blocks.shape[:-1]):
+        fail(op, f"scales must be blocks' shape without its last dimension, {tuple(blocks.shape[:-1])}, "
+                 f"got {tuple(scales.shape)}")
+    if scales.device != blocks.device:
+        fail(op, f"blocks are on {blocks.device} but scales on {scales.device}")
 
 
 def dequantize_mxfp4_reference(blocks: torch.Tensor, scales: torch.Tensor,
@@ -99,18 +164,7 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     """``blocks [..., N, K/32, 16]`` and ``scales [..., N, K/32]`` (uint8, a checkpoint's ``*_blocks`` and
     ``*_scales``) as ``[..., N, K]`` values in ``dtype`` (exact)."""
     op = "dequantize_mxfp4"
-    for name, t in (("blocks", blocks), ("scales", scales)):
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8:
-            fail(op, f"{name} must be a uint8 tensor (the checkpoint's *_{name}), got "
-                     f"{getattr(t, 'dtype', type(t).__name__)}")
-    if blocks.dim() < 3 or blocks.shape[-1] != GROUP // 2:
-        fail(op, f"blocks must be [..., N, K/{GROUP}, {GROUP // 2}] (16 bytes per group of {GROUP} values), "
-                 f"got {tuple(blocks.shape)}")
-    if tuple(scales.shape) != tuple(blocks.shape[:-1]):
-        fail(op, f"scales must be blocks' shape without its last dimension, {tuple(blocks.shape[:-1])}, "
-                 f"got {tuple(scales.shape)}")
-    if scales.device != blocks.device:
-        fail(op, f"blocks are on {blocks.device} but scales on {scales.device}")
+    _check_packed(op, blocks, scales)
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         fail(op, f"dtype must be float32, bfloat16 or float16, got {dtype}")
     shape = (*blocks.shape[:-2], blocks.shape[-2] * GROUP)

@@ -18,12 +18,14 @@ import torch
 from .backend import cdiv, fit_shared_memory, fitted_block, fitting_configs, kernels_enabled, launch, next_power_of_2, triton_interpreted, triton_runs, use_triton
 from .checks import check_float, check_index, check_like, check_out, fail
 from .custom_ops import mutating_op, run_op, tf32_allowed
+from .mxfp4 import Mxfp4Weight
 from .swiglu import SILU, GateForm, swiglu_reference
 
 if kernels_enabled():
     import triton
     import triton.language as tl
 
+    from .mxfp4 import mxfp4_tile
     from .swiglu import swiglu_tile
     from .tiling import dot_accumulate, grouped_tile
 
@@ -33,12 +35,16 @@ if kernels_enabled():
         tile_expert_ptr, tile_row_ptr, expert_end_ptr, scattered_ptr,
         NUM_TILES, K, N, E,
         stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_be, stride_bn, stride_ym, stride_yn,
-        stride_hm, alpha, limit, up_shift,
+        stride_hm, alpha, limit, up_shift, scales_ptr, stride_se, stride_sn,
         FAN_OUT: tl.constexpr, X_GROUPED: tl.constexpr, Y_GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr,
         ALLOW_TF32: tl.constexpr, UPCAST: tl.constexpr, GLU: tl.constexpr, GLU_CONCAT: tl.constexpr,
-        STORE_Y: tl.constexpr, SKIP_BIN: tl.constexpr,
+        STORE_Y: tl.constexpr, SKIP_BIN: tl.constexpr, W_MXFP4: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ):
+        # W_MXFP4: w_ptr holds the weight as MXFP4 bytes [E, N, K / 2] (two values of row n per byte, low nibble
+        # first) and scales_ptr its exponents [E, N, K / 32]; each [BLOCK_K, BLOCK_N] tile is decoded in
+        # registers (exact in the activations' dtype) right before its product, so HBM holds and serves 4.25
+        # bits per weight.
         # GLU: the N = 2I columns are [gate, up] pairs and the epilogue also writes h = act(gate) * up [M, I]
         # (``y``, the pre-activation, only with STORE_Y). A tile holds BLOCK_N / 2 pairs side by side, so one
         # split in registers separates them: interleaved weights ([g0, u0, g1, u1, ...]) are read as they lie;
@@ -73,7 +79,11 @@ if kernels_enabled():
             for k0 in range(0, tl.cdiv(K, BLOCK_K) * computed.to(tl.int32)):
                 k_mask = ks < K - k0 * BLOCK_K
                 x = tl.load(x_tile_ptr, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-                w = tl.load(w_tile_ptr, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+                if W_MXFP4:
+                    w = mxfp4_tile(w_ptr, scales_ptr, tl.minimum(expert, E - 1).to(tl.int64), k0, K, cols, col_mask,
+                                   stride_we, stride_wn, stride_se, stride_sn, BLOCK_K, BLOCK_N).to(x.dtype)
+                else:
+                    w = tl.load(w_tile_ptr, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
                 acc = dot_accumulate(acc, x, w, UPCAST, ALLOW_TF32)
                 x_tile_ptr += BLOCK_K * stride_xk
                 w_tile_ptr += BLOCK_K * stride_wk
@@ -248,6 +258,8 @@ def tile_rows(num_rows: int, num_experts: int) -> int:
 def scatter2scatter_reference(x, weight, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, fan_out,
                               x_grouped, y_grouped, bias=None, out=None):
     """Pure-torch definition of :func:`scatter2scatter` (tests, and devices without Triton)."""
+    if isinstance(weight, Mxfp4Weight):
+        weight = weight.dequantize(x.dtype)  # exact in any float dtype the kernel computes in
     M = sorted_scattered_idxs.numel()
     rows = x if x_grouped else x.index_select(0, sorted_scattered_idxs // fan_out)
     y_sorted = rows.new_zeros((M, weight.shape[2]))  # a skip bin's rows (one bin more than experts) stay zero
@@ -270,7 +282,8 @@ def scatter2scatter_triton(x, weight, sorted_expert_idxs, sorted_scattered_idxs,
                            x_grouped, y_grouped, bias, out, allow_tf32=False, glu: GateForm | None = None,
                            h_out=None):
     """Launch the Triton kernel into ``out`` ([M, N]); inputs are assumed validated. With a gate form ``glu``,
-    also ``h_out`` [M, N/2] = act(gate) * up of the [gate, up] columns (``out`` None: h alone)."""
+    also ``h_out`` [M, N/2] = act(gate) * up of the [gate, up] columns (``out`` None: h alone). ``weight``: a
+    tensor, or an :class:`Mxfp4Weight` read as it is stored."""
     M, K, N, E = sorted_scattered_idxs.numel(), weight.shape[1], weight.shape[2], weight.shape[0]
     if M == 0 or N == 0:
         return out
@@ -282,17 +295,24 @@ def scatter2scatter_triton(x, weight, sorted_expert_idxs, sorted_scattered_idxs,
     y = out if out is not None else h_out
     b = bias if bias is not None else y
     h = h_out if h_out is not None else y
-    args = (x, weight, b, y, h, tile_expert, tile_row, expert_offsets, sorted_scattered_idxs, num_tiles, K, N, E,
-            x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), weight.stride(2),
-            b.stride(0), b.stride(-1), y.stride(0), y.stride(1), h.stride(0), *(glu or SILU).numbers)
+    mxfp4 = isinstance(weight, Mxfp4Weight)
+    if mxfp4:  # bytes [E, N, K / 2] and exponents [E, N, K / 32]
+        w, scales = weight.blocks, weight.scales
+        w_strides, s_strides = (w.stride(0), 1, w.stride(1)), (scales.stride(0), scales.stride(1))
+    else:
+        w, scales = weight, weight
+        w_strides, s_strides = (weight.stride(0), weight.stride(1), weight.stride(2)), (0, 0)
+    args = (x, w, b, y, h, tile_expert, tile_row, expert_offsets, sorted_scattered_idxs, num_tiles, K, N, E,
+            x.stride(0), x.stride(1), *w_strides,
+            b.stride(0), b.stride(-1), y.stride(0), y.stride(1), h.stride(0), *(glu or SILU).numbers, scales, *s_strides)
     meta = dict(FAN_OUT=fan_out, X_GROUPED=x_grouped, Y_GROUPED=y_grouped, HAS_BIAS=bias is not None,
                 ALLOW_TF32=allow_tf32, UPCAST=interpreted and x.dtype == torch.bfloat16, GLU=glu is not None,
                 GLU_CONCAT=glu is not None and not glu.interleaved, STORE_Y=out is not None,
-                SKIP_BIN=int(expert_offsets.numel() > E), BLOCK_M=block_m)
+                SKIP_BIN=int(expert_offsets.numel() > E), W_MXFP4=mxfp4, BLOCK_M=block_m)
     grid = lambda cfg: (num_tiles * cdiv(N, cfg["BLOCK_N"]),)  # noqa: E731
     interpreter_blocks = dict(BLOCK_N=min(128, max(16, next_power_of_2(N))),
                               BLOCK_K=min(128, max(16, next_power_of_2(K))), GROUP_M=4)
-    tune_key = (K, N, block_m, x_grouped, y_grouped, fan_out, bias is not None, allow_tf32, x.dtype, weight.dtype,
+    tune_key = (K, N, block_m, x_grouped, y_grouped, fan_out, bias is not None, allow_tf32, x.dtype, w.dtype,
                 y.dtype, meta["GLU"], meta["GLU_CONCAT"], meta["STORE_Y"], meta["SKIP_BIN"])
     launch(_scatter2scatter_kernel, _scatter2scatter_tuned, _S2S_CONFIGS, {"BLOCK_N": N, "BLOCK_K": K}, grid,
            args, meta, interpreter_blocks, tune_key, None if interpreted else _table_config(K, N, block_m, x.element_size()))
@@ -300,10 +320,22 @@ def scatter2scatter_triton(x, weight, sorted_expert_idxs, sorted_scattered_idxs,
 
 
 # ---------------------------------------------------------------------------------------------- op
+def _operands(weight) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """A weight as the ops take it (custom ops take tensors): (tensor, None) or (MXFP4 blocks, scales)."""
+    if isinstance(weight, Mxfp4Weight):
+        return weight.blocks, weight.scales
+    return weight, None
+
+
+def _weight_of(weight: torch.Tensor, weight_scales: Optional[torch.Tensor]):
+    return weight if weight_scales is None else Mxfp4Weight(weight, weight_scales)
+
+
 def _scatter2scatter_impl(x: torch.Tensor, weight: torch.Tensor, sorted_expert_idxs: torch.Tensor,
                           sorted_scattered_idxs: torch.Tensor, expert_offsets: torch.Tensor, fan_out: int,
                           x_grouped: bool, y_grouped: bool, bias: Optional[torch.Tensor], out: torch.Tensor,
-                          allow_tf32: bool) -> None:
+                          allow_tf32: bool, weight_scales: Optional[torch.Tensor] = None) -> None:
+    weight = _weight_of(weight, weight_scales)
     if triton_runs(x, "scatter2scatter"):
         scatter2scatter_triton(x, weight, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, fan_out,
                                x_grouped, y_grouped, bias, out, allow_tf32)
@@ -319,7 +351,8 @@ def _scatter2scatter_swiglu_impl(x: torch.Tensor, weight: torch.Tensor, sorted_e
                                  sorted_scattered_idxs: torch.Tensor, expert_offsets: torch.Tensor, fan_out: int,
                                  bias: Optional[torch.Tensor], alpha: float, limit: float, up_shift: float,
                                  interleaved: bool, out: Optional[torch.Tensor], h_out: torch.Tensor,
-                                 allow_tf32: bool) -> None:
+                                 allow_tf32: bool, weight_scales: Optional[torch.Tensor] = None) -> None:
+    weight = _weight_of(weight, weight_scales)
     form = GateForm(alpha, limit, up_shift, interleaved)
     if triton_runs(x, "scatter2scatter"):
         scatter2scatter_triton(x, weight, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, fan_out,
@@ -340,7 +373,8 @@ def scatter2scatter(x: torch.Tensor, weight: torch.Tensor, sorted_expert_idxs: t
     """``y[i or idx[i]] = x[i or idx[i] // fan_out] @ weight[e(i)] (+ bias[e(i)])`` over expert-sorted rows ``i``.
 
     ``weight`` is [E, d_in, d_out] with any strides (a transposed view of an HF [E, d_out, d_in] tensor
-    is read in place). Returns ``out`` of shape [M, d_out], M = number of (token, expert) slots.
+    is read in place), or an :class:`Mxfp4Weight` of that shape (decoded in the kernel). Returns ``out`` of
+    shape [M, d_out], M = number of (token, expert) slots.
     """
     scatter2scatter_checks(x, weight, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, fan_out, x_grouped,
                            bias, out)
@@ -353,8 +387,12 @@ def scatter2scatter_checks(x, weight, sorted_expert_idxs, sorted_scattered_idxs,
     """:func:`scatter2scatter`'s argument checks: a ValueError naming the argument and the fix."""
     op = "scatter2scatter"
     check_float(op, "x", x, 2)
-    check_float(op, "weight", weight, 3)
-    check_like(op, "weight", weight, x)
+    if isinstance(weight, Mxfp4Weight):  # validated when made; values exact in any float dtype of x
+        if weight.device != x.device:
+            fail(op, f"weight is on {weight.device} but the input is on {x.device}; put all tensors on one device")
+    else:
+        check_float(op, "weight", weight, 3)
+        check_like(op, "weight", weight, x)
     E, K, N = weight.shape
     if x.shape[1] != K:
         fail(op, f"x has {x.shape[1]} features but weight expects d_in={K} (weight is [E, d_in, d_out])")
@@ -387,7 +425,7 @@ def scatter2scatter_swiglu(x: torch.Tensor, weight: torch.Tensor, sorted_expert_
     in expert order ([M, 2I], the [gate, up] columns of ``form``) and ``h = act(gate) * up`` ([M, I]), in one
     kernel; ``pre`` is None unless ``keep_pre_activation`` (a backward recomputes h from it). Same checks as
     :func:`scatter2scatter`; h equals the SwiGLU kernel's over the stored ``pre``, bit for bit."""
-    if weight.dim() == 3 and weight.shape[2] % 2:
+    if len(getattr(weight, "shape", ())) == 3 and weight.shape[2] % 2:
         fail("scatter2scatter_swiglu",
              f"weight needs an even d_out = 2I of [gate, up] columns, got {weight.shape[2]}")
     scatter2scatter_checks(x, weight, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, fan_out, False,
@@ -395,9 +433,10 @@ def scatter2scatter_swiglu(x: torch.Tensor, weight: torch.Tensor, sorted_expert_
     M, N = sorted_scattered_idxs.shape[0], weight.shape[2]
     pre = x.new_empty((M, N)) if keep_pre_activation else None
     h = x.new_empty((M, N // 2))
+    weight, scales = _operands(weight)
     run_op(_scatter2scatter_swiglu_op, _scatter2scatter_swiglu_impl, x, weight, sorted_expert_idxs,
            sorted_scattered_idxs, expert_offsets, fan_out, bias, *form.numbers, form.interleaved, pre, h,
-           tf32_allowed())
+           tf32_allowed(), scales)
     return pre, h
 
 
@@ -406,6 +445,7 @@ def scatter2scatter_unchecked(x, weight, sorted_expert_idxs, sorted_scattered_id
     """:func:`scatter2scatter` without the checks (see ``custom_ops``: for callers that validated already)."""
     if out is None:
         out = x.new_empty((sorted_scattered_idxs.shape[0], weight.shape[2]))
+    weight, scales = _operands(weight)
     run_op(_scatter2scatter_op, _scatter2scatter_impl, x, weight, sorted_expert_idxs, sorted_scattered_idxs,
-           expert_offsets, fan_out, x_grouped, y_grouped, bias, out, tf32_allowed())
+           expert_offsets, fan_out, x_grouped, y_grouped, bias, out, tf32_allowed(), scales)
     return out

@@ -27,6 +27,7 @@ from ..kernels.custom_ops import profiled
 from ..kernels.gating import gate_mix_unchecked
 from ..kernels.group import group_unchecked
 from ..kernels.library_gemm import grouped_mm_applies, grouped_mm_rows, grouped_mm_rows_apply
+from ..kernels.mxfp4 import Mxfp4Weight
 from ..kernels.scatter2scatter import scatter2scatter_swiglu, scatter2scatter_unchecked
 from ..kernels.swiglu import SILU, GateForm
 from ..kernels.swiglu_grad_gemm import swiglu_grad_gemm_unchecked
@@ -78,7 +79,9 @@ class _SwiGLUExperts(torch.autograd.Function):
         y, gate_up = _forward(x, w_in, w_out, gates, b_in, b_out, form, k, routing)
         ctx.k, ctx.form = k, form
         ctx.consumed = False
-        (w_in_kept, ctx.w_in_view), (w_out_kept, ctx.w_out_view) = map(weight_to_save, (w_in, w_out))
+        ctx.quantized = tuple(w if isinstance(w, Mxfp4Weight) else None for w in (w_in, w_out))
+        (w_in_kept, ctx.w_in_view), (w_out_kept, ctx.w_out_view) = (
+            (None, None) if isinstance(w, Mxfp4Weight) else weight_to_save(w) for w in (w_in, w_out))
         ctx.save_for_backward(x, w_in_kept, w_out_kept, gates, b_in, b_out, gate_up, *routing)  # h: recomputed
         return y
 
@@ -91,6 +94,9 @@ class _SwiGLUExperts(torch.autograd.Function):
         ctx.consumed = True
         x, w_in, w_out, gates, b_in, b_out, gate_up, sorted_expert_idxs, idx, expert_offsets = ctx.saved_tensors
         w_in, w_out = saved_weight(w_in, ctx.w_in_view), saved_weight(w_out, ctx.w_out_view)
+        # frozen quantized experts (a quantized checkpoint under LoRA): their values for the input gradient, one
+        # layer's worth at a time, freed when this backward returns
+        w_in, w_out = (q.dequantize(x.dtype) if q is not None else w for q, w in zip(ctx.quantized, (w_in, w_out)))
         routing = (sorted_expert_idxs, idx, expert_offsets)
         k, form = ctx.k, ctx.form
         need_x, need_w_in, need_w_out, need_g, need_b_in, need_b_out = ctx.needs_input_grad[:6]
@@ -145,14 +151,15 @@ def swiglu_experts(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, gat
     """``sum_j gates[t,j] * (w_out[e] act(x_t w_in[e] + b_in[e]) + b_out[e])`` over the routed slots, with
     ``act`` the gate ``form`` over the [gate, up] columns (SiLU: ``silu(g) * u``).
 
-    ``w_in`` [E, d, 2I] and ``w_out`` [E, I, d] in kernel layout (transposed views welcome), biases [E, 2I] /
+    ``w_in`` [E, d, 2I] and ``w_out`` [E, I, d] in kernel layout (transposed views welcome; or
+    :class:`Mxfp4Weight`, frozen: their gradients are not computed), biases [E, 2I] /
     [E, d] or None; ``routing`` from :func:`flatten_sort_count`. Same result and gradients as the
     ParallelLinear chain, at a lower backward peak.
     """
     k = gates.shape[1]
     x, w_in, b_in = autocast_operands(x, w_in, b_in)
     _, w_out, b_out = autocast_operands(x, w_out, b_out)
-    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad
+    if not torch.is_grad_enabled() or not any(getattr(t, "requires_grad", False)
                                               for t in (x, w_in, w_out, gates, b_in, b_out)):
         return _inference(x, w_in, w_out, gates, b_in, b_out, form, k, routing)
     return _SwiGLUExperts.apply(x, w_in, w_out, gates, b_in, b_out, form, k, *routing)

@@ -1,10 +1,11 @@
 """MXFP4 as GPT-OSS checkpoints ship it: our dequantization equals transformers' own bit for bit, the kernel
-equals the reference, and the quantizer that makes small test checkpoints picks a nearest value of the format."""
+equals the reference, the quantizer that makes small test checkpoints picks a nearest value of the format, and
+the expert GEMMs read MXFP4 weights in place with the result of their values in float64."""
 
 import pytest
 import torch
 
-from hf_scatter.kernels.mxfp4 import (E2M1_VALUES, GROUP, dequantize_mxfp4, dequantize_mxfp4_reference,
+from hf_scatter.kernels.mxfp4 import (E2M1_VALUES, GROUP, Mxfp4Weight, dequantize_mxfp4, dequantize_mxfp4_reference,
                                       quantize_mxfp4)
 
 # odd sizes: 3 experts, 5 output rows, 3 groups of 32 inputs; then one expert's shape of a GPT-OSS layer, scaled
@@ -84,3 +85,102 @@ def test_bad_input_names_the_tensor_and_the_layout():
         dequantize_mxfp4(blocks, scales, torch.bfloat16, out=torch.empty(2, 3, 64))
     with pytest.raises(ValueError, match="K a multiple of 32"):
         quantize_mxfp4(torch.randn(3, 40))
+
+
+# ------------------------------------------------------------------------ expert GEMMs on MXFP4 weights
+def _routing(T, k, E, device, empty_expert: bool):
+    from hf_scatter.moe import flatten_sort_count
+
+    g = torch.Generator().manual_seed(T * k + E)
+    first = 1 if empty_expert else 0  # expert 0 never chosen
+    idx = torch.stack([first + torch.randperm(E - first, generator=g)[:k] for _ in range(T)]).to(device)
+    return idx, flatten_sort_count(idx, E)
+
+
+def _weight(E, N, K, device, seed) -> Mxfp4Weight:
+    # scales around 2**-7 keep values near trained weights' size; every code of the format appears
+    return Mxfp4Weight(*_random_checkpoint(E, N, K // GROUP, device, seed, scale_range=(118, 124)))
+
+
+def _rel_err(out, ref):
+    assert out.shape == ref.shape and out.isfinite().all(), "unwritten (poisoned) rows"
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # fp32 accumulation over K; bf16: the output's rounding
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("x_grouped,y_grouped,with_bias,empty_expert", [
+    (False, False, False, False), (False, True, True, True), (True, False, True, False), (True, True, False, True)])
+def test_scatter2scatter_reads_mxfp4_weights_in_place(device, dtype, x_grouped, y_grouped, with_bias, empty_expert):
+    """Odd d_out, d_in of three groups, an expert no token chose, output poisoned: every slot equals the float64
+    product with the weight's values."""
+    from hf_scatter.kernels.scatter2scatter import scatter2scatter
+
+    T, k, E, K, N = 29, 3, 5, 96, 37
+    idx, (se, ss, off) = _routing(T, k, E, device, empty_expert)
+    weight = _weight(E, N, K, device, seed=5)
+    values = dequantize_mxfp4_reference(weight.blocks.cpu(), weight.scales.cpu(), torch.float64).transpose(1, 2)
+    bias = torch.randn(E, N, device=device, dtype=dtype) if with_bias else None
+    x_tok = torch.randn(T, K, device=device, dtype=dtype)
+    x = x_tok[ss // k] if x_grouped else x_tok
+    out = torch.full((T * k, N), float("nan"), device=device, dtype=dtype)
+    scatter2scatter(x, weight, se, ss, off, fan_out=1 if x_grouped else k, x_grouped=x_grouped, y_grouped=y_grouped,
+                    bias=bias, out=out)
+    rows = x_tok.double().cpu()[ss.cpu() // k]  # slot order of the sort
+    want = torch.einsum("sk,skn->sn", rows, values[se.cpu()])
+    if bias is not None:
+        want += bias.double().cpu()[se.cpu()]
+    if not y_grouped:
+        want = torch.empty_like(want).index_copy_(0, ss.cpu(), want)
+    assert _rel_err(out.cpu(), want) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpt_oss_experts_on_mxfp4_equal_their_values_forward_and_input_gradient(device, dtype):
+    """The whole SwiGLU layer (GPT-OSS's interleaved, biased, clamped gate in the first GEMM's epilogue) on
+    MXFP4 weights against the same layer on their dequantized values: the same output, and through the frozen
+    quantized experts the same input and gate gradients (a LoRA adapter's path)."""
+    from hf_scatter.kernels.swiglu import gpt_oss_gate
+    from hf_scatter.moe.swiglu_experts import swiglu_experts
+
+    T, k, E, d, inter = 23, 2, 4, 64, 96
+    _, routing = _routing(T, k, E, device, empty_expert=True)
+    w_in, w_out = _weight(E, 2 * inter, d, device, seed=1), _weight(E, d, inter, device, seed=2)
+    b_in = torch.randn(E, 2 * inter, device=device, dtype=dtype)
+    b_out = torch.randn(E, d, device=device, dtype=dtype)
+    form = gpt_oss_gate(1.702, 7.0)
+    x = (torch.randn(T, d, device=device, dtype=dtype) * 4).requires_grad_()
+    gates = torch.rand(T, k, device=device, dtype=dtype).requires_grad_()
+    dy = torch.randn(T, d, device=device, dtype=dtype)
+
+    def run(w1, w2):
+        y = swiglu_experts(x, w1, w2, gates, routing, b_in, b_out, form)
+        return (y, *torch.autograd.grad(y, (x, gates), dy))
+
+    got = run(w_in, w_out)
+    want = run(w_in.dequantize(dtype), w_out.dequantize(dtype))  # frozen (no requires_grad), like the MXFP4 ones
+    for g, w in zip(got, want):
+        assert _rel_err(g.cpu(), w.double().cpu()) < TOL[dtype]
+    with torch.no_grad():  # generation: no autograd node
+        assert _rel_err(swiglu_experts(x, w_in, w_out, gates, routing, b_in, b_out, form).cpu(),
+                        want[0].double().cpu()) < TOL[dtype]
+
+
+def test_mxfp4_weight_names_the_layout_it_needs():
+    blocks, scales = _random_checkpoint(2, 3, 2, "cpu", seed=0)
+    weight = Mxfp4Weight(blocks, scales)
+    assert weight.shape == (2, 64, 3) and weight.dequantize(torch.float32).shape == (2, 64, 3)
+    with pytest.raises(ValueError, match=r"one matrix per expert"):
+        Mxfp4Weight(blocks[0], scales[0])
+    with pytest.raises(ValueError, match=r"contiguous"):
+        Mxfp4Weight(torch.cat([blocks, blocks], -1)[..., ::2], scales)
+    with pytest.raises(ValueError, match=r"scales must be a uint8 tensor"):
+        Mxfp4Weight(blocks, scales.float())
+    from hf_scatter.kernels.scatter2scatter import scatter2scatter
+    from hf_scatter.moe import flatten_sort_count
+
+    se, ss, off = flatten_sort_count(torch.tensor([[0], [1]]), 2)
+    with pytest.raises(ValueError, match=r"x has 32 features but weight expects d_in=64"):
+        scatter2scatter(torch.randn(2, 32), weight, se, ss, off)

@@ -1,0 +1,97 @@
+"""GPT-OSS MXFP4 checkpoints load as shipped: the experts keep the checkpoint's bytes (no bf16 copy), generate
+the tokens transformers' own (dequantizing) load generates, train what is around them, and save back as
+shipped; transformers' own path stays one argument away."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, Mxfp4Config
+
+import hf_scatter
+from hf_scatter.models.mxfp4_experts import Mxfp4GptOssExperts, save_mxfp4_checkpoint
+from hf_scatter.tiny import tiny_decoder
+
+pytestmark = pytest.mark.kernel_bodies("reference")  # the kernels' MXFP4 arithmetic: tests/kernels/test_mxfp4.py
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mxfp4") / "gpt-oss"
+    model = tiny_decoder("gpt_oss", seed=3)
+    with torch.no_grad():  # trained-looking biases, so the experts' bias path counts
+        for name, p in model.named_parameters():
+            if name.endswith("_bias"):
+                p.normal_(std=0.05)
+    save_mxfp4_checkpoint(model, path)
+    return path
+
+
+def test_experts_keep_the_checkpoints_bytes_and_nothing_is_dequantized(checkpoint):
+    model = hf_scatter.from_pretrained(checkpoint, dtype=torch.float32)
+    shipped = load_file(checkpoint / "model.safetensors")
+    experts = {n: m for n, m in model.named_modules() if isinstance(m, Mxfp4GptOssExperts)}
+    assert len(experts) == model.config.num_hidden_layers
+    for name, module in experts.items():
+        for leaf in ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales"):
+            assert torch.equal(getattr(module, leaf), shipped[f"{name}.{leaf}"]), (name, leaf)
+    # no float copy of an expert weight anywhere: every float tensor is one the checkpoint holds as floats
+    floats = {k for k, v in model.state_dict().items() if v.is_floating_point()}
+    assert floats == {k for k, v in shipped.items() if v.is_floating_point()}
+    report = hf_scatter.patch_report(model)
+    assert all("MXFP4" in report[name] for name in experts), report
+
+
+def test_greedy_tokens_equal_transformers_own_load_in_fp32(checkpoint):
+    """transformers dequantizes the same checkpoint (no hub kernels here): the same values, so the same tokens."""
+    stock = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    assert not any(isinstance(m, Mxfp4GptOssExperts) for m in stock.modules())  # the stock quantizer ran
+    ours = hf_scatter.from_pretrained(checkpoint, dtype=torch.float32)
+    prompt = torch.tensor([[5, 17, 101, 42, 7, 250, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(ours(prompt).logits, stock(prompt).logits, rtol=1e-5, atol=1e-5)
+        want = stock.generate(prompt, max_new_tokens=8, do_sample=False)
+        got = ours.generate(prompt, max_new_tokens=8, do_sample=False)
+    assert torch.equal(got, want)
+
+
+def test_frozen_mxfp4_experts_pass_gradients_to_what_trains(checkpoint):
+    """The experts get no gradient, the layers around them get the gradients of the dequantized model."""
+    stock = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    ours = hf_scatter.from_pretrained(checkpoint, dtype=torch.float32)
+    ids = torch.tensor([[9, 8, 30, 200, 11, 6]])
+    for model in (stock, ours):
+        model.requires_grad_(False)
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.requires_grad_(True)
+        model(ids, labels=ids).loss.backward()
+    for a, b in zip(ours.model.layers, stock.model.layers):
+        torch.testing.assert_close(a.self_attn.q_proj.weight.grad, b.self_attn.q_proj.weight.grad,
+                                   rtol=1e-4, atol=1e-6)
+    assert not any(p.requires_grad for m in ours.modules() if isinstance(m, Mxfp4GptOssExperts)
+                   for p in (m.gate_up_proj_blocks, m.down_proj_blocks))
+
+
+def test_save_pretrained_writes_the_shipped_keys_back(checkpoint, tmp_path):
+    model = hf_scatter.from_pretrained(checkpoint, dtype=torch.float32)
+    model.save_pretrained(tmp_path / "again")
+    shipped, saved = load_file(checkpoint / "model.safetensors"), load_file(tmp_path / "again" / "model.safetensors")
+    assert saved.keys() == shipped.keys()
+    assert all(torch.equal(saved[k], shipped[k]) for k in shipped if k.endswith(("_blocks", "_scales")))
+    again = hf_scatter.from_pretrained(tmp_path / "again", dtype=torch.float32)
+    assert any(isinstance(m, Mxfp4GptOssExperts) for m in again.modules())
+
+
+def test_dequantize_asks_for_transformers_own_path_and_the_table_is_given_back(checkpoint):
+    from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
+
+    stock_entry = AUTO_QUANTIZER_MAPPING["mxfp4"]
+    bf16 = hf_scatter.from_pretrained(checkpoint, quantization_config=Mxfp4Config(dequantize=True))
+    assert not any(isinstance(m, Mxfp4GptOssExperts) for m in bf16.modules())
+    assert AUTO_QUANTIZER_MAPPING["mxfp4"] is stock_entry  # from_pretrained's own switch, undone
+    hf_scatter.patch_transformers()
+    try:
+        patched = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+        assert any(isinstance(m, Mxfp4GptOssExperts) for m in patched.modules())
+    finally:
+        hf_scatter.unpatch_transformers()
+    assert AUTO_QUANTIZER_MAPPING["mxfp4"] is stock_entry
