@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from ..common.atomic_files import save_figure
 from ..common.markdown import markdown_table
-from ..common.shapes import MIXTRAL_8X7B, MOE_BLOCKS
+from ..common.shapes import MIXTRAL_8X7B, MOE_BLOCKS, moe_block
 from ..common.timing import is_oom, median_ms, peak_extra_gib, run_header
 from .availability import check_names, require_cuda
 
@@ -63,8 +63,11 @@ CONFIGS = {
     "gpt-oss-20b-bias": _block("gpt-oss-20b", 16384, family="gpt_oss"),
     "mixtral-decode": MoEConfig(*_MIXTRAL, 64, backward=False),
     "qwen3-decode": _block("qwen3-30b-a3b", 64, backward=False),
+    # GPT-OSS-120B's layer as it ships (MXFP4 experts): inference only, as its quantized experts are frozen
+    "gpt-oss-120b-decode": MoEConfig(**moe_block("gpt-oss-120b"), tokens=64, backward=False, family="gpt_oss"),
+    "gpt-oss-120b-prefill": MoEConfig(**moe_block("gpt-oss-120b"), tokens=8192, backward=False, family="gpt_oss"),
 }
-IMPLS = ("hf-eager", "hf-grouped_mm", "hf-batched_mm", "liger", "sonicmoe", "hf-scatter", "dense")
+IMPLS = ("hf-eager", "hf-grouped_mm", "hf-batched_mm", "liger", "sonicmoe", "hf-scatter", "hf-scatter-mxfp4", "dense")
 
 
 def hf_experts(cfg: MoEConfig, device, dtype):
@@ -90,7 +93,25 @@ def hf_experts(cfg: MoEConfig, device, dtype):
                 p.normal_(std=0.02)
             else:
                 p.normal_(std=fan_in[name] ** -0.5)
+    experts.mxfp4 = None
+    if cfg.family == "gpt_oss" and cfg.hidden % 32 == 0 and cfg.intermediate % 32 == 0:
+        experts.mxfp4 = _as_shipped(experts)  # GPT-OSS ships MXFP4: every implementation reads those values
     return experts
+
+
+def _as_shipped(experts) -> tuple:
+    """GPT-OSS experts quantized as the checkpoints ship them (one expert at a time), their float weights set to
+    the quantized values, so the bf16 implementations and ``hf-scatter-mxfp4`` compute with the same numbers."""
+    from ..kernels.mxfp4 import Mxfp4Weight, dequantize_mxfp4, quantize_mxfp4
+
+    packed = []
+    with torch.no_grad():
+        for w in (experts.gate_up_proj, experts.down_proj):  # [E, in, out]
+            parts = [quantize_mxfp4(w[e].transpose(0, 1)) for e in range(w.shape[0])]  # [out, in] each
+            blocks, scales = torch.stack([b for b, _ in parts]), torch.stack([s for _, s in parts])
+            w.copy_(dequantize_mxfp4(blocks, scales, w.dtype).transpose(1, 2))
+            packed.append(Mxfp4Weight(blocks, scales))
+    return tuple(packed)
 
 
 def _liger_experts(cfg: MoEConfig, experts, autotune: bool) -> Callable | str:
@@ -163,6 +184,15 @@ def _implementations(cfg: MoEConfig, experts, device, dtype, liger_autotune: boo
     def ours_plain(x, idx, gates):
         return glu_experts(x, experts.gate_up_proj, experts.down_proj, idx, gates, validate=False)
 
+    def ours_mxfp4(x, idx, gates):
+        from ..kernels.swiglu import gpt_oss_gate
+        from ..moe.mlp import FusedSwiGLU, expert_mlp
+
+        w_in, w_out = experts.mxfp4
+        form = FusedSwiGLU(gpt_oss_gate(float(experts.alpha), float(experts.limit)))
+        return expert_mlp(x, (w_in,), w_out, idx, gates, form, b_in=(experts.gate_up_proj_bias,),
+                          b_out=experts.down_proj_bias, validate=False)
+
     expert_params = list(experts.parameters())
     routed: dict[str, Callable | str] = {
         "hf-eager": hf("eager"), "hf-grouped_mm": hf("grouped_mm"), "hf-batched_mm": hf("batched_mm"),
@@ -170,6 +200,9 @@ def _implementations(cfg: MoEConfig, experts, device, dtype, liger_autotune: boo
         "sonicmoe": _sonicmoe_experts(cfg, experts),
         # the experts backend for families with their own gate; the SwiGLU experts directly otherwise
         "hf-scatter": ours_plain if cfg.family == "mixtral" else hf(SCATTERMOE),
+        "hf-scatter-mxfp4": (ours_mxfp4 if experts.mxfp4 is not None and not cfg.backward else
+                             "n/a: MXFP4 weights as GPT-OSS ships them, for GPT-OSS layers (dimensions multiples of "
+                             "32) in inference (the quantized experts are frozen)"),
     }
     dense, dense_params = _dense_swiglu((cfg.top_k + cfg.shared_experts) * cfg.intermediate, cfg.hidden, device,
                                         dtype)
@@ -239,7 +272,7 @@ def _first_call_s(fn, params, x, idx, gates, dy, backward: bool) -> float:
 
 
 # Implementations whose forward records into a CUDA graph (no host syncs): their GPU time alone is measurable.
-_GRAPHABLE = ("hf-grouped_mm", "liger", "sonicmoe", "hf-scatter", "dense")
+_GRAPHABLE = ("hf-grouped_mm", "liger", "sonicmoe", "hf-scatter", "hf-scatter-mxfp4", "dense")
 
 
 def _call_costs(impl: str, fn, x, idx, gates, calls: int = 100) -> dict:
@@ -403,12 +436,15 @@ def plot(report: dict, path: str) -> None:
                ("fwd_peak_gib", "forward peak extra GiB"), ("fwdbwd_peak_gib", "forward+backward peak extra GiB")]
     width = 0.8 / len(IMPLS)
     for ax, (key, title) in zip(axes.flat, metrics):
+        measured = False
         for i, impl in enumerate(IMPLS):
             values = [report["results"][n].get(impl, {}).get(key, float("nan")) for n in names]
             ax.bar([j + i * width for j in range(len(names))], values, width, label=impl)
+            measured = measured or any(v > 0 for v in values)  # NaN compares False
         ax.set_xticks([j + width * (len(IMPLS) - 1) / 2 for j in range(len(names))], names, fontsize=8)
-        ax.set_title(title)
-        ax.set_yscale("log")
+        ax.set_title(title if measured else f"{title}: not measured (inference configs)")
+        if measured:
+            ax.set_yscale("log")
     axes[0, 0].legend(fontsize=8)
     fig.suptitle(f"SMoE SwiGLU layer, bf16, {report['device']} (lower is better; missing bar = OOM or n/a)")
     fig.tight_layout()

@@ -17,6 +17,7 @@ Every value of the format is exact in bf16 and float32, so dequantization is exa
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,8 @@ BYTES_PER_WEIGHT = (4 + 8 / GROUP) / 8  # 0.53125
 if kernels_enabled():
     import triton
     import triton.language as tl
+
+    GROUP_SIZE = tl.constexpr(GROUP)  # a global a @jit function may read
 
     @triton.jit
     def _dequantize_mxfp4_kernel(blocks_ptr, scales_ptr, out_ptr, R, B, BIAS: tl.constexpr,
@@ -54,19 +57,45 @@ if kernels_enabled():
                  mask=out_mask)
 
     @triton.jit
+    def mxfp4_operands(blocks_ptr, scales_ptr, expert, k0, K, cols, col_mask, stride_be, stride_bn, stride_se,
+                       stride_sn, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+        """``tl.dot_scaled``'s e2m1 operands at K step ``k0`` of one expert's weight [K, N]: the bytes
+        [BLOCK_K / 2, BLOCK_N] (packed along K, the first value in the low nibble, as checkpoints pack them)
+        and the exponents [BLOCK_N, BLOCK_K / 32]."""
+        b = k0 * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+        packed = tl.load(blocks_ptr + expert * stride_be + cols[None, :] * stride_bn + b[:, None],
+                         mask=(b < K // 2)[:, None] & col_mask[None, :], other=0)
+        g = k0 * (BLOCK_K // GROUP_SIZE) + tl.arange(0, BLOCK_K // GROUP_SIZE)
+        exponents = tl.load(scales_ptr + expert * stride_se + cols[:, None] * stride_sn + g[None, :],
+                            mask=col_mask[:, None] & (g < K // GROUP_SIZE)[None, :], other=127)
+        return packed, exponents
+
+    @triton.jit
     def mxfp4_tile(blocks_ptr, scales_ptr, expert, k0, K, cols, col_mask, stride_be, stride_bn, stride_se, stride_sn,
                    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-        """The [BLOCK_K, BLOCK_N] float32 tile at K step ``k0`` of one expert's weight [K, N] held as MXFP4 bytes
-        [N, K / 2] (row n's values 2b and 2b + 1 in byte b) and exponents [N, K / 32]; K a multiple of 32."""
+        """The float32 values at K step ``k0`` of one expert's weight [K, N] held as MXFP4 bytes [N, K / 2] (row
+        n's values 2b and 2b + 1 in byte b's low and high nibble) and exponents [N, K / 32], K a multiple of 32:
+        rows 2b ([BLOCK_K / 2, BLOCK_N]) and rows 2b + 1, apart. A caller multiplies them with the matching
+        even and odd input columns, which sums the same products as one [BLOCK_K, BLOCK_N] tile without
+        interleaving the halves in registers. Bits are built directly: no table, no exp2."""
         b = k0 * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)  # the tile's bytes along K
         mask = (b < K // 2)[:, None] & col_mask[None, :]
         packed = tl.load(blocks_ptr + expert * stride_be + cols[None, :] * stride_bn + b[:, None], mask=mask,
                          other=0).to(tl.int32)  # [BLOCK_K / 2, BLOCK_N]
         exponent = tl.load(scales_ptr + expert * stride_se + cols[None, :] * stride_sn + (b // 16)[:, None],
-                           mask=mask, other=127)
-        scale = tl.exp2(exponent.to(tl.float32) - 127)
-        pairs = tl.join(_e2m1(packed & 0xF) * scale, _e2m1(packed >> 4) * scale)  # [BLOCK_K / 2, BLOCK_N, 2]
-        return tl.reshape(tl.permute(pairs, (0, 2, 1)), (BLOCK_K, BLOCK_N))  # row 2b: low nibble, 2b + 1: high
+                           mask=mask, other=127).to(tl.int32)
+        # 2 ** (exponent - 127) as float32 bits; exponent 0 is the subnormal 2 ** -127
+        scale = tl.where(exponent == 0, 0x00400000, exponent << 23).to(tl.float32, bitcast=True)
+        return _e2m1_bits(packed & 0xF) * scale, _e2m1_bits(packed >> 4) * scale
+
+    @triton.jit
+    def _e2m1_bits(nibble):
+        """The e2m1 value of 4 bits as float32, from its bits: sign, then exponent 0 (0 or 0.5) or (1 + m/2) * 2**(e-1)."""
+        exponent = (nibble >> 1) & 3
+        mantissa = nibble & 1
+        normal = ((exponent + 126) << 23) | (mantissa << 22)
+        magnitude = tl.where(exponent == 0, mantissa * (126 << 23), normal)
+        return (magnitude | ((nibble & 8) << 28)).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _e2m1(nibble):
@@ -76,6 +105,13 @@ if kernels_enabled():
         normal = (1.0 + mantissa * 0.5) * tl.exp2(exponent.to(tl.float32) - 1)
         magnitude = tl.where(exponent == 0, mantissa * 0.5, normal)
         return tl.where((nibble & 8) != 0, -magnitude, magnitude)
+
+
+def scaled_dot_enabled() -> bool:
+    """Whether bf16 products with MXFP4 weights run as Triton's ``tl.dot_scaled`` (``HF_SCATTER_MXFP4_DOT``:
+    ``scaled``, the default, or ``decode``, which decodes each tile into registers first; both are exact
+    decodings, so they differ only in speed)."""
+    return os.environ.get("HF_SCATTER_MXFP4_DOT", "scaled") != "decode"
 
 
 @dataclass(frozen=True)

@@ -18,14 +18,14 @@ import torch
 from .backend import cdiv, fit_shared_memory, fitted_block, fitting_configs, kernels_enabled, launch, next_power_of_2, triton_interpreted, triton_runs, use_triton
 from .checks import check_float, check_index, check_like, check_out, fail
 from .custom_ops import mutating_op, run_op, tf32_allowed
-from .mxfp4 import Mxfp4Weight
+from .mxfp4 import Mxfp4Weight, scaled_dot_enabled
 from .swiglu import SILU, GateForm, swiglu_reference
 
 if kernels_enabled():
     import triton
     import triton.language as tl
 
-    from .mxfp4 import mxfp4_tile
+    from .mxfp4 import mxfp4_operands, mxfp4_tile
     from .swiglu import swiglu_tile
     from .tiling import dot_accumulate, grouped_tile
 
@@ -38,7 +38,7 @@ if kernels_enabled():
         stride_hm, alpha, limit, up_shift, scales_ptr, stride_se, stride_sn,
         FAN_OUT: tl.constexpr, X_GROUPED: tl.constexpr, Y_GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr,
         ALLOW_TF32: tl.constexpr, UPCAST: tl.constexpr, GLU: tl.constexpr, GLU_CONCAT: tl.constexpr,
-        STORE_Y: tl.constexpr, SKIP_BIN: tl.constexpr, W_MXFP4: tl.constexpr,
+        STORE_Y: tl.constexpr, SKIP_BIN: tl.constexpr, W_MXFP4: tl.constexpr, SCALED_DOT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ):
         # W_MXFP4: w_ptr holds the weight as MXFP4 bytes [E, N, K / 2] (two values of row n per byte, low nibble
@@ -78,13 +78,27 @@ if kernels_enabled():
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k0 in range(0, tl.cdiv(K, BLOCK_K) * computed.to(tl.int32)):
                 k_mask = ks < K - k0 * BLOCK_K
-                x = tl.load(x_tile_ptr, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-                if W_MXFP4:
-                    w = mxfp4_tile(w_ptr, scales_ptr, tl.minimum(expert, E - 1).to(tl.int64), k0, K, cols, col_mask,
-                                   stride_we, stride_wn, stride_se, stride_sn, BLOCK_K, BLOCK_N).to(x.dtype)
+                if W_MXFP4 and SCALED_DOT:  # bf16 activations: Triton's microscaled product reads the bytes
+                    x = tl.load(x_tile_ptr, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                    packed, exponents = mxfp4_operands(w_ptr, scales_ptr, tl.minimum(expert, E - 1).to(tl.int64), k0,
+                                                       K, cols, col_mask, stride_we, stride_wn, stride_se, stride_sn,
+                                                       BLOCK_K, BLOCK_N)
+                    acc = tl.dot_scaled(x, None, "bf16", packed, exponents, "e2m1", acc=acc)
+                elif W_MXFP4:  # the even and the odd input columns times the weight's matching rows
+                    w_even, w_odd = mxfp4_tile(w_ptr, scales_ptr, tl.minimum(expert, E - 1).to(tl.int64), k0, K,
+                                               cols, col_mask, stride_we, stride_wn, stride_se, stride_sn, BLOCK_K,
+                                               BLOCK_N)
+                    k_even = k0 * BLOCK_K + 2 * tl.arange(0, BLOCK_K // 2)
+                    x_even_ptr = x_ptr + x_rows[:, None].to(tl.int64) * stride_xm + k_even[None, :] * stride_xk
+                    x_mask = row_mask[:, None] & (k_even < K)[None, :]
+                    x_even = tl.load(x_even_ptr, mask=x_mask, other=0.0)
+                    x_odd = tl.load(x_even_ptr + stride_xk, mask=x_mask, other=0.0)
+                    acc = dot_accumulate(acc, x_even, w_even.to(x_even.dtype), UPCAST, ALLOW_TF32)
+                    acc = dot_accumulate(acc, x_odd, w_odd.to(x_odd.dtype), UPCAST, ALLOW_TF32)
                 else:
+                    x = tl.load(x_tile_ptr, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
                     w = tl.load(w_tile_ptr, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-                acc = dot_accumulate(acc, x, w, UPCAST, ALLOW_TF32)
+                    acc = dot_accumulate(acc, x, w, UPCAST, ALLOW_TF32)
                 x_tile_ptr += BLOCK_K * stride_xk
                 w_tile_ptr += BLOCK_K * stride_wk
             if HAS_BIAS:
@@ -308,7 +322,8 @@ def scatter2scatter_triton(x, weight, sorted_expert_idxs, sorted_scattered_idxs,
     meta = dict(FAN_OUT=fan_out, X_GROUPED=x_grouped, Y_GROUPED=y_grouped, HAS_BIAS=bias is not None,
                 ALLOW_TF32=allow_tf32, UPCAST=interpreted and x.dtype == torch.bfloat16, GLU=glu is not None,
                 GLU_CONCAT=glu is not None and not glu.interleaved, STORE_Y=out is not None,
-                SKIP_BIN=int(expert_offsets.numel() > E), W_MXFP4=mxfp4, BLOCK_M=block_m)
+                SKIP_BIN=int(expert_offsets.numel() > E), W_MXFP4=mxfp4,
+                SCALED_DOT=mxfp4 and x.dtype == torch.bfloat16 and scaled_dot_enabled(), BLOCK_M=block_m)
     grid = lambda cfg: (num_tiles * cdiv(N, cfg["BLOCK_N"]),)  # noqa: E731
     interpreter_blocks = dict(BLOCK_N=min(128, max(16, next_power_of_2(N))),
                               BLOCK_K=min(128, max(16, next_power_of_2(K))), GROUP_M=4)

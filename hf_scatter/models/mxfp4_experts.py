@@ -47,7 +47,9 @@ class Mxfp4GptOssExperts(nn.Module):
             raise ValueError(f"hf_scatter: MXFP4 experts need hidden_size and intermediate_size multiples of "
                              f"{GROUP}, got {H} and {inter}")
         self.num_experts, self.hidden_size = E, H
-        self.alpha, self.limit = float(config.swiglu_alpha), float(config.swiglu_limit)
+        # transformers 5.17's GPT-OSS config has no swiglu_alpha (its experts use 1.702)
+        self.alpha = float(getattr(config, "swiglu_alpha", 1.702))
+        self.limit = float(getattr(config, "swiglu_limit", 7.0))
         packed = dict(dtype=torch.uint8)
         frozen = dict(requires_grad=False)
         self.gate_up_proj_blocks = nn.Parameter(torch.empty(E, 2 * inter, H // GROUP, GROUP // 2, **packed), **frozen)

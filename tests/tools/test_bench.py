@@ -20,7 +20,8 @@ from hf_scatter.cli import main
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
 
 
-@pytest.mark.parametrize("suite,saved", [("moe", "moe-h200.json"), ("train", "train-h200.json"),
+@pytest.mark.parametrize("suite,saved", [("moe", "moe-h200.json"), ("moe", "history/moe-mxfp4-gpt-oss-120b-h200.json"),
+                                         ("train", "train-h200.json"),
                                          ("norms", "norms-h200.json"), ("norms", "norms-h100.json"),
                                          ("convert", "convert-h200.json"), ("bert", "bert-h100.json"),
                                          ("serve", "serve-h100.json")])
@@ -232,8 +233,9 @@ def test_bench_moe_peers_compute_the_same_layer(family, shared):
     experts), so the timings compare one computation; peers that cannot run the family say why."""
     from hf_scatter.bench import moe
 
-    cfg = moe.MoEConfig(hidden=24, intermediate=20, experts=5, top_k=2, tokens=9, shared_experts=shared,
-                        family=family)
+    gpt_oss = family == "gpt_oss"  # MXFP4 experts too: dimensions in groups of 32, inference
+    cfg = moe.MoEConfig(hidden=64 if gpt_oss else 24, intermediate=32 if gpt_oss else 20, experts=5, top_k=2,
+                        tokens=9, shared_experts=shared, family=family, backward=not gpt_oss)
     torch.manual_seed(0)
     experts = moe.hf_experts(cfg, "cpu", torch.float32)
     x, idx, gates, _ = moe.routed_batch(cfg.tokens, cfg.hidden, cfg.experts, cfg.top_k, "cpu", torch.float32)
@@ -241,8 +243,10 @@ def test_bench_moe_peers_compute_the_same_layer(family, shared):
     assert set(table) == set(moe.IMPLS)
     ref = table["hf-eager"][0](x, idx, gates)
     assert ref.abs().max() > 0
-    for impl in ("hf-grouped_mm", "hf-scatter"):
+    for impl in ("hf-grouped_mm", "hf-scatter") + (("hf-scatter-mxfp4",) if gpt_oss else ()):
         torch.testing.assert_close(table[impl][0](x, idx, gates), ref, rtol=1e-4, atol=1e-5, msg=impl)
+    if not gpt_oss:
+        assert table["hf-scatter-mxfp4"].startswith("n/a")
     if family == "gpt_oss":
         assert table["liger"].startswith("n/a")
     assert table["sonicmoe"].startswith("n/a")  # a Hopper-only peer says why it sits out, on any other device
