@@ -208,12 +208,12 @@ def _load_profile(ref: str | None):
         raise UsageError(f"{what}: not a hardware profile ({e})") from None
 
 
-def _model_spec(ref: str):
+def _model_spec(ref: str, weights: str = "shipped"):
     """A model's shapes from a built-in name, a config.json or a model directory (``--model`` of plan, profile)."""
     from .offload import ModelSpec
 
     try:
-        return ModelSpec.from_config(ref)
+        return ModelSpec.from_config(ref, weights=weights)
     except ValueError as e:
         raise UsageError(f"--model: {e}") from None
 
@@ -337,7 +337,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from .offload.runtime.offloaded import CGOPIPE_PLACEMENT
 
     _check_outputs(out=args.out, plot=args.plot)
-    model = _model_spec(args.model)  # first: a wrong name needs no profile to be found out
+    model = _model_spec(args.model, args.weights)  # first: a wrong name needs no profile to be found out
     profile = _load_profile(args.profile)
     try:
         if args.gpu:
@@ -360,6 +360,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as e:
         raise UsageError(str(e)) from None
     print(model.describe() + "\n")
+    if model.expert_format:
+        print(f"The experts are priced as shipped ({model.expert_format.upper()}); hf_scatter.offload streams experts "
+              "in the model's dtype so far (a dequantized load: --weights bf16 prices it).\n")
     for gpus, (hrm, policy) in plans.items():
         if len(plans) > 1:
             print(f"## {gpus} GPU{'s' if gpus > 1 else ''}\n")
@@ -515,6 +518,9 @@ def _add_plan(sub) -> None:
     p.add_argument("--placement", choices=("any", "cgopipe"), default="any",
                    help="any: attention and experts each on the CPU or the GPU, as the HRM finds best (default); "
                         "cgopipe: what hf_scatter.offload runs (attention on the CPU, experts on the GPU)")
+    p.add_argument("--weights", choices=("shipped", "bf16"), default="shipped",
+                   help="shipped: the experts in the checkpoint's own format (GPT-OSS: MXFP4, 4.25 bits a weight; "
+                        "default); bf16: as a dequantized load holds them")
     p.add_argument("--out", help="write model, profile, turning points and policy as JSON here")
     p.add_argument("--plot", help="draw the hierarchical roofline with the chosen operating points into this PNG")
     p.set_defaults(func=_cmd_plan)

@@ -131,3 +131,9 @@ def test_trainer_trains_a_lora_adapter_around_the_frozen_mxfp4_experts(checkpoin
     shipped = load_file(checkpoint / "model.safetensors")
     experts = adapted.base_model.model.model.layers[0].mlp.experts
     assert torch.equal(experts.gate_up_proj_blocks, shipped["model.layers.0.mlp.experts.gate_up_proj_blocks"])
+
+
+def test_offloading_names_the_dequantized_load_before_any_work(checkpoint):
+    model = hf_scatter.from_pretrained(checkpoint, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"MXFP4 as shipped.*Mxfp4Config\(dequantize=True\)"):
+        hf_scatter.offload_model(model, gpu_memory="1GiB", device="cpu")

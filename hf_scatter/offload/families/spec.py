@@ -10,9 +10,24 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from ...common.shapes import BUILTIN_MODELS, builtin_config
+
+# Bytes per weight of the experts' formats ("": the model's dtype). MXFP4: an e2m1 nibble per weight and an e8m0
+# exponent per 32 (kernels/mxfp4.py; not imported here, so planning loads no kernels).
+EXPERT_FORMATS = {"": 0.0, "mxfp4": (4 + 8 / 32) / 8}
+WEIGHT_CHOICES = ("shipped", "bf16")
+SHIPPED_EXPERT_FORMATS = {"gpt-oss-20b": "mxfp4", "gpt-oss-120b": "mxfp4"}  # built-ins, as OpenAI ships them
+
+
+def _checkpoint_expert_format(config) -> str:
+    """The experts' format a config's ``quantization_config`` declares ("" where none the planner prices)."""
+    quant = (config.get("quantization_config") if isinstance(config, dict)
+             else getattr(config, "quantization_config", None))
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    method = str(getattr(method, "value", method) or "")  # transformers' QuantizationMethod enum, or a string
+    return method if method in EXPERT_FORMATS else ""
 
 # GPU kernel launches per op and micro-batch, counted on the patched Mixtral layer (norm, GEMM, rotary
 # embedding, residual add, routing and expert kernels). Launch-bound ops cost this many launches.
@@ -68,6 +83,9 @@ class ModelSpec:
     qk_nope_dim: int = 0
     qk_rope_dim: int = 0
     v_head_dim: int = 0
+    # The routed experts' weights as the checkpoint holds them: "mxfp4" (4.25 bits a weight, GPT-OSS as shipped),
+    # or "" for the model's dtype (``dtype_bytes``)
+    expert_format: str = ""
 
     def __post_init__(self):
         for field in ("hidden", "layers", "heads", "kv_heads", "head_dim", "intermediate", "experts", "top_k", "vocab"):
@@ -77,12 +95,29 @@ class ModelSpec:
             raise ValueError(f"model {self.name!r}: top_k {self.top_k} exceeds the {self.experts} experts")
         if not 0 <= self.dense_layers <= self.layers:
             raise ValueError(f"model {self.name!r}: {self.dense_layers} dense layers of {self.layers}")
+        if self.expert_format not in EXPERT_FORMATS:
+            raise ValueError(f"model {self.name!r}: expert format {self.expert_format!r} is not one of "
+                             f"{', '.join(f for f in EXPERT_FORMATS if f)}")
 
     # ----- construction -----
     @classmethod
-    def from_config(cls, config, name: str | None = None, dtype_bytes: int = 2) -> "ModelSpec":
+    def from_config(cls, config, name: str | None = None, dtype_bytes: int = 2, weights: str = "shipped"
+                    ) -> "ModelSpec":
         """From a transformers config, a config dict, a config.json path or directory, or a built-in name
-        (:data:`~hf_scatter.common.shapes.BUILTIN_MODELS`)."""
+        (:data:`~hf_scatter.common.shapes.BUILTIN_MODELS`). ``weights``: ``"shipped"`` prices the experts in the
+        format the checkpoint holds them (its ``quantization_config``; a built-in name: as its publisher ships it),
+        ``"bf16"`` in the model's dtype, as a dequantized load holds them."""
+        if weights not in WEIGHT_CHOICES:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHT_CHOICES)}, got {weights!r}")
+        spec = cls._from_any(config, name, dtype_bytes)
+        if weights == "bf16":
+            return replace(spec, expert_format="")
+        if isinstance(config, str) and config in SHIPPED_EXPERT_FORMATS:
+            return replace(spec, expert_format=SHIPPED_EXPERT_FORMATS[config])
+        return replace(spec, expert_format=_checkpoint_expert_format(config) if spec.is_moe else "")
+
+    @classmethod
+    def _from_any(cls, config, name: str | None, dtype_bytes: int) -> "ModelSpec":
         if isinstance(config, str):
             return cls._from_name_or_path(config, dtype_bytes)
         if isinstance(config, dict):
@@ -206,8 +241,12 @@ class ModelSpec:
 
     @property
     def expert_weight_bytes(self) -> float:
-        """One expert's gate, up and down projections (GLU)."""
-        return 3 * self.hidden * self.intermediate * self.dtype_bytes
+        """One expert's gate, up and down projections (GLU), in the experts' format."""
+        return 3 * self.hidden * self.intermediate * self.expert_bytes_per_weight
+
+    @property
+    def expert_bytes_per_weight(self) -> float:
+        return EXPERT_FORMATS[self.expert_format] or self.dtype_bytes
 
     @property
     def ffn_weight_bytes(self) -> float:
@@ -314,6 +353,8 @@ class ModelSpec:
             kind += f", {self.dense_layers} dense layer{'s' if self.dense_layers > 1 else ''} first"
         if self.is_mla:
             kind += f", latent attention (rank {self.kv_lora_rank})"
+        if self.expert_format:
+            kind += f" in {self.expert_format.upper()}"
         return (f"{self.name}: {self.layers} layers, hidden {self.hidden}, {kind}, {self.weight_bytes / 1e9:.1f} GB "
                 f"of weights ({self.layer_weight_bytes / 1e9:.2f} GB per layer), KV "
                 f"{self.kv_bytes_per_token * self.layers / 1024:.0f} KiB per token")

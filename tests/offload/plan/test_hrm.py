@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from hf_scatter.cli import main
+from hf_scatter.common.shapes import builtin_config
 from hf_scatter.offload import (
     HardwareProfile, HierarchicalRoofline, ModelSpec, PlanError, Policy, ProfileError, Roofs, Workload,
     decode_layer_time, load_profile, operating_points, parse_bytes, plot_roofline, predict, search_policy,
@@ -152,6 +153,35 @@ def test_builtin_models_match_published_sizes():
     assert MIXTRAL.active_experts(1) == pytest.approx(2) and MIXTRAL.active_experts(1000) == pytest.approx(8)
     with pytest.raises(ValueError, match="neither a built-in"):
         ModelSpec.from_config("no-such-model")
+
+
+def test_experts_are_priced_in_the_format_the_checkpoint_ships():
+    """GPT-OSS ships MXFP4 experts (4 bits a value, 8 bits a group of 32); a config that declares it prices them so,
+    and --weights bf16 prices the dequantized load. Everything else stays in the model's dtype."""
+    shipped, bf16 = ModelSpec.from_config("gpt-oss-120b"), ModelSpec.from_config("gpt-oss-120b", weights="bf16")
+    assert shipped.expert_format == "mxfp4" and bf16.expert_format == ""
+    assert shipped.expert_weight_bytes == 3 * 2880 * 2880 * 4.25 / 8
+    assert bf16.expert_weight_bytes == 3 * 2880 * 2880 * 2
+    assert bf16.weight_bytes / 2 == pytest.approx(116.8e9, rel=0.002)  # GPT-OSS-120B: 116.8B parameters
+    assert shipped.weight_bytes / 2**30 == pytest.approx(60.8, rel=0.01)  # the published checkpoint's 60.8 GiB
+    assert shipped.qkv_weight_bytes == bf16.qkv_weight_bytes  # attention, router, embeddings: bf16 as shipped
+    assert shipped.decode_ops(1, 10)["ffn"].flops == bf16.decode_ops(1, 10)["ffn"].flops
+    config = {**builtin_config("gpt-oss-20b").to_dict(), "quantization_config": {"quant_method": "mxfp4"}}
+    assert ModelSpec.from_config(config).expert_format == "mxfp4"
+    assert ModelSpec.from_config(builtin_config("gpt-oss-20b")).expert_format == ""  # a bf16 model as built
+    assert ModelSpec.from_config("mixtral-8x7b").expert_format == ""
+    with pytest.raises(ValueError, match="weights must be one of shipped, bf16"):
+        ModelSpec.from_config("gpt-oss-120b", weights="int4")
+
+
+def test_plan_for_gpt_oss_120b_fits_a_128_gb_host_as_shipped_and_not_dequantized(capsys):
+    argv = ["plan", "--model", "gpt-oss-120b", "--profile", "h100-host-anchors", "--gpu-memory", "16GiB",
+            "--cpu-memory", "80GiB", "--placement", "cgopipe"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "in MXFP4" in out and "predicted throughput" in out and "streams experts in the model's dtype" in out
+    assert main(argv + ["--weights", "bf16"]) != 0
+    assert "218 GiB of weights" in capsys.readouterr().err
 
 
 # ----- cost model against hand computation -----
