@@ -375,6 +375,12 @@ def build_plan(src: str, dst: str, to: str = TO_SCATTER, dtype: str | torch.dtyp
         raise ConversionError(f"{config_path}: unknown architecture model_type={model_type!r} "
                               f"(architectures={config.get('architectures')}); hf-scatter convert supports "
                               f"{', '.join(supported_model_types())}")
+    quantized = (config.get("quantization_config") or {}).get("quant_method")
+    if quantized:  # before any tensor is read: the layouts below are those of float tensors
+        raise ConversionError(f"{config_path}: the weights are quantized ({quantized}); hf-scatter convert rewrites "
+                              f"float checkpoints and never dequantizes. A quantized checkpoint loads as it ships "
+                              f"(GPT-OSS's MXFP4 experts are fused already: hf_scatter.from_pretrained keeps them "
+                              f"MXFP4); to convert a float copy, load it dequantized and save_pretrained it first")
     marker = config.get(CONFIG_KEY)
     tensors, _ = read_tensors(src)
     if to == TO_SCATTER and marker is not None:

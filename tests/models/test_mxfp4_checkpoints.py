@@ -137,3 +137,12 @@ def test_offloading_names_the_dequantized_load_before_any_work(checkpoint):
     model = hf_scatter.from_pretrained(checkpoint, dtype=torch.float32)
     with pytest.raises(ValueError, match=r"MXFP4 as shipped.*Mxfp4Config\(dequantize=True\)"):
         hf_scatter.offload_model(model, gpu_memory="1GiB", device="cpu")
+
+
+def test_the_converter_refuses_a_quantized_checkpoint_before_writing(checkpoint, tmp_path, capsys):
+    from hf_scatter.cli import main
+
+    assert main(["convert", str(checkpoint), str(tmp_path / "out")]) != 0
+    said = capsys.readouterr().err
+    assert "quantized (mxfp4)" in said and "never dequantizes" in said
+    assert not (tmp_path / "out").exists()
