@@ -67,8 +67,21 @@ def _causal(settings: LoadSettings, patched: bool):
         from lm_eval.models.huggingface import HFLM as cls
     # log-softmax in fp32: lm-eval's default (the model's dtype) rounds every log-probability to bf16, which
     # would bury kernel differences under quantisation steps of up to 0.5 on a sum of -100
-    return cls(pretrained=settings.model, tokenizer=settings.tokenizer, dtype=settings.dtype, device=settings.device,
-               batch_size=settings.batch_size, max_length=settings.max_length, softmax_dtype=settings.scoring_dtype)
+    lm = cls(pretrained=settings.model, tokenizer=settings.tokenizer, dtype=settings.dtype, device=settings.device,
+             batch_size=settings.batch_size, max_length=settings.max_length, softmax_dtype=settings.scoring_dtype)
+    _float32_throughout(lm.model, settings.dtype)
+    return lm
+
+
+def _float32_throughout(model, dtype) -> None:
+    """A float32 evaluation computes in float32 everywhere: transformers 5.17 dequantizes MXFP4 experts to bf16
+    whatever dtype was asked (their values are the format's, exact in either), which would put bf16 rounding into
+    the comparison. Casting up loses nothing; other dtypes are left as loaded (float32 routers stay float32)."""
+    import torch
+
+    if dtype in ("float32", torch.float32) and any(p.is_floating_point() and p.dtype != torch.float32
+                                                   for p in model.parameters()):
+        model.to(torch.float32)
 
 
 def _masked(settings: LoadSettings, patched: bool):

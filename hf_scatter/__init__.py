@@ -9,8 +9,8 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-_PUBLIC = {"check_supported", "from_pretrained", "patch_model", "patch_report", "patch_transformers",
-           "supported_model_types", "unpatch_model", "unpatch_transformers"}
+_PUBLIC = {"check_supported", "from_pretrained", "load_as_shipped", "patch_model", "patch_report",
+           "patch_transformers", "supported_model_types", "unpatch_model", "unpatch_transformers"}
 
 
 def __getattr__(name: str):

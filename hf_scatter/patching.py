@@ -103,11 +103,17 @@ def from_pretrained(path, *args, patch: dict | None = None, **kwargs) -> nn.Modu
     experts stay MXFP4 (``models/mxfp4_experts.py``)."""
     from transformers import AutoModelForCausalLM
 
-    from .models.mxfp4_experts import mxfp4_as_shipped
-
-    with mxfp4_as_shipped():
+    with load_as_shipped():
         model = AutoModelForCausalLM.from_pretrained(path, *args, **kwargs)
     return patch_model(model, **(patch or {}))
+
+
+def load_as_shipped():
+    """A context manager: inside it, ``from_pretrained`` of any loader keeps GPT-OSS's MXFP4 experts as shipped
+    (``models/mxfp4_experts.py``), as :func:`from_pretrained` and :func:`patch_transformers` do."""
+    from .models.mxfp4_experts import mxfp4_as_shipped
+
+    return mxfp4_as_shipped()
 
 
 def unpatch_model(model: nn.Module) -> nn.Module:

@@ -418,3 +418,22 @@ def test_gpu_bf16_parity_sits_at_transformers_own_noise_floor(tmp_path, capsys):
     assert any("scattermoe" in i for i in report["backends"][2]["patch_report"])
     assert ours["ll_mean_abs"] <= 3 * max(floor["ll_mean_abs"], 1e-3), out.out
     assert ours["decisions_changed"] <= max(3, 3 * floor["decisions_changed"]), out.out
+
+
+@pytest.mark.kernel_bodies("reference")  # the MXFP4 kernels against float64: tests/kernels/test_mxfp4.py
+def test_mxfp4_checkpoint_as_shipped_matches_transformers_own_load(tmp_path, capsys, tokenizer):
+    """A GPT-OSS checkpoint with MXFP4 experts: `--model hf` loads it dequantized, `hf-scatter` keeps the experts
+    MXFP4 (the kernels read the bytes); both compute with the same values, so request by request they agree."""
+    from hf_scatter.models.mxfp4_experts import save_mxfp4_checkpoint
+    from hf_scatter.tiny import tiny_decoder
+
+    path = tmp_path / "gpt-oss-mxfp4"
+    save_mxfp4_checkpoint(tiny_decoder("gpt_oss", seed=5), path)
+    tokenizer.save_pretrained(path)
+    rc, report, out = _eval(["--model", str(path), *FP32, "--limit", "2", *LL, "--tasks", "hfs_facts,hfs_generation"],
+                            tmp_path, capsys)
+    assert rc == 0, out.out + out.err
+    summary = report["summary"]["patched"]
+    assert summary["ll_max_per_token"] <= LL_PER_TOKEN and summary["generations"] > 0
+    assert summary["generations_changed"] == 0
+    assert any("MXFP4" in impl for impl in report["backends"][1]["patch_report"]), report["backends"]
