@@ -60,6 +60,7 @@ def _eval(args, tmp_path, capsys) -> tuple[int, dict | None, str]:
     return rc, report, capsys.readouterr()
 
 
+@pytest.mark.kernel_bodies("reference")
 def test_mixtral_converted_layout_parity_fp32_offline(mixtral_dir, tmp_path, capsys, no_network):
     converted = tmp_path / "mixtral-hf-scatter"
     convert(mixtral_dir, str(converted), progress=False)
@@ -96,14 +97,16 @@ def test_dbrx_parity_fp32(tmp_path, tokenizer, capsys):
     assert report["backends"][1]["patch_report"], "the patched backend must run hf-scatter's modules"
 
 
-# The harness is under test in this file: the kernels run their torch reference, except in the converted Mixtral's
-# parity (every task, interpreted) and one fine-grained family's; the kernels' own tests and the family suite of
-# test_models.py hold the kernels to float64 references.
+# The harness is under test in this file: the kernels run their torch reference, except in one fine-grained
+# family's parity; the kernels' own tests and the family suite of test_models.py hold the kernels to float64
+# references, and every offloaded family's greedy tokens are held to generate's in tests/offload.
 INTERPRETED_EVAL_FAMILY = "qwen3_moe"
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v2", "gpt_oss", "qwen2_moe",
-                                    "granitemoe"])
+# One family per kind of layer the harness's three backends meet: Llama-style softmax routing (also OLMoE's,
+# Qwen2-MoE's and Granite's), latent attention with group-limited routing and a dense first layer (also
+# DeepSeek-V2's), biases, sinks and sliding windows (GPT-OSS).
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
 def test_fine_grained_families_parity_fp32(family, tmp_path, capsys, kernel_bodies):
     """Each family's random checkpoint: patched (its router, norms, RoPE and experts) and offloaded (CGOPipe on
     the CPU stand-in) equal vanilla request by request, log-likelihoods and greedy generations alike. One
