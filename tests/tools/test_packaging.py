@@ -100,30 +100,34 @@ def test_installed_wheel_runs_env_and_the_demo_offline(wheel_venv, tmp_path):
     assert all(checked in row for row in table.splitlines()[2:-1]), demo.stdout
 
 
-def test_stock_lm_eval_command_resolves_hf_scatter_after_pip_install(wheel_venv, tmp_path):
-    """lm-eval <= 0.5.0.dev1 reads no model entry points; the wheel's startup hook registers them, so lm-eval's
-    own lookup (what its ``lm_eval --model NAME`` command calls, in the venv's interpreter) finds hf-scatter's
-    models in the installed wheel. The whole command, evaluation included, runs in
-    tests/tools/test_eval.py::test_stock_lm_eval_command_runs_the_hf_scatter_model_in_this_environment."""
+def test_stock_lm_eval_command_runs_hf_scatter_after_pip_install(wheel_venv, tmp_path, tokenizer):
+    """lm-eval <= 0.5.0.dev1 reads no model entry points; the wheel's startup hook registers them. In the venv's
+    interpreter lm-eval's own lookup finds hf-scatter's three models in the installed wheel, and lm-eval's command
+    line (its console entry point, ``lm_eval run --model hf-scatter ...``) evaluates a checkpoint on the task files
+    the wheel ships. One interpreter for both: each start imports torch and transformers."""
     pytest.importorskip("lm_eval", reason="lm-eval is in the dev extra: make test installs it")
+    from hf_scatter.tiny import tiny_mixtral
+
     venv, env = wheel_venv
-    names = ("hf-scatter", "hf-scatter-mlm", "hf-scatter-offloaded")
-    lookup = ("import inspect, lm_eval.models; from lm_eval.api.registry import get_model; "
-              f"print(*(inspect.getfile(get_model(n)) for n in {names!r}))")
-    env = {**env, "HF_SCATTER_KERNELS": "torch"}
-    also_tasks = "; import hf_scatter.eval as e; print(e.TASKS_DIR)"
-    found = subprocess.run([venv / "bin" / "python", "-c", lookup + also_tasks], capture_output=True, text=True,
-                           env=env, cwd=tmp_path, timeout=600)
-    assert found.returncode == 0, found.stderr[-4000:]
-    *files, tasks = found.stdout.split()
-    assert len(files) == 3 and all(f.startswith(str(venv)) and "/hf_scatter/eval/" in f for f in files), files
-    assert tasks.endswith("tasks") and tasks.startswith(str(venv)), tasks  # the suite's task files ship in it
-    shipped = sorted(p.relative_to(tasks).as_posix() for p in Path(tasks).rglob("*") if p.is_file())
+    (tasks,) = venv.glob("lib/python*/site-packages/hf_scatter/eval/tasks")  # the suite's task files ship in it
+    shipped = sorted(p.relative_to(tasks).as_posix() for p in tasks.rglob("*") if p.is_file())
     source = sorted(p.relative_to(REPO / "eval" / "tasks").as_posix() for p in (REPO / "eval" / "tasks").rglob("*")
                     if p.is_file() and "__pycache__" not in p.parts)
     assert shipped == source
-    # the same interpreter without site processing (no .pth files run): lm-eval does not know the model
-    bare = subprocess.run([venv / "bin" / "python", "-S", "-c", "import sys, site; sys.path[:0] = "
-                           f"{[p for p in sys.path if p.endswith(('site-packages', 'dist-packages'))]!r}; " + lookup],
-                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
-    assert bare.returncode != 0 and "hf-scatter" in bare.stderr
+    model = tmp_path / "mixtral"
+    tiny_mixtral().save_pretrained(model)
+    tokenizer.save_pretrained(model)
+    names = ("hf-scatter", "hf-scatter-mlm", "hf-scatter-offloaded")
+    argv = ["lm_eval", "run", "--model", "hf-scatter", "--model_args", f"pretrained={model},dtype=float32", "--device",
+            "cpu", "--tasks", "hfs_arithmetic", "--include_path", str(tasks), "--limit", "2", "--output_path",
+            str(tmp_path / "out")]
+    program = ("import inspect, sys, lm_eval.models; from lm_eval.api.registry import get_model; "
+               f"print(*(inspect.getfile(get_model(n)) for n in {names!r})); "
+               f"sys.argv = {argv!r}; from lm_eval.__main__ import cli_evaluate; cli_evaluate()")
+    env = {**env, "HF_SCATTER_KERNELS": "torch"}  # the command's plumbing, not the kernels, is under test
+    done = subprocess.run([venv / "bin" / "python", "-c", program], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    files = done.stdout.splitlines()[0].split()
+    assert len(files) == 3 and all(f.startswith(str(venv)) and "/hf_scatter/eval/" in f for f in files), files
+    assert "hfs_arithmetic" in done.stdout and "acc" in done.stdout
