@@ -235,14 +235,17 @@ def _attention_calls(size, mean, mean_sq, longest, gen_len, row_token_bytes, cal
 
 
 def decode_terms(hrm: HierarchicalRoofline, model: ModelSpec, policy: Policy, context_len: float,
-                 workload: Workload | None = None) -> Terms:
+                 workload: Workload | None = None, per_op: bool = True) -> Terms:
     """One layer of one decode step of the whole batch, every sequence attending to ``context_len`` tokens
-    (with ``workload``: its prompts spread as the workload's, ``context_len`` their mean)."""
+    (with ``workload``: its prompts spread as the workload's, ``context_len`` their mean). ``per_op``: also
+    each op's share (for reports; the policy search reads only the resources' pieces and skips it)."""
     b, kvb, n_seq = model.dtype_bytes, model.kv_bytes_per_token, policy.batch_size
     gpu, cpu, launches, cpu_dram = Lin(), Lin(), Lin(), Lin()
     ops: dict = {}
 
     def account(name, device, flops, nbytes, seconds):
+        if not per_op:
+            return
         prev = ops.get(name, (device, Lin(), Lin(), Lin(), Lin()))
         ops[name] = (device, prev[1] + flops, prev[2] + nbytes, prev[3], prev[4] + seconds)
 
@@ -471,7 +474,7 @@ def objective(hrm: HierarchicalRoofline, model: ModelSpec, policy: Policy, workl
     groups = [(1.0, [p * model.layers + head_seconds(hrm, model, _whole_batch(policy))
                      for p in prefill.all_pieces()])]
     for steps, context in decode_contexts(workload, options.decode_samples):
-        terms = decode_terms(hrm, model, policy, context, workload)
+        terms = decode_terms(hrm, model, policy, context, workload, per_op=False)
         groups.append((float(steps), [p * model.layers + head for p in terms.all_pieces()]))
     return groups
 
