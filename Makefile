@@ -5,12 +5,17 @@ STAMP := $(VENV)/.hf-scatter-installed
 
 .PHONY: demo test install clean lock test-latest
 
+# Python writes the venv's compiled files as it first imports each module, also where the image sets
+# PYTHONDONTWRITEBYTECODE: otherwise every process of the suite compiles torch and transformers again (an import
+# of a transformers MoE model: 8 s -> 20 s), and compiling all 18,000 files up front took a minute of set-up.
+PY_RUN := env -u PYTHONDONTWRITEBYTECODE
+
 demo: $(STAMP)
-	$(VENV)/bin/hf-scatter demo
+	$(PY_RUN) $(VENV)/bin/hf-scatter demo
 
 # Two workers (the CI machine has 2 cores); a test file stays in one worker (its fixtures and temp files).
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
+	$(PY_RUN) $(VENV)/bin/python -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
 
 # transformers' own Mixtral, DBRX and BERT test suites, unpatched then patched; fails if a test that passes
 # unpatched does not pass patched. Slow, so not part of `test` (docs/development.md). Sources: TRANSFORMERS_SRC,

@@ -15,10 +15,8 @@ host_has_cuda_torch() { "$python" -c 'import sys, torch; sys.exit(0 if torch.cud
 
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
 vpy="$venv/bin/python"
-# pip byte-compiles what it installs on one core; compileall below does it on all of them (a fresh install on
-# 2 cores: 3:01 -> 2:30). Compiled files matter: where PYTHONDONTWRITEBYTECODE is set, Python never writes them
-# itself, and every process of the suite would compile torch and transformers again (an import of a
-# transformers MoE model: 8 s -> 20 s).
+# pip would byte-compile all it installs on one core; the Makefile's commands let Python compile what they import
+# instead, once (see the end of this script).
 pip_flags=(--disable-pip-version-check --no-compile)
 uv_flags=()
 
@@ -49,8 +47,5 @@ if ! has_gpu && "$vpy" -m pip install "${pip_flags[@]}" uv \
 else
     "$vpy" -m pip install "${pip_flags[@]}" -e ".[dev]"
 fi
-# Packages' own test folders are never imported (a fifth of the files). Some packages ship files for newer
-# Pythons that do not compile (torch's py312 test helpers); pip skips them too, so compileall's status is not
-# an error.
-"$vpy" -m compileall -q -j 0 -x '/tests/' "$("$vpy" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
-    >/dev/null 2>&1 || true
+# Nothing is byte-compiled here: the Makefile runs Python so that it writes each module's compiled file the first
+# time it imports it (only what is used: a third of the files or less).
