@@ -47,9 +47,9 @@ if kernels_enabled():
         mask = (rows < R)[:, None] & (cols < B)[None, :]
         packed = tl.load(blocks_ptr + rows[:, None] * B + cols[None, :], mask=mask, other=0).to(tl.int32)
         exponent = tl.load(scales_ptr + rows[:, None] * (B // 16) + cols[None, :] // 16, mask=mask, other=BIAS)
-        scale = tl.exp2(exponent.to(tl.float32) - BIAS)
-        lo = _e2m1(packed & 0xF) * scale  # [BLOCK_R, BLOCK_B] fp32
-        hi = _e2m1(packed >> 4) * scale
+        scale = _scale(exponent.to(tl.int32))
+        lo = _e2m1_bits(packed & 0xF) * scale  # [BLOCK_R, BLOCK_B] fp32
+        hi = _e2m1_bits(packed >> 4) * scale
         values = tl.interleave(lo, hi)  # [BLOCK_R, 2 * BLOCK_B]: value 2b from byte b's low nibble
         out_cols = tl.program_id(1) * (2 * BLOCK_B) + tl.arange(0, 2 * BLOCK_B)
         out_mask = (rows < R)[:, None] & (out_cols < 2 * B)[None, :]
@@ -84,8 +84,7 @@ if kernels_enabled():
                          other=0).to(tl.int32)  # [BLOCK_K / 2, BLOCK_N]
         exponent = tl.load(scales_ptr + expert * stride_se + cols[None, :] * stride_sn + (b // 16)[:, None],
                            mask=mask, other=127).to(tl.int32)
-        # 2 ** (exponent - 127) as float32 bits; exponent 0 is the subnormal 2 ** -127
-        scale = tl.where(exponent == 0, 0x00400000, exponent << 23).to(tl.float32, bitcast=True)
+        scale = _scale(exponent)
         return _e2m1_bits(packed & 0xF) * scale, _e2m1_bits(packed >> 4) * scale
 
     @triton.jit
@@ -98,13 +97,10 @@ if kernels_enabled():
         return (magnitude | ((nibble & 8) << 28)).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _e2m1(nibble):
-        """The e2m1 value of 4 bits, as float32: exponent 0 is subnormal (0 or 0.5), else (1 + m/2) * 2**(e-1)."""
-        exponent = (nibble >> 1) & 3
-        mantissa = (nibble & 1).to(tl.float32)
-        normal = (1.0 + mantissa * 0.5) * tl.exp2(exponent.to(tl.float32) - 1)
-        magnitude = tl.where(exponent == 0, mantissa * 0.5, normal)
-        return tl.where((nibble & 8) != 0, -magnitude, magnitude)
+    def _scale(exponent):
+        """An e8m0 scale, 2 ** (exponent - 127), as float32 from its bits (exact; exponent 0 is the subnormal
+        2 ** -127)."""
+        return tl.where(exponent == 0, 0x00400000, exponent << 23).to(tl.float32, bitcast=True)
 
 
 def scaled_dot_enabled() -> bool:
