@@ -102,15 +102,13 @@ def hf_experts(cfg: MoEConfig, device, dtype):
 def _as_shipped(experts) -> tuple:
     """GPT-OSS experts quantized as the checkpoints ship them (one expert at a time), their float weights set to
     the quantized values, so the bf16 implementations and ``hf-scatter-mxfp4`` compute with the same numbers."""
-    from ..kernels.mxfp4 import Mxfp4Weight, dequantize_mxfp4, quantize_mxfp4
+    from ..kernels.mxfp4 import quantize_experts
 
     packed = []
     with torch.no_grad():
         for w in (experts.gate_up_proj, experts.down_proj):  # [E, in, out]
-            parts = [quantize_mxfp4(w[e].transpose(0, 1)) for e in range(w.shape[0])]  # [out, in] each
-            blocks, scales = torch.stack([b for b, _ in parts]), torch.stack([s for _, s in parts])
-            w.copy_(dequantize_mxfp4(blocks, scales, w.dtype).transpose(1, 2))
-            packed.append(Mxfp4Weight(blocks, scales))
+            packed.append(quantize_experts(w))
+            w.copy_(packed[-1].dequantize(w.dtype))
     return tuple(packed)
 
 
@@ -185,13 +183,10 @@ def _implementations(cfg: MoEConfig, experts, device, dtype, liger_autotune: boo
         return glu_experts(x, experts.gate_up_proj, experts.down_proj, idx, gates, validate=False)
 
     def ours_mxfp4(x, idx, gates):
-        from ..kernels.swiglu import gpt_oss_gate
-        from ..moe.mlp import FusedSwiGLU, expert_mlp
+        from ..models.mxfp4_experts import gpt_oss_mxfp4_experts
 
-        w_in, w_out = experts.mxfp4
-        form = FusedSwiGLU(gpt_oss_gate(float(experts.alpha), float(experts.limit)))
-        return expert_mlp(x, (w_in,), w_out, idx, gates, form, b_in=(experts.gate_up_proj_bias,),
-                          b_out=experts.down_proj_bias, validate=False)
+        return gpt_oss_mxfp4_experts(x, *experts.mxfp4, experts.gate_up_proj_bias, experts.down_proj_bias,
+                                     float(experts.alpha), float(experts.limit), idx, gates)
 
     expert_params = list(experts.parameters())
     routed: dict[str, Callable | str] = {

@@ -210,6 +210,14 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     return out
 
 
+def quantize_experts(weight: torch.Tensor) -> Mxfp4Weight:
+    """Experts' float weights in the kernels' layout [E, d_in, d_out] as an :class:`Mxfp4Weight` laid out as
+    checkpoints ship it (each expert's [d_out, d_in] quantized along d_in), one expert at a time so the
+    temporaries stay one expert's."""
+    parts = [quantize_mxfp4(w.detach().transpose(0, 1)) for w in weight]
+    return Mxfp4Weight(torch.stack([b for b, _ in parts]), torch.stack([s for _, s in parts]))
+
+
 def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight [..., N, K]`` (K a multiple of 32) as MXFP4 ``(blocks, scales)``, the OCP way: each group's
     scale is ``2 ** (floor(log2(max |w|)) - 2)``, and each value rounds to the nearest e2m1 value (ties to the

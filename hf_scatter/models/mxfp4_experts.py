@@ -27,6 +27,7 @@ import os
 
 import torch
 from torch import nn
+from transformers.quantizers.base import HfQuantizer
 
 from ..kernels.mxfp4 import GROUP, Mxfp4Weight
 
@@ -66,28 +67,29 @@ class Mxfp4GptOssExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, router_indices: torch.Tensor,
                 routing_weights: torch.Tensor) -> torch.Tensor:
-        from ..kernels.swiglu import gpt_oss_gate
-        from ..moe.mlp import FusedSwiGLU, expert_mlp  # the kernels load on first use
-
         x = hidden_states.reshape(-1, self.hidden_size)  # [T, H]
-        w_in, w_out = self.weights()
-        out = expert_mlp(x, (w_in,), w_out, router_indices.reshape(x.shape[0], -1),
-                         routing_weights.reshape(x.shape[0], -1).to(x.dtype),
-                         FusedSwiGLU(gpt_oss_gate(self.alpha, self.limit)), b_in=(self.gate_up_proj_bias.to(x.dtype),),
-                         b_out=self.down_proj_bias.to(x.dtype), validate=False)  # [T, H]
+        out = gpt_oss_mxfp4_experts(x, *self.weights(), self.gate_up_proj_bias, self.down_proj_bias, self.alpha,
+                                    self.limit, router_indices.reshape(x.shape[0], -1),
+                                    routing_weights.reshape(x.shape[0], -1).to(x.dtype))  # [T, H]
         return out.view(hidden_states.shape)
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, weights=MXFP4"
 
 
-def _quantizer_base():
-    from transformers.quantizers.base import HfQuantizer
+def gpt_oss_mxfp4_experts(x: torch.Tensor, w_in: Mxfp4Weight, w_out: Mxfp4Weight, b_in: torch.Tensor,
+                          b_out: torch.Tensor, alpha: float, limit: float, experts: torch.Tensor,
+                          gates: torch.Tensor) -> torch.Tensor:
+    """GPT-OSS's experts (interleaved, clamped gate; biases) on MXFP4 weights for ``x`` [T, H] routed to
+    ``experts`` with ``gates`` [T, k]: the fused SwiGLU experts, the weights read as stored."""
+    from ..kernels.swiglu import gpt_oss_gate
+    from ..moe.mlp import FusedSwiGLU, expert_mlp  # the kernels load on first use
 
-    return HfQuantizer
+    return expert_mlp(x, (w_in,), w_out, experts, gates, FusedSwiGLU(gpt_oss_gate(alpha, limit)),
+                      b_in=(b_in.to(x.dtype),), b_out=b_out.to(x.dtype), validate=False)
 
 
-class Mxfp4AsShippedQuantizer(_quantizer_base()):
+class Mxfp4AsShippedQuantizer(HfQuantizer):
     """transformers' quantizer interface for MXFP4 checkpoints, kept as shipped: no environment to demand, the
     GPT-OSS experts replaced by :class:`Mxfp4GptOssExperts` before loading, no conversion of any key."""
 
@@ -170,7 +172,7 @@ def save_mxfp4_checkpoint(model: nn.Module, path) -> None:
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
     from ..common.atomic_files import atomic_path
-    from ..kernels.mxfp4 import quantize_mxfp4
+    from ..kernels.mxfp4 import quantize_experts
 
     experts = {name for name, module in model.named_modules() if isinstance(module, GptOssExperts)}
     if not experts:
@@ -180,9 +182,8 @@ def save_mxfp4_checkpoint(model: nn.Module, path) -> None:
     for key, tensor in model.state_dict().items():
         owner, _, leaf = key.rpartition(".")
         if owner in experts and leaf in ("gate_up_proj", "down_proj"):
-            packed = [quantize_mxfp4(w.detach().transpose(0, 1)) for w in tensor]  # per expert: [out, in]
-            state[f"{key}_blocks"] = torch.stack([b for b, _ in packed])  # [E, out, in / 32, 16]
-            state[f"{key}_scales"] = torch.stack([s for _, s in packed])  # [E, out, in / 32]
+            packed = quantize_experts(tensor)  # [E, in, out] as GPT-OSS stores it
+            state[f"{key}_blocks"], state[f"{key}_scales"] = packed.blocks, packed.scales  # [E, out, in/32, (16)]
         else:
             state[key] = tensor.detach().contiguous().clone()
     os.makedirs(path, exist_ok=True)
