@@ -361,8 +361,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     print(model.describe() + "\n")
     if model.expert_format:
-        print(f"The experts are priced as shipped ({model.expert_format.upper()}); hf_scatter.offload streams experts "
-              "in the model's dtype so far (a dequantized load: --weights bf16 prices it).\n")
+        print(f"The experts are priced as shipped ({model.expert_format.upper()}), as hf_scatter.offload streams them "
+              "from a checkpoint loaded as shipped (a dequantized load: --weights bf16 prices it).\n")
     for gpus, (hrm, policy) in plans.items():
         if len(plans) > 1:
             print(f"## {gpus} GPU{'s' if gpus > 1 else ''}\n")

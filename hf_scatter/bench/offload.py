@@ -33,7 +33,10 @@ from ..common.atomic_files import save_figure
 from ..common.markdown import markdown_table
 from ..common.timing import run_header
 from .availability import require_cuda
-from .offload_workload import DEFAULT_MODEL, PROMPT_LENS, build_model, left_padded, offload_models, prompts
+from .offload_formats import FORMATS, check_formats
+from .offload_workload import (
+    DEFAULT_MODEL, PROMPT_LENS, bench_profile, build_model, left_padded, offload_models, prompts,
+)
 
 
 
@@ -154,6 +157,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--routed-batches", type=positive_ints,
                         help="instead of the comparison: at these batch sizes (e.g. 1,4,16,64) decode with every "
                              "expert streamed and with only the routed ones, against the HRM's prediction for each")
+    parser.add_argument("--weights", nargs="+", choices=FORMATS,
+                        help="instead of the comparison: offload the same layers with their experts in each of these "
+                             "formats (mxfp4 bf16: GPT-OSS as shipped against bf16) at one GPU and one host budget, "
+                             "against the HRM's prediction for each and for all the model's layers")
+    parser.add_argument("--cpu-memory", type=byte_size, default="80GiB",
+                        help="host memory budget of the --weights runs (default 80GiB)")
     parser.add_argument("--gpus", type=positive_ints,
                         help="instead of the comparison: generate on each of these GPU counts of this host (e.g. "
                              "1,2,4; tensor parallelism, one torchrun each, --gpu-memory per GPU) against the HRM's "
@@ -161,14 +170,14 @@ def add_arguments(parser) -> None:
 
 
 def check_flags(layers: int = 12, model: str = DEFAULT_MODEL, routed_batches: list[int] | None = None,
-                requests: int = 1024, gpus: list[int] | None = None, **_) -> int:
+                requests: int = 1024, gpus: list[int] | None = None, weights: list[str] | None = None, **_) -> int:
     """The model's published layer count, after checking ``model`` is an offloadable built-in and ``layers`` at
     most its layer count (here, not as argparse choices: listing them builds every built-in config)."""
     from ..offload.families.spec import ModelSpec
     from ..offload.plan.tensor_parallel import check_divisible
 
-    if gpus and routed_batches:
-        raise ValueError("--gpus and --routed-batches are two different runs: pass one of them")
+    if sum(map(bool, (gpus, routed_batches, weights))) > 1:
+        raise ValueError("--gpus, --routed-batches and --weights are different runs: pass one of them")
 
     if routed_batches and max(routed_batches) > requests:
         raise ValueError(f"--routed-batches {max(routed_batches)} exceeds --requests {requests}: a batch is made of "
@@ -176,7 +185,9 @@ def check_flags(layers: int = 12, model: str = DEFAULT_MODEL, routed_batches: li
     if model not in offload_models():
         raise ValueError(f"--model {model!r}: choose a built-in shape of a family offloading runs: "
                          f"{', '.join(offload_models())}")
-    spec = ModelSpec.from_config(model)
+    if weights:
+        check_formats(weights, model)
+    spec = ModelSpec.from_config(model, weights="bf16")  # the --gpus runs build bf16 experts
     if layers > spec.layers:
         raise ValueError(f"--layers {layers}: {model} has {spec.layers} layers; pass --layers {spec.layers} or fewer")
     for n in gpus or []:
@@ -187,15 +198,17 @@ def check_flags(layers: int = 12, model: str = DEFAULT_MODEL, routed_batches: li
 def run(layers: int = 12, new_tokens: int = 128, requests: int = 1024, gpu_memory: str = "16GiB",
         peer_batch: int = 16, peer_new_tokens: int = 8, profile: str | None = None, trace: str | None = None,
         validate_tokens: int = 16, progress: bool = True, model: str = DEFAULT_MODEL,
-        routed_batches: list[int] | None = None, gpus: list[int] | None = None) -> dict | None:
+        routed_batches: list[int] | None = None, gpus: list[int] | None = None, weights: list[str] | None = None,
+        cpu_memory: str = "80GiB") -> dict | None:
     """The whole comparison (one GPU run of a few minutes), with ``routed_batches`` the routed-streaming
     sweep, with ``gpus`` the GPU-count sweep (:mod:`.offload_gpus`; under torchrun: one count of it, the report
     on rank 0). Kernel autotuning is off unless HF_SCATTER_AUTOTUNE is set: the link bounds this workload, and
     tuning every shape would spend minutes compiling candidates."""
-    from . import offload_gpus
+    from . import offload_formats, offload_gpus
     from .engines import under_torchrun
 
-    published = check_flags(layers=layers, model=model, routed_batches=routed_batches, requests=requests, gpus=gpus)
+    published = check_flags(layers=layers, model=model, routed_batches=routed_batches, requests=requests, gpus=gpus,
+                            weights=weights)
     saved = os.environ.get("HF_SCATTER_AUTOTUNE")
     os.environ.setdefault("HF_SCATTER_AUTOTUNE", "0")
     shared = dict(model=model, layers=layers, published_layers=published, new_tokens=new_tokens, requests=requests,
@@ -203,6 +216,9 @@ def run(layers: int = 12, new_tokens: int = 128, requests: int = 1024, gpu_memor
     try:
         if gpus:
             return offload_gpus.run_counts(sorted(set(gpus)), trace=trace, **shared)
+        if weights:
+            return offload_formats.run_formats(list(dict.fromkeys(weights)), cpu_memory=cpu_memory, trace=trace,
+                                               **shared)
         if under_torchrun():
             return offload_gpus.run_rank(trace=trace, **shared)
         if routed_batches:
@@ -218,15 +234,11 @@ def run(layers: int = 12, new_tokens: int = 128, requests: int = 1024, gpu_memor
 def _run(layers, new_tokens, requests, gpu_memory, peer_batch, peer_new_tokens, profile, trace, validate_tokens,
          progress, model_name, published_layers) -> dict:
     import hf_scatter
-    from ..offload import ModelSpec, Workload, load_profile, measure_profile, parse_bytes, predict
+    from ..offload import ModelSpec, Workload, load_profile, parse_bytes, predict
 
     require_cuda()
     header = run_header()
-    start = time.perf_counter()
-    # measured here: the CPU attention at this model's own shape too (a given --profile has only its own points)
-    prof = load_profile(profile) if profile else measure_profile(progress=progress,
-                                                                 attention_shapes=[ModelSpec.from_config(model_name)])
-    profile_s = time.perf_counter() - start
+    prof, profile_s = bench_profile(profile, model_name, progress)
     budget = parse_bytes(gpu_memory, "gpu_memory")
     start = time.perf_counter()
     model = build_model(layers, model=model_name)
@@ -290,12 +302,11 @@ def _run_routed(layers, new_tokens, gpu_memory, profile, progress, model_name, p
                 batches: list[int]) -> dict:
     """When routed expert streaming pays: see the module docstring."""
     import hf_scatter
-    from ..offload import ModelSpec, Workload, load_profile, measure_profile, parse_bytes
+    from ..offload import ModelSpec, Workload, parse_bytes
 
     require_cuda()
     header = run_header()
-    prof = load_profile(profile) if profile else measure_profile(progress=progress,
-                                                                 attention_shapes=[ModelSpec.from_config(model_name)])
+    prof, _ = bench_profile(profile, model_name, progress)
     budget = parse_bytes(gpu_memory, "gpu_memory")
     model = build_model(layers, model=model_name)
     reqs = prompts(max(batches), model.config.vocab_size)
@@ -350,6 +361,10 @@ def routed_row(offloaded, batch: list[torch.Tensor], prof, spec, budget: int, ne
 
 # ----------------------------------------------------------------------------- output
 def to_markdown(report: dict) -> str:
+    if "by_weights" in report:
+        from . import offload_formats
+
+        return offload_formats.to_markdown(report)
     if "by_gpus" in report:
         from . import offload_gpus
 
@@ -507,6 +522,10 @@ def plot(report: dict, path: str) -> None:
         from . import offload_gpus
 
         return offload_gpus.plot(report, path)
+    if "by_weights" in report:
+        from . import offload_formats
+
+        return offload_formats.plot(report, path)
 
     trace = report.get("trace")
     validation = report.get("hrm_validation")

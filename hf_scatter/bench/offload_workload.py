@@ -20,35 +20,73 @@ def offload_models() -> list[str]:
     return [name for name in BUILTIN_MODELS if builtin_config(name).model_type in offloaded_model_types()]
 
 
-def build_model(layers: int, seed: int = 0, model: str = DEFAULT_MODEL):
+# e8m0 exponents of random MXFP4 groups: 2**-7 puts a group's largest values near 0.05, as std-0.02 weights have
+MXFP4_SCALES = (119, 122)
+
+
+def build_model(layers: int, seed: int = 0, model: str = DEFAULT_MODEL, weights: str = "bf16"):
     """A causal LM of built-in shape ``model`` with ``layers`` layers, random bf16 weights (std 0.02, norms 1),
-    built without running transformers' initialisation on billions of parameters."""
+    built without running transformers' initialisation on billions of parameters. ``weights="mxfp4"`` (GPT-OSS):
+    the experts as a checkpoint loaded as shipped holds them (random MXFP4 bytes and scales), with no bf16 copy
+    at any time, so a model whose bf16 experts exceed host memory builds too."""
     from transformers import AutoModelForCausalLM
 
     from ..common.shapes import builtin_config
 
     config = builtin_config(model, num_hidden_layers=layers)
     with torch.device("meta"):
-        lm = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+        lm = AutoModelForCausalLM.from_config(config)
+        if weights == "mxfp4":
+            _mxfp4_experts_on_meta(lm)
+        elif weights != "bf16":
+            raise ValueError(f"weights must be bf16 or mxfp4, got {weights!r}")
+        lm = lm.to(torch.bfloat16)  # the float tensors; MXFP4 bytes stay uint8
     lm = lm.to_empty(device="cpu").eval()
     g = torch.Generator().manual_seed(seed)
     block = (torch.randn(2 * FILL_BLOCK, generator=g) * 0.02).to(torch.bfloat16)
+    packed = {"blocks": torch.randint(0, 256, (2 * FILL_BLOCK,), generator=g, dtype=torch.uint8),
+              "scales": torch.randint(*MXFP4_SCALES, (2 * FILL_BLOCK,), generator=g, dtype=torch.uint8)}
     shift = 0
     with torch.no_grad():
         for name, p in lm.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
                 p.fill_(1.0)
                 continue
+            source = packed[name.rsplit("_", 1)[-1]] if p.dtype == torch.uint8 else block
             flat = p.view(-1)
             for start in range(0, flat.numel(), FILL_BLOCK):
                 n = min(FILL_BLOCK, flat.numel() - start)
                 shift = (shift + 7919) % FILL_BLOCK
-                flat[start:start + n].copy_(block[shift:shift + n])
+                flat[start:start + n].copy_(source[shift:shift + n])
         for buffer in lm.buffers():  # left uninitialised by to_empty (DeepSeek-V3's score-correction bias: 0)
             buffer.zero_()
     rotary = lm.model.rotary_emb
     lm.model.rotary_emb = type(rotary)(config)  # its tables, computed again
     return lm
+
+
+def _mxfp4_experts_on_meta(lm) -> None:
+    """GPT-OSS's experts replaced by their as-shipped MXFP4 modules, as the quantizer does before a load."""
+    from ..models.mxfp4_experts import Mxfp4GptOssExperts
+
+    if lm.config.model_type != "gpt_oss":
+        raise ValueError(f"weights='mxfp4' is GPT-OSS's shipped format; {lm.config.model_type} ships in bf16")
+    for i, layer in enumerate(lm.model.layers):
+        lm.model.set_submodule(f"layers.{i}.mlp.experts", Mxfp4GptOssExperts(lm.config))
+
+
+def bench_profile(profile: str | None, model: str, progress: bool):
+    """The hardware profile a run plans with, and the seconds it took: ``profile`` (a known name or JSON) or, by
+    default, measured here, the CPU attention at ``model``'s own shape included (a given profile has only its own
+    points)."""
+    import time
+
+    from ..offload import ModelSpec, load_profile, measure_profile
+
+    start = time.perf_counter()
+    prof = load_profile(profile) if profile else measure_profile(progress=progress,
+                                                                 attention_shapes=[ModelSpec.from_config(model)])
+    return prof, time.perf_counter() - start
 
 
 def prompts(count: int, vocab: int, seed: int = 0) -> list[torch.Tensor]:

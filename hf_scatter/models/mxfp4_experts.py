@@ -159,6 +159,32 @@ def mxfp4_as_shipped():
             load_mxfp4_as_shipped(False)
 
 
+def quantize_gpt_oss_experts(model: nn.Module) -> nn.Module:
+    """``model`` with every ``GptOssExperts`` (float weights) replaced by an :class:`Mxfp4GptOssExperts` holding
+    them quantized exactly as :func:`save_mxfp4_checkpoint` writes them, as if loaded back as shipped: for
+    benchmarks and tests of the MXFP4 paths without a checkpoint on disk. In place, one layer at a time."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    from ..kernels.mxfp4 import quantize_experts
+
+    names = [name for name, module in model.named_modules() if isinstance(module, GptOssExperts)]
+    if not names:
+        raise ValueError(f"hf_scatter.quantize_gpt_oss_experts: {type(model).__name__} has no GPT-OSS experts with "
+                         "float weights to quantize")
+    config = model.config.get_text_config()
+    for name in names:
+        floats = model.get_submodule(name)
+        with torch.device("meta"):
+            packed = Mxfp4GptOssExperts(config)
+        for leaf in ("gate_up_proj", "down_proj"):
+            weight = quantize_experts(getattr(floats, leaf))  # [E, in, out] as GPT-OSS stores it
+            setattr(packed, f"{leaf}_blocks", nn.Parameter(weight.blocks, requires_grad=False))
+            setattr(packed, f"{leaf}_scales", nn.Parameter(weight.scales, requires_grad=False))
+            setattr(packed, f"{leaf}_bias", nn.Parameter(getattr(floats, f"{leaf}_bias").detach().clone()))
+        model.set_submodule(name, packed)
+    return model
+
+
 # GPT-OSS's own list: attention, routers, embeddings and head stay in the model's dtype
 _NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
 

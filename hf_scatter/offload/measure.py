@@ -17,7 +17,9 @@ import torch
 from ..common.shapes import MIXTRAL_8X7B
 from ..common.timing import median_ms
 from ..kernels.backend import autotune_override
-from ..moe.mlp import expert_mlp, glu_activation
+from ..kernels.mxfp4 import BYTES_PER_WEIGHT as MXFP4_BYTES_PER_WEIGHT, Mxfp4Weight
+from ..kernels.swiglu import gpt_oss_gate
+from ..moe.mlp import FusedSwiGLU, expert_mlp, glu_activation
 from .plan.profile import HardwareProfile, current_machine, host_memory_bytes
 from .plan.hrm import attention_shape
 from .runtime.cpu_attention import AttentionWorker, KVCache, attention_threads
@@ -161,7 +163,7 @@ def _gemm_efficiency(p: HardwareProfile, quick: bool) -> None:
 
 def _moe_efficiency(p: HardwareProfile, quick: bool) -> None:
     """Achieved / roofline of the offloaded runtime's SwiGLU expert kernels on Mixtral-8x7B's experts, untuned
-    as it runs them."""
+    as it runs them, with bf16 weights and with MXFP4 weights read as shipped."""
     dev = torch.device("cuda")
     shape = MIXTRAL_8X7B  # its experts (quick: narrower)
     E, H, k = shape["experts"], shape["hidden"], shape["top_k"]
@@ -169,18 +171,27 @@ def _moe_efficiency(p: HardwareProfile, quick: bool) -> None:
     w_in = torch.randn(E, 2 * inter, H, device=dev, dtype=torch.bfloat16).transpose(1, 2)
     w_out = torch.randn(E, H, inter, device=dev, dtype=torch.bfloat16).transpose(1, 2)
     act = glu_activation(torch.nn.functional.silu)
-    points = []
+    # the same shapes in MXFP4 as checkpoints ship it (random bytes; exponents of std-0.02 weights)
+    packed = [Mxfp4Weight(torch.randint(0, 256, (*w.shape[:1], w.shape[2], w.shape[1] // 32, 16), device=dev,
+                                        dtype=torch.uint8),
+                          torch.randint(119, 122, (*w.shape[:1], w.shape[2], w.shape[1] // 32), device=dev,
+                                        dtype=torch.uint8)) for w in (w_in, w_out)]
+    # each with the gate its family offloads with: Mixtral's SiLU, GPT-OSS's clamped gate (the fused kernel)
+    gpt_oss = FusedSwiGLU(gpt_oss_gate(1.702, 7.0)._replace(interleaved=False))
+    curves = {"bf16": ((w_in, w_out), 2.0, act), "mxfp4": (packed, MXFP4_BYTES_PER_WEIGHT, gpt_oss)}
+    points = {name: [] for name in curves}
     with torch.no_grad(), autotune_override(False):  # as the offloaded runtime runs them
         for tokens in ((8, 128, 2048) if quick else (4, 16, 64, 256, 1024, 4096)):
             x = torch.randn(tokens, H, device=dev, dtype=torch.bfloat16)
             experts = torch.randint(0, E, (tokens, k), device=dev)
             gates = torch.rand(tokens, k, device=dev, dtype=torch.bfloat16)
-            seconds = median_ms(lambda: expert_mlp(x, (w_in,), w_out, experts, gates, act, validate=False)) / 1e3
             active = torch.unique(experts).numel()
             flops = 6.0 * tokens * k * H * inter
-            roofline = max(flops / p.gpu_flops, 3.0 * active * H * inter * 2 / p.gpu_bandwidth)
-            points.append([tokens * k / E, min(1.0, roofline / seconds)])
-    p.moe_efficiency = points
+            for name, ((a, b), bytes_per_weight, gate) in curves.items():
+                seconds = median_ms(lambda: expert_mlp(x, (a,), b, experts, gates, gate, validate=False)) / 1e3
+                roofline = max(flops / p.gpu_flops, 3.0 * active * H * inter * bytes_per_weight / p.gpu_bandwidth)
+                points[name].append([tokens * k / E, min(1.0, roofline / seconds)])
+    p.moe_efficiency, p.mxfp4_moe_efficiency = points["bf16"], points["mxfp4"]
 
 def _gpu_attention(p: HardwareProfile, quick: bool) -> None:
     """KV bytes/s of bf16 decode attention on the GPU."""

@@ -133,10 +133,28 @@ def test_trainer_trains_a_lora_adapter_around_the_frozen_mxfp4_experts(checkpoin
     assert torch.equal(experts.gate_up_proj_blocks, shipped["model.layers.0.mlp.experts.gate_up_proj_blocks"])
 
 
-def test_offloading_names_the_dequantized_load_before_any_work(checkpoint):
+def test_offloading_streams_the_shipped_bytes_and_generates_transformers_own_tokens(checkpoint):
+    """Offloaded as loaded: the store holds the checkpoint's MXFP4 bytes (no float copy of an expert), and greedy
+    tokens are those of transformers' own dequantizing load."""
+    from hf_scatter.offload import Policy
+
+    prompt = torch.tensor([[5, 17, 101, 42, 7, 250, 3], [0, 0, 9, 8, 30, 200, 11]])
+    mask = (torch.arange(7) >= torch.tensor([[0], [2]])).long()
+    with torch.no_grad():
+        want = _transformers_own(checkpoint).generate(prompt, attention_mask=mask, max_new_tokens=8,
+                                                      do_sample=False, pad_token_id=0)
     model = hf_scatter.from_pretrained(checkpoint, dtype=torch.float32)
-    with pytest.raises(ValueError, match=r"MXFP4 as shipped.*Mxfp4Config\(dequantize=True\)"):
-        hf_scatter.offload_model(model, gpu_memory="1GiB", device="cpu")
+    shipped = sum(t.nbytes for name, t in model.state_dict().items() if ".experts." in name)
+    off = hf_scatter.offload_model(model, gpu_memory="1GiB", device="cpu",
+                                   policy=Policy(2, 1, weights_gpu_fraction=0.0), progress=False)
+    layout = off.store.layout
+    # the experts' columns, and the output projection's bias (added once, after the columns' sum)
+    streamed = [e for t in layout.stage_tables for n, e in t.entries.items()
+                if n.startswith("streamed.") or n == "post.down_bias"]
+    assert {e.dtype for e in streamed} == {torch.uint8, torch.float32}  # blocks and scales; the biases
+    assert sum(e.nbytes for e in streamed) == shipped  # every expert byte streams as shipped, nothing more
+    assert "| experts' weights | MXFP4, as shipped |" in off.describe()
+    assert off.generate(prompt, attention_mask=mask, max_new_tokens=8, progress=False).tolist() == want.tolist()
 
 
 def test_the_converter_refuses_a_quantized_checkpoint_before_writing(checkpoint, tmp_path, capsys):

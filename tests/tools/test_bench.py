@@ -20,7 +20,7 @@ from hf_scatter.cli import main
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
 
 
-@pytest.mark.parametrize("suite,saved", [("moe", "moe-h200.json"), ("moe", "history/moe-mxfp4-gpt-oss-120b-h200.json"),
+@pytest.mark.parametrize("suite,saved", [("moe", "history/moe-h200.json"), ("moe", "history/moe-mxfp4-gpt-oss-120b-h200.json"),
                                          ("train", "train-h200.json"),
                                          ("norms", "norms-h200.json"), ("norms", "norms-h100.json"),
                                          ("convert", "convert-h200.json"), ("bert", "bert-h100.json"),

@@ -75,12 +75,13 @@ class PipelineAdapter:
     :meth:`layer_attention`, :meth:`embed`, :meth:`qkv`, :meth:`post` and :meth:`logits`; a family overrides
     points in four groups:
 
-    - **reading**, done once by the constructor: :meth:`read_dims` (the shapes) and :meth:`read_constants` (the
-      family's frozen dataclass of everything else the maths needs: norm epsilons, activation, routing, each
-      layer's attention; from the config, and from the modules for the few constants the config does not hold).
+    - **reading**, done once by the constructor: :meth:`read_dims` (the shapes), :meth:`read_expert_format` (how
+      the loaded experts hold their weights) and :meth:`read_constants` (the family's frozen dataclass of
+      everything else the maths needs: norm epsilons, activation, routing, each layer's attention; from the
+      config, and from the modules for the few constants the config does not hold).
       Nothing else is read from the model later but its weights, so the getters below may run in any order.
     - **weights**, pure getters of the whole layer: :meth:`layers`, :meth:`pre_tensors`, :meth:`post_tensors`,
-      :meth:`expert_tensors` (in the column layout ``column_dims`` names), :meth:`other_tensors` and
+      :meth:`expert_tensors` (in the column layout ``column_dims`` and ``column_units`` name), :meth:`other_tensors` and
       :meth:`_rotary_module` (the runtime reads a layer through ``shard_*``: a tensor-parallel rank's share,
       split by name as :mod:`.sharding` says). They raise ``NotImplementedError`` for a layout the runtime
       cannot run; the constructor asks them once, so such a model is refused before any work.
@@ -93,13 +94,17 @@ class PipelineAdapter:
 
     model_type = ""
     column_dims: dict[str, int] = {}  # expert tensor name -> its intermediate (column) axis
+    # expert tensor name -> intermediate columns per index of that axis where not one (MXFP4's down projection holds
+    # its input columns in groups of 32 under one scale: a column range must start and end on a group)
+    column_units: dict[str, int] = {}
     tensor_parallel_refusal: str | None = None  # why this family cannot split over GPUs (None: it can)
 
     def __init__(self, model: nn.Module, shard: Shard = Shard()):
         """``shard``: this process's part of a tensor-parallel group; the getters ``shard_*`` then give its
         share of each layer, :attr:`dims` its heads and expert columns, and :meth:`post` all-reduces."""
         self.model, self.shard = model, shard
-        self.full_dims = self.read_dims(model.config)
+        self.full_dims = dataclasses.replace(self.read_dims(model.config),
+                                             expert_format=self.read_expert_format(model))
         if not shard.whole and self.tensor_parallel_refusal:
             raise NotImplementedError(f"{self.model_type} cannot be offloaded over several GPUs: "
                                       f"{self.tensor_parallel_refusal}; offload it on one GPU")
@@ -116,6 +121,15 @@ class PipelineAdapter:
     # ----- reading -----
     def read_dims(self, config) -> Dims:
         raise NotImplementedError
+
+    def read_expert_format(self, model: nn.Module) -> str:
+        """How the loaded experts hold their weights (:data:`~.spec.EXPERT_FORMATS`; "": the model's dtype), read
+        from the modules: a config's ``quantization_config`` does not say whether a load kept it."""
+        return ""
+
+    def column_unit(self, name: str) -> int:
+        """Intermediate columns per index along expert tensor ``name``'s column axis."""
+        return self.column_units.get(name, 1)
 
     def read_constants(self, model: nn.Module):
         """The family's frozen dataclass of constants; it holds ``attention``, each layer's

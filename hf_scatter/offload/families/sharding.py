@@ -46,6 +46,8 @@ def indivisible(spec, gpus: int) -> list[str]:
     parts = {"query heads": spec.heads, "KV heads": spec.kv_heads, "expert columns": spec.intermediate}
     if spec.shared_intermediate:
         parts["shared expert columns"] = spec.shared_intermediate
+    if spec.expert_format == "mxfp4":  # a rank's columns are whole groups of 32 under one scale
+        parts["groups of 32 expert columns (MXFP4)"] = spec.intermediate // 32
     return [f"{count} {what}" for what, count in parts.items() if count % gpus]
 
 

@@ -46,6 +46,7 @@ class OpCost:
     rows: float  # rows per weight matrix of its GEMMs (tokens per expert for the FFN): sets GEMM efficiency
     kernels: int  # GPU launches
     moe: bool = False  # grouped expert GEMMs (their efficiency is the profile's moe_efficiency where measured)
+    weight_format: str = ""  # the weights' format where not the model's dtype ("mxfp4": decoded in the kernels)
 
     @property
     def bytes(self) -> float:
@@ -331,7 +332,8 @@ class ModelSpec:
         active, share = self.active_experts(tokens), self.moe_layer_share
         ops.append(OpCost("ffn", 6.0 * tokens * self.top_k * h * self.intermediate * share,
                           active * self.expert_weight_bytes * share, 0.0, tokens * self.top_k / self.experts,
-                          KERNELS["ffn"] if self.is_moe else DENSE_FFN_KERNELS, moe=self.is_moe))
+                          KERNELS["ffn"] if self.is_moe else DENSE_FFN_KERNELS, moe=self.is_moe,
+                          weight_format=self.expert_format))
         if self.mlp_weight_bytes:  # shared experts and dense layers: every token, full rows
             ops.append(OpCost("mlp", 2.0 * tokens * self.mlp_weight_bytes / self.dtype_bytes, self.mlp_weight_bytes,
                               0.0, tokens, DENSE_FFN_KERNELS))

@@ -504,9 +504,18 @@ def predict(policy: Policy, model: ModelSpec, profile, workload: Workload, gpu_m
         batch_s=batch_s, tokens_per_s=policy.batch_size * workload.gen_len / batch_s,
         gpu_memory={k: v.at(x, y) for k, v in gpu_mem.items()}, cpu_memory={k: v.at(x, y) for k, v in cpu_mem.items()},
         gpu_limit=gpu_limit, gpu_usable=gpu_limit * (1 - options.gpu_margin), cpu_limit=cpu_limit,
-        balance_batch_size=balance, uncalibrated=list(hrm.uncalibrated), notes=_notes(prof, gpu_limit, cpu_limit),
+        balance_batch_size=balance, uncalibrated=_uncalibrated(hrm, model), notes=_notes(prof, gpu_limit, cpu_limit),
         routed_experts=model.active_experts(policy.batch_size) if policy.routed_experts else None,
         experts=model.experts, gpus=policy.gpus)
+
+
+def _uncalibrated(hrm, model: ModelSpec) -> list[str]:
+    """The profile's missing terms, and the experts' format where the profile did not measure its kernels."""
+    missing = list(hrm.uncalibrated)
+    if not hrm.calibrates(model.expert_format):
+        missing.append(f"{model.expert_format}_moe_efficiency ({model.expert_format.upper()} expert kernels at bf16's "
+                       "efficiency)")
+    return missing
 
 
 def _notes(profile: HardwareProfile, gpu_limit: float, cpu_limit: float) -> list[str]:

@@ -132,6 +132,7 @@ class HierarchicalRoofline:
         self._moe = _efficiency_curve(p, "moe_efficiency")
         if self._moe is None:
             self.uncalibrated.append("moe_efficiency (expert GEMMs at the dense GEMM efficiency)")
+        self._moe_mxfp4 = _efficiency_curve(p, "mxfp4_moe_efficiency")  # None: MXFP4 experts at bf16's curve
         # CPU attention: the profile's standard shape (its first points), and any model shapes measured besides
         by_shape: dict[tuple, list] = {}
         for pt in p.cpu_attention or []:
@@ -148,10 +149,13 @@ class HierarchicalRoofline:
         return self.tensor_parallel.gpus
 
     # ----- calibration terms -----
-    def gemm_efficiency(self, rows: float, moe: bool = False) -> float:
+    def gemm_efficiency(self, rows: float, moe: bool = False, weight_format: str = "") -> float:
         """Achieved / roofline time of a GEMM with ``rows`` rows (``moe``: of the grouped expert kernels at
-        ``rows`` per expert): log-linear between measured points, flat outside them."""
+        ``rows`` per expert; ``weight_format`` "mxfp4": reading MXFP4 weights, where the profile measured
+        them): log-linear between measured points, flat outside them."""
         curve = self._moe if moe and self._moe is not None else self._gemm
+        if moe and weight_format == "mxfp4" and self._moe_mxfp4 is not None:
+            curve = self._moe_mxfp4
         if curve is None:
             return 1.0
         return float(np.interp(math.log(max(rows, 1e-9)), *curve))
@@ -179,7 +183,11 @@ class HierarchicalRoofline:
             memory = op.kv_bytes / self.gpu_attention_bandwidth
             return max(op.flops / self.roofs.gpu_flops, memory)
         roof = max(op.flops / self.roofs.gpu_flops, op.bytes / self.roofs.gpu_bandwidth)
-        return roof / self.gemm_efficiency(op.rows, op.moe)
+        return roof / self.gemm_efficiency(op.rows, op.moe, op.weight_format)
+
+    def calibrates(self, weight_format: str) -> bool:
+        """Whether the profile measured the expert kernels reading weights in ``weight_format``."""
+        return not weight_format or (weight_format == "mxfp4" and self._moe_mxfp4 is not None)
 
     def cpu_attention_bytes_per_token(self, model: ModelSpec) -> float:
         """What one cached token costs CPU decode attention, in the KV bytes the measured rate counts: its K and

@@ -162,5 +162,6 @@ def check_divisible(model, gpus: int) -> None:
         raise ValueError(f"{model.name} cannot run over {gpus} GPUs: {refusal}; plan for one GPU")
     odd = indivisible(model, gpus)
     if odd:
+        dequantized = " (or a dequantized load: --weights bf16)" if model.expert_format else ""
         raise ValueError(f"tensor parallelism over {gpus} GPUs splits the heads and the experts' columns, but "
-                         f"{model.name} has {', '.join(odd)}: plan for a GPU count that divides them")
+                         f"{model.name} has {', '.join(odd)}: plan for a GPU count that divides them{dequantized}")

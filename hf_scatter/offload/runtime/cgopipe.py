@@ -273,14 +273,16 @@ class CGOPipe:
                         mb.cos, mb.sin = cos[0], sin[0]
                 else:
                     self._upload_attention(mb, label)
-                    with tracer.device_span("compute", f"post L{s - 1} {label}"):
+                    with tracer.host_span("Driver", f"issue post {label}"), \
+                            tracer.device_span("compute", f"post L{s - 1} {label}"):
                         mb.x = adapter.post(w.post, w.experts, mb.x, mb.attn_in, self.streamer.fetch_experts)
                     mb.post_done = streams.record("compute")
                 if s < L:
-                    with tracer.device_span("compute", f"pre L{s} {label}"):
-                        qkv = adapter.qkv(w.pre, mb.x, mb.cos, mb.sin)
-                    done = self._download(qkv, mb.qkv_host, f"qkv {label}")
-                    mb.pending = self.worker.submit(self._attend, kv, s, mb, t, done, mb.out_free)
+                    with tracer.host_span("Driver", f"issue pre {label}"):
+                        with tracer.device_span("compute", f"pre L{s} {label}"):
+                            qkv = adapter.qkv(w.pre, mb.x, mb.cos, mb.sin)
+                        done = self._download(qkv, mb.qkv_host, f"qkv {label}")
+                        mb.pending = self.worker.submit(self._attend, kv, s, mb, t, done, mb.out_free)
                 else:
                     with tracer.device_span("compute", f"head {label}"):
                         history = mb.history and mb.history.view(slice(None), t + 1)
@@ -301,7 +303,8 @@ class CGOPipe:
 
     def _upload_attention(self, mb: _MicroBatch, label: str) -> None:
         """Wait for the CPU attention of the previous stage and bring its output to the device."""
-        mb.pending.result()
+        with self.tracer.host_span("Driver", f"wait attention {label}"):
+            mb.pending.result()
         streams = self.streams
         streams.wait("h2d", mb.post_done)  # attn_in's last reader has finished
         with streams.on("h2d"), self.tracer.device_span("h2d", f"attn out {label}"):

@@ -156,15 +156,11 @@ def offload_model(model, gpu_memory: int | float | str = "16GiB", cpu_memory: in
                                                    progress))
 
 
-def _refuse_quantized_experts(model) -> None:
-    """The runtime streams and computes experts in the model's dtype; MXFP4 experts kept as shipped are not
-    streamed as they are yet."""
-    from ...models.mxfp4_experts import Mxfp4GptOssExperts
-
-    if any(isinstance(m, Mxfp4GptOssExperts) for m in model.modules()):
-        raise ValueError("this model's experts are MXFP4 as shipped, and offloading streams experts in the model's "
-                         "dtype so far: load it with quantization_config=transformers.Mxfp4Config(dequantize=True) "
-                         "(hf-scatter plan --weights bf16 prices that)")
+def streamed_spec(model, adapter, dtype_bytes: int) -> ModelSpec:
+    """The HRM's model as the runtime streams it: the experts in the format the loaded modules hold (MXFP4 as
+    shipped, or the model's dtype), whatever the config's ``quantization_config`` says."""
+    spec = ModelSpec.from_config(model.config, dtype_bytes=dtype_bytes, weights="bf16")
+    return dataclasses.replace(spec, expert_format=adapter.full_dims.expert_format)
 
 
 def _plan(model, shard: Shard, device: torch.device, gpu_memory, cpu_memory, policy: Policy | None, profile,
@@ -184,7 +180,6 @@ def _plan(model, shard: Shard, device: torch.device, gpu_memory, cpu_memory, pol
                          "moved them into its OffloadedModel (release_weights=True, the default), or the model was "
                          "built without weights. Reuse the first OffloadedModel, or reload the model (from_pretrained) "
                          "for a new one; pass release_weights=False to offload_model() to keep the model whole")
-    _refuse_quantized_experts(model)
     adapter = adapter_for(model, shard)
     gpu_budget = parse_bytes(gpu_memory, "gpu_memory")
     prof = _profile(profile, device, required=policy is None)
@@ -194,7 +189,7 @@ def _plan(model, shard: Shard, device: torch.device, gpu_memory, cpu_memory, pol
         if prof is None:
             policy = dataclasses.replace(CPU_DEVICE_POLICY, gpus=shard.size)
         else:
-            spec = ModelSpec.from_config(model.config, dtype_bytes=dtype_bytes, weights="bf16")  # as it streams
+            spec = streamed_spec(model, adapter, dtype_bytes)
             policy = search_policy(spec, prof, workload or DEFAULT_WORKLOAD, gpu_budget, cpu_budget,
                                    placements=[CGOPIPE_PLACEMENT], gpus=shard.size)
     if (policy.attention_on_gpu, policy.experts_on_gpu) != CGOPIPE_PLACEMENT:
@@ -237,7 +232,7 @@ class OffloadedModel:
         self.generation_config = getattr(model, "generation_config", None)
         self._released = release_weights
         self._expert_streaming = "auto"
-        self._spec = ModelSpec.from_config(model.config, dtype_bytes=self.dtype.itemsize, weights="bf16")
+        self.spec = streamed_spec(model, self.adapter, self.dtype.itemsize)  # the HRM's view of what streams
 
     @property
     def expert_streaming(self) -> str:
@@ -263,7 +258,7 @@ class OffloadedModel:
         context = sum(lens[r] for r in batch.requests) / n + (max_new_tokens + 1) / 2
         x = self.store.layout.fraction
         seconds = {routed: decode_layer_time(Policy(n, mu, weights_gpu_fraction=x, routed_experts=routed,
-                                                    gpus=self.shard.size), self._spec, self.profile, context).seconds
+                                                    gpus=self.shard.size), self.spec, self.profile, context).seconds
                    for routed in (False, True)}
         return seconds[True] < seconds[False]
 
@@ -537,6 +532,8 @@ class OffloadedModel:
                  f"{self.policy.weights_gpu_fraction:.1%} / {layout.fraction:.1%}"],
                 ["expert streaming", f"{self._expert_streaming} (the policy: "
                                      f"{'routed only' if self.policy.routed_experts else 'every expert'})"],
+                ["experts' weights", f"{self.dims.expert_format.upper()}, as shipped" if self.dims.expert_format
+                 else str(self.dtype).removeprefix("torch.")],
                 ["streamed per decode step", format_bytes(layout.host_bytes)],
                 ["prefill chunk / group (tokens)", f"{self.plan.chunk_tokens} / {self.plan.group_tokens}"],
                 ["CPU attention threads", self.worker.threads]]

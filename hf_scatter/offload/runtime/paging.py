@@ -11,7 +11,8 @@ so a hidden-state copy, which the copy engine takes in issue order, never waits 
 *Residency.* The same fraction x of every layer stays on the GPU (the HRM's ``weights_gpu_fraction``):
 dense tensors first (QKV, then output projection, norm, router), then the first r intermediate columns of
 every expert (``offload/families/adapter.py``: a column range of all experts is itself a set of smaller
-experts); the rest of the layer is streamed.
+experts; r a multiple of 32 where MXFP4 groups the columns under one scale); the rest of the layer is
+streamed, in the format the experts hold (MXFP4 bytes as shipped stream as they are).
 
 *Page table.* Each stage's streamed tensors have fixed byte offsets (:class:`PageTable`), identical in the
 pinned CPU buffer and in either GPU slot. A page is copied byte for byte, and once the stage's last page
@@ -126,10 +127,12 @@ class LayerSplit:
         return self.resident_bytes / self.layer_bytes if self.layer_bytes else 1.0
 
 
-def split_layer(dense: dict[str, int], column_bytes: int, columns: int, fraction: float) -> LayerSplit:
+def split_layer(dense: dict[str, int], column_bytes: float, columns: int, fraction: float,
+                align: int = COLUMN_ALIGN) -> LayerSplit:
     """Keep ``fraction`` of the layer's bytes on the GPU, never more: the longest prefix of ``dense``
-    (name -> bytes, in priority order) that fits, then as many aligned expert columns as fit."""
-    total = sum(dense.values()) + column_bytes * columns
+    (name -> bytes, in priority order) that fits, then as many expert columns as fit, a multiple of ``align``
+    (``column_bytes``: the bytes of one intermediate column of every expert; fractional for packed formats)."""
+    total = sum(dense.values()) + round(column_bytes * columns)
     budget = fraction * total
     resident, used = [], 0
     for name, n in dense.items():
@@ -139,8 +142,8 @@ def split_layer(dense: dict[str, int], column_bytes: int, columns: int, fraction
         used += n
     r = min(columns, int((budget - used) // column_bytes)) if column_bytes else columns
     if r < columns:
-        r -= r % COLUMN_ALIGN
-    return LayerSplit(frozenset(resident), r, used + r * column_bytes, total)
+        r -= r % align
+    return LayerSplit(frozenset(resident), r, used + round(r * column_bytes), total)
 
 
 class HostBuffer:
@@ -233,8 +236,10 @@ class Layout:
         dense = {f"pre.{k}": _nbytes(v) for k, v in f.shard_pre_tensors(layer).items()}
         dense.update({f"post.{k}": _nbytes(v) for k, v in f.shard_post_tensors(layer).items()})
         columns = f.dims.intermediate
-        column_bytes = sum(_nbytes(t) for t in f.shard_expert_tensors(layer).values()) // columns
-        return split_layer(dense, column_bytes, columns, fraction)
+        experts = f.shard_expert_tensors(layer)
+        column_bytes = sum(_nbytes(t) for t in experts.values()) / columns
+        align = math.lcm(COLUMN_ALIGN, *(f.column_unit(name) for name in experts))
+        return split_layer(dense, column_bytes, columns, fraction, align)
 
     def _lay_out_pre(self, l: int, layer) -> None:
         for name, t in self.adapter.shard_pre_tensors(layer).items():
@@ -245,11 +250,11 @@ class Layout:
             self._place(l, l + 1, f"post.{name}", t.shape, t.dtype)
         r, columns = self.splits[l].columns, self.adapter.dims.intermediate
         for name, t in self.adapter.shard_expert_tensors(layer).items():
-            dim = self.adapter.column_dims[name]
+            dim, unit = self.adapter.column_dims[name], self.adapter.column_unit(name)
             if r > 0:
-                self.resident_tables[l].add(f"resident.{name}", _with(t.shape, dim, r), t.dtype)
+                self.resident_tables[l].add(f"resident.{name}", _with(t.shape, dim, r // unit), t.dtype)
             if r < columns:
-                self.stage_tables[l + 1].add(f"{STREAMED}{name}", _with(t.shape, dim, columns - r), t.dtype)
+                self.stage_tables[l + 1].add(f"{STREAMED}{name}", _with(t.shape, dim, (columns - r) // unit), t.dtype)
 
     def _place(self, l: int, stage: int, name: str, shape, dtype) -> None:
         if name in self.splits[l].resident_dense:
@@ -308,11 +313,11 @@ class WeightStore:
         if part == "post":
             r, columns = self.layout.splits[l].columns, f.dims.intermediate
             for name, t in f.shard_expert_tensors(layer).items():
-                dim = f.column_dims[name]
+                dim, unit = f.column_dims[name], f.column_unit(name)
                 if r > 0:
-                    self.resident[l][f"resident.{name}"].copy_(t.narrow(dim, 0, r))
+                    self.resident[l][f"resident.{name}"].copy_(t.narrow(dim, 0, r // unit))
                 if r < columns:
-                    self.stage_host[stage][f"{STREAMED}{name}"].copy_(t.narrow(dim, r, columns - r))
+                    self.stage_host[stage][f"{STREAMED}{name}"].copy_(t.narrow(dim, r // unit, (columns - r) // unit))
 
     # ----- what a stage reads -----
     def stage_weights(self, stage: int, slot: int | None) -> StageWeights:
@@ -508,7 +513,8 @@ class WeightStreamer:
         if ahead != stage:  # its slot frees once the previous stage is done
             self._request(1 - k, ahead)
         load = self.slot_load[k]
-        load.issued.wait()
+        with self.tracer.host_span("Driver", f"wait stage {stage} issued"):
+            load.issued.wait()
         if load.error is not None:
             raise load.error
         self.streams.wait("compute", load.ready)

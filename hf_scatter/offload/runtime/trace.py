@@ -15,7 +15,9 @@ import time
 from ...common.atomic_files import write_json
 from ...common.intervals import length, overlap, union
 
-LANES = ("GPU compute", "CPU attention", "H2D hidden", "D2H qkv", "H2D weights", "H2D routed experts")
+# "Driver": the host thread issuing the pipeline's work, where it waits and how long issuing each piece takes (a
+# stall there with every other lane idle is the host, not the hardware)
+LANES = ("GPU compute", "CPU attention", "H2D hidden", "D2H qkv", "H2D weights", "H2D routed experts", "Driver")
 ROLE_LANES = {"compute": "GPU compute", "h2d": "H2D hidden", "d2h": "D2H qkv", "weights": "H2D weights",
               "experts": "H2D routed experts"}
 

@@ -101,6 +101,18 @@ def test_calibration_terms_interpolate_measurements():
     assert moe.gpu_seconds(ffn) == pytest.approx(moe.gpu_seconds(dataclasses.replace(ffn, moe=False)) * 0.5 / 0.3)
     with pytest.raises(ProfileError, match="moe_efficiency"):
         HierarchicalRoofline(synthetic(moe_efficiency=[[4, 1.5]]))
+    # MXFP4 experts take their own measured curve (decoding in registers), and are named where it is missing
+    shipped = ModelSpec.from_config("gpt-oss-120b")
+    mx = shipped.decode_ops(512, 100)["ffn"]
+    assert mx.weight_format == "mxfp4" and mx.rows == 16
+    both = HierarchicalRoofline(synthetic(moe_efficiency=[[16, 0.4]], mxfp4_moe_efficiency=[[16, 0.1]]))
+    bf16_curve = HierarchicalRoofline(synthetic(moe_efficiency=[[16, 0.4]]))
+    assert both.gpu_seconds(mx) == pytest.approx(bf16_curve.gpu_seconds(mx) * 0.4 / 0.1)
+    assert both.calibrates("mxfp4") and not bf16_curve.calibrates("mxfp4") and bf16_curve.calibrates("")
+    policy = Policy(512, 512, weights_gpu_fraction=0.2)
+    assert not any("mxfp4" in u for u in predict(policy, shipped, both, Workload(77, 8)).uncalibrated)
+    assert any("mxfp4_moe_efficiency" in u for u in predict(policy, shipped, synthetic(moe_efficiency=[[16, 0.4]]),
+                                                              Workload(77, 8)).uncalibrated)
 
 
 # ----- model description -----
@@ -179,7 +191,7 @@ def test_plan_for_gpt_oss_120b_fits_a_128_gb_host_as_shipped_and_not_dequantized
             "--cpu-memory", "80GiB", "--placement", "cgopipe"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "in MXFP4" in out and "predicted throughput" in out and "streams experts in the model's dtype" in out
+    assert "in MXFP4" in out and "predicted throughput" in out and "as hf_scatter.offload streams them" in out
     assert main(argv + ["--weights", "bf16"]) != 0
     assert "218 GiB of weights" in capsys.readouterr().err
 

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from hf_scatter.models.mxfp4_experts import quantize_gpt_oss_experts
 from hf_scatter.tiny import TINY_BUILDERS
 
 
@@ -55,15 +56,21 @@ def with_attention_biases(family, **preset):
                                         scale=0.5)
 
 
+def tiny_gpt_oss_mxfp4(**config):
+    """GPT-OSS with its experts in MXFP4, as a checkpoint loaded as shipped holds them."""
+    return quantize_gpt_oss_experts(tiny_gpt_oss_with_biases(**config))
+
+
 # OLMoE with its clip_qkv set (published checkpoints leave it None), so the clamp after the q/k norms runs
 BUILDERS = {**TINY_BUILDERS, "qwen3_moe": with_attention_biases("qwen3_moe"),
             "olmoe": with_attention_biases("olmoe", clip_qkv=0.3),
             "gpt_oss": tiny_gpt_oss_with_biases, "deepseek_v3": tiny_deepseek_v3_with_biases,
             "deepseek_v2": tiny_deepseek_v2_lite_style, "qwen2_moe": tiny_qwen2_moe_windowed,
-            "granitemoe": with_attention_biases("granitemoe")}  # its tiny config: every multiplier away from 1
-# the families with a pipeline adapter
+            "granitemoe": with_attention_biases("granitemoe"),  # its tiny config: every multiplier away from 1
+            "gpt_oss_mxfp4": tiny_gpt_oss_mxfp4}
+# the families with a pipeline adapter (and GPT-OSS's experts as shipped)
 OFFLOADED = ["mixtral", "dbrx", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3", "deepseek_v2", "qwen2_moe",
-             "granitemoe"]
+             "granitemoe", "gpt_oss_mxfp4"]
 
 
 @pytest.fixture(autouse=True)

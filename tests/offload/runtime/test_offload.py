@@ -249,6 +249,25 @@ def test_bench_offload_end_to_end_small(tmp_path, model, layers):
     assert png.stat().st_size > 0 and trace.stat().st_size > 0
 
 
+@pytest.mark.gpu
+def test_bench_offload_formats_small(tmp_path):
+    """GPT-OSS's experts as shipped against bf16, side by side in one budget: the MXFP4 run's layers hold about a
+    quarter of the bytes, and the whole model's plan fits the host as shipped."""
+    from hf_scatter.cli import main
+
+    out, png = tmp_path / "formats.json", tmp_path / "formats.png"
+    assert main(["bench", "offload", "--model", "gpt-oss-20b", "--layers", "2", "--new-tokens", "4", "--requests",
+                 "64", "--weights", "mxfp4", "bf16", "--gpu-memory", "6GiB", "--cpu-memory", "24GiB", "--profile",
+                 "h100-host-anchors", "--out", str(out), "--plot", str(png)]) == 0
+    report = json.loads(out.read_text())
+    mxfp4, bf16 = report["by_weights"]["mxfp4"], report["by_weights"]["bf16"]
+    assert mxfp4["expert_format"] == "mxfp4" and bf16["expert_format"] == "bf16"
+    assert mxfp4["within_budget"] and bf16["within_budget"]
+    assert mxfp4["streamed_bytes"] + mxfp4["resident_bytes"] < 0.4 * (bf16["streamed_bytes"] + bf16["resident_bytes"])
+    assert report["mxfp4_over_bf16"]["measured_tokens_per_s"] > 0
+    assert mxfp4["whole_model"]["fits"] and png.stat().st_size > 0
+
+
 def test_routed_sweep_rows_render_as_a_table_and_a_plot(tmp_path):
     """The bench's routed sweep on the CPU stand-in: one row per batch size, both ways on one weight store, with
     the HRM's prediction; one row of a top-2 model fetches 2 experts per layer and step."""

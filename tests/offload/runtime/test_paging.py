@@ -132,6 +132,47 @@ def test_resident_and_streamed_parts_rebuild_every_layer():
     assert split_layer({"x": 100}, 10, 50, 1.0).columns == 50
 
 
+def test_mxfp4_experts_split_on_whole_groups_of_32_and_their_parts_sum_to_the_layer():
+    """MXFP4's down projection holds its input columns in groups of 32 under one scale: every resident or
+    streamed part, and every tensor-parallel rank's share, is whole groups; the parts, run as experts, sum to
+    the whole layer's experts; and the tokens at a split in the middle of the layer are generate's."""
+    from hf_scatter.moe.routing import flatten_sort_count
+    from hf_scatter.offload.families.sharding import Shard
+
+    model = BUILDERS["gpt_oss_mxfp4"](intermediate=128)
+    whole = adapter_for(model)
+    columns = [Layout(whole, x / 20).splits[0].columns for x in range(21)]
+    assert all(c % 32 == 0 for c in columns) and any(0 < c < 128 for c in columns), columns
+    x = next(x / 20 for x, c in enumerate(columns) if 0 < c < 128)
+    layout = Layout(whole, x)
+    assert layout.splits[0].resident_bytes <= x * layout.splits[0].layer_bytes
+    # the parts of layer 0 as the store holds them, and two ranks' shares, each run as experts
+    store = WeightStore(layout, torch.device("cpu"))
+    table, start = store.stage_tables[1], store.stage_offsets[1]
+    store.slots[1][:table.nbytes].copy_(store.host.tensor[start:start + table.nbytes])
+    parts = store.stage_weights(1, 1).experts
+    ranks = [adapter_for(model, Shard(rank, 2)).shard_expert_tensors(model.model.layers[0]) for rank in (0, 1)]
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(5, 64, generator=g)
+    experts = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(5)])
+    gates = torch.rand(5, 2, generator=g)
+    routing = flatten_sort_count(experts, 4, validate=False)
+    mlp = lambda part: whole._experts(part, hidden, experts, gates, routing)  # noqa: E731
+    full = mlp(whole.expert_tensors(model.model.layers[0]))
+    for split in (parts, ranks):
+        assert split[0]["down_blocks"].shape[2] * 32 + split[1]["down_blocks"].shape[2] * 32 == 128
+        torch.testing.assert_close(mlp(split[0]) + mlp(split[1]), full, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="3 groups of 32 expert columns"):  # 48 columns a rank: not whole groups
+        adapter_for(BUILDERS["gpt_oss_mxfp4"](intermediate=96), Shard(0, 2))
+    reqs = requests()
+    ids, mask = padded(reqs)
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    off = hf_scatter.offload_model(model, gpu_memory="1GiB", device="cpu", policy=Policy(3, 2, weights_gpu_fraction=x),
+                                   progress=False)
+    assert off.store.layout.splits[0].columns == layout.splits[0].columns
+    assert torch.equal(off.generate(ids, attention_mask=mask, max_new_tokens=6, progress=False), want)
+
+
 def test_one_weight_page_per_micro_batch_and_the_trace(tmp_path):
     model = tiny_mixtral(layers=3)
     ids, mask = padded(requests((6, 9, 4, 7)))
@@ -141,10 +182,13 @@ def test_one_weight_page_per_micro_batch_and_the_trace(tmp_path):
                           progress=False, trace=str(path))
     events = json.loads(path.read_text())["traceEvents"]
     lanes = {e["args"]["name"]: e["tid"] for e in events if e["ph"] == "M"}
-    assert set(lanes) == {"GPU compute", "CPU attention", "H2D hidden", "D2H qkv", "H2D weights"}
+    assert set(lanes) == {"GPU compute", "CPU attention", "H2D hidden", "D2H qkv", "H2D weights", "Driver"}
     spans = [e for e in events if e["ph"] == "X"]
     by_lane = {name: [e for e in spans if e["tid"] == tid] for name, tid in lanes.items()}
     assert all(by_lane[name] for name in lanes)
+    # the issuing thread: where it waited (for attention, for a stage's pages) and how long it took to issue work
+    driver = {" ".join(e["name"].split()[:2]) for e in by_lane["Driver"]}
+    assert driver == {"wait attention", "wait stage", "issue post", "issue pre"}, driver
     # 2 micro-batches: every stage arrives in 2 pages, once for the prefill and once for each of the 2 decode
     # steps; stage 0 once more, prefetched during the last stage for the next call
     stages = [int(e["name"].split()[1]) for e in by_lane["H2D weights"]]
