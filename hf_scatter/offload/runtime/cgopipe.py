@@ -310,6 +310,7 @@ class CGOPipe:
         with streams.on("h2d"), self.tracer.device_span("h2d", f"attn out {label}"):
             mb.attn_in.copy_(mb.out_host, non_blocking=True)
         mb.out_free = streams.record("h2d")
+        self.streamer.make_way(mb.out_free)  # its wait, post_done, has passed: the attention read the QKV after it
         streams.wait("compute", mb.out_free)
 
     def _download(self, src: torch.Tensor, dst: torch.Tensor, label: str):

@@ -6,7 +6,9 @@ weights (output projection, norm, router, experts) and layer s's pre-attention w
 0 and stage L are half stages. While the GPU runs stage s from one slot of the double buffer, stage s+1
 streams into the other in **pages** (equal byte ranges: at least one per micro-batch, as MoE-Lightning
 pages them, and at most 64 MiB each). A pager thread keeps at most two pages queued on the weight stream,
-so a hidden-state copy, which the copy engine takes in issue order, never waits behind a whole stage.
+and issues no further page while a hidden-state upload (or a routed experts' fetch) is pending: the copy
+engine does not share itself fairly between streams, and a waiting upload would otherwise wait behind every
+page of the stage.
 
 *Residency.* The same fraction x of every layer stays on the GPU (the HRM's ``weights_gpu_fraction``):
 dense tensors first (QKV, then output projection, norm, router), then the first r intermediate columns of
@@ -378,15 +380,19 @@ class _Load:
 
 
 class Pager:
-    """Issues weight pages on the ``weights`` stream, pacing them so that at most PAGES_IN_FLIGHT are queued:
-    copy engines take transfers in issue order, so a hidden-state upload issued meanwhile waits behind at
-    most two pages, never behind a whole stage. On CUDA a thread of its own does the pacing (the driver
-    thread blocks on CPU attention for long stretches); on the CPU the copies run at once."""
+    """Issues weight pages on the ``weights`` stream, pacing them so that at most PAGES_IN_FLIGHT are queued, and
+    making way for the small transfers the pipeline waits for (:meth:`make_way`): the copy engine does not
+    share itself fairly between streams, so while pages stay queued a hidden-state upload on another stream
+    can wait for every page of the stage (120 ms, an H200 streaming GPT-OSS-120B's bf16 layers, the GPU idle
+    meanwhile). On CUDA a thread of its own does the pacing (the driver thread blocks on CPU attention for long
+    stretches); on the CPU the copies run at once."""
 
     def __init__(self, store: "WeightStore", streams: Streams):
         self.store, self.streams = store, streams
         self.tracer = None
         self._jobs: queue.Queue = queue.Queue()
+        self._urgent: list = []  # events of transfers issued elsewhere that the next page must wait for
+        self._urgent_lock = threading.Lock()
         self._thread = None
         if streams.cuda:
             self._thread = threading.Thread(target=self._loop, name="hf-scatter-pager", daemon=True)
@@ -401,6 +407,20 @@ class Pager:
         else:
             self._jobs.put((slot, job, pages, after))
         return job
+
+    def make_way(self, event) -> None:
+        """A transfer something waits for (a hidden state, routed experts) was issued on another stream, ending
+        at ``event``: no page is issued after this until it has completed. It waits for nothing else on the
+        device when issued, so the link pauses for the transfer itself, at most a page later."""
+        if self._thread is not None and event is not DONE:
+            with self._urgent_lock:
+                self._urgent.append(event)
+
+    def _let_urgent_through(self) -> None:
+        with self._urgent_lock:
+            urgent, self._urgent = self._urgent, []
+        for event in urgent:
+            event.synchronize()
 
     def close(self) -> None:
         if self._thread is not None:
@@ -432,6 +452,7 @@ class Pager:
             for a, b in pages:
                 if len(in_flight) >= PAGES_IN_FLIGHT:
                     in_flight.pop(0).synchronize()
+                self._let_urgent_through()
                 with tracer.device_span("weights", f"stage {job.stage} bytes {a}-{b}"):
                     dst[a:b].copy_(src[base + a:base + b], non_blocking=True)
                 in_flight.append(streams.record("weights"))
@@ -474,6 +495,10 @@ class WeightStreamer:
         """At least this many pages per stage (one per micro-batch); more where a page would exceed PAGE_BYTES."""
         self.pages = max(1, pages)
 
+    def make_way(self, event) -> None:
+        """See :meth:`Pager.make_way`."""
+        self.pager.make_way(event)
+
     def set_routed(self, routed: bool) -> None:
         """Stages requested from now on load every expert (False) or only what :meth:`fetch_experts` asks for."""
         self.routed = bool(routed)
@@ -492,7 +517,9 @@ class WeightStreamer:
         streams.wait("experts", streams.record("compute"))  # the slot's earlier readers are behind this point
         with streams.on("experts"), self.tracer.device_span("experts", f"stage {load.stage} {len(new)} experts"):
             self.store.copy_experts(load.stage, self.current, new)
-        streams.wait("compute", streams.record("experts"))
+        fetched = streams.record("experts")
+        self.pager.make_way(fetched)
+        streams.wait("compute", fetched)
         load.present.update(new)
         self.fetched_experts += len(new)
 
