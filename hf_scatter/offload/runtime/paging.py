@@ -413,8 +413,8 @@ class Pager:
         at ``event``: no page is issued after this until it has completed. It waits for nothing else on the
         device when issued, so the link pauses for the transfer itself, at most a page later."""
         if self._thread is not None and event is not DONE:
-            with self._urgent_lock:
-                self._urgent.append(event)
+            with self._urgent_lock:  # landed ones dropped: with nothing streaming no page would collect them
+                self._urgent = [e for e in self._urgent if not e.query()] + [event]
 
     def _let_urgent_through(self) -> None:
         with self._urgent_lock:
