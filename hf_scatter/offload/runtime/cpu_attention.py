@@ -59,6 +59,11 @@ class KVCache:
             raise ValueError(f"KVCache: {len(self.attention)} layers' attention settings for {layers} layers")
         row_token_bytes = self._row_token_bytes(kv_heads, head_dim, dtype.itemsize, values_are_keys)
         self.prompt_lens = []
+        # the current decode step's positions and masks, by micro-batch (and bucket and window): every layer of the
+        # step reads the same ones, so each is made once a step, not once a layer (each op is a parallel region
+        # of the attention threads)
+        self._step = None
+        self._step_tensors: dict = {}
         self.buckets: list[list[_Bucket]] = []
         self.row_bucket: list[list[tuple[int, int]]] = []
         for rows in micro_batches:
@@ -128,13 +133,12 @@ class KVCache:
         ``qkv`` [rows, q + 2 kv] (rotary applied; [rows, q + kv] when the keys are the values), ``out`` [rows, q]."""
         H, Hkv, d = self.q_heads, self.kv_heads, self.head_dim
         qd, kvd = H * d, Hkv * d
-        positions = self.prompt_lens[mb] + step
         setting = self.attention[layer]
         window, sinks = setting.window, setting.sinks
-        for b in self.buckets[mb]:
+        for i, b in enumerate(self.buckets[mb]):
             a, e, n = b.start, b.end, b.end - b.start
             k_cache, v_cache = b.k[layer], b.v[layer]
-            pos = positions[a:e]
+            pos = self._this_step(step, ("positions", mb, i), lambda: self.prompt_lens[mb][a:e] + step)
             k_cache[b.rows, :, pos] = qkv[a:e, qd:qd + kvd].view(n, Hkv, d)
             if not self.values_are_keys:
                 v_cache[b.rows, :, pos] = qkv[a:e, qd + kvd:].view(n, Hkv, d)
@@ -142,10 +146,21 @@ class KVCache:
             first = window_start(b.min_prompt + step, window)  # no row of the bucket sees keys before it
             # rows of different lengths: hide each shorter row's unused tail, and the keys before its window
             # (rows of one length see exactly keys [first, length))
-            mask = visible_keys(pos, first, length, window) if b.min_prompt != b.max_prompt else None
+            mask = self._this_step(step, ("mask", mb, i, window), lambda: visible_keys(pos, first, length, window)) \
+                if b.min_prompt != b.max_prompt else None
             o = decode_attention(qkv[a:e, :qd].view(n, H, d), k_cache[:, :, first:length],
                                  v_cache[:, :, first:length], mask, sinks, setting.scale)
             out[a:e].view(n, H, d).copy_(o)
+
+
+    def _this_step(self, step: int, key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``make()``, made once for decode step ``step`` (the tensors of earlier steps are dropped: every micro-batch
+        finishes a step's layers before the next step starts)."""
+        if step != self._step:
+            self._step, self._step_tensors = step, {}
+        if key not in self._step_tensors:
+            self._step_tensors[key] = make()
+        return self._step_tensors[key]
 
 
 def attention_threads(profile=None, ranks: int = 1) -> int:
