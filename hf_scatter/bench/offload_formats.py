@@ -1,10 +1,11 @@
-"""``hf-scatter bench offload --weights mxfp4,bf16``: the same layers offloaded with their experts in each format,
+"""``hf-scatter bench offload --weights mxfp4 bf16``: the same layers offloaded with their experts in each format,
 side by side in one process, at one GPU and one host budget, each against the HRM's prediction.
 
 Each format builds its own model of the built-in shape (random weights; MXFP4 experts as a checkpoint loaded as
 shipped holds them, never a bf16 copy), is planned by the HRM for the workload, generates every request and is
 closed before the next format builds, so the host holds one model at a time. The host budget applies to both: a
-format whose streamed weights do not fit it is reported as such. Beside each measured row, the HRM's plan for
+format the planner cannot fit in it gets the planner's reason in its row, and the others still run. Beside each
+measured row, the HRM's plan for
 the published layer count at the same budgets says what the whole model would do (or that it does not fit).
 """
 
@@ -43,7 +44,7 @@ def run_formats(formats: list[str], *, model: str, layers: int, published_layers
     """The runs side by side; ``trace``: each format writes its Chrome trace beside it (``<trace>.<format>.json``)."""
     import os
 
-    from ..offload import Workload, parse_bytes
+    from ..offload import PlanError, Workload, parse_bytes
 
     require_cuda()
     header = run_header()
@@ -60,8 +61,12 @@ def run_formats(formats: list[str], *, model: str, layers: int, published_layers
             reqs = prompts(requests, lm.config.vocab_size)
             workload = Workload.from_prompts([len(r) for r in reqs], new_tokens)
             traced = f"{os.path.splitext(trace)[0]}.{weights}.json" if trace else None
-            rows[weights] = {**_measure(lm, reqs, workload, prof, budget, host, progress, traced), "build_s": build_s,
-                             "whole_model": _whole_model(model, weights, prof, workload, budget, host)}
+            whole = _whole_model(model, weights, prof, workload, budget, host)
+            try:
+                measured = _measure(lm, reqs, workload, prof, budget, host, progress, traced)
+            except PlanError as e:  # these layers do not fit the budgets in this format
+                measured = {"error": str(e)}
+            rows[weights] = {**measured, "build_s": build_s, "whole_model": whole}
         finally:
             lm = None
             gc.collect()
@@ -70,7 +75,7 @@ def run_formats(formats: list[str], *, model: str, layers: int, published_layers
               "gpu_budget": budget, "cpu_budget": host, "profile": prof.to_dict(), "profile_s": profile_s,
               "workload": {"requests": requests, "prompt_lens": PROMPT_LENS, "new_tokens": new_tokens},
               "by_weights": rows}
-    if {"mxfp4", "bf16"} <= rows.keys():
+    if all("tokens_per_s" in rows.get(w, {}) for w in ("mxfp4", "bf16")):
         a, b = rows["mxfp4"], rows["bf16"]
         report["mxfp4_over_bf16"] = {
             "measured_tokens_per_s": a["tokens_per_s"] / b["tokens_per_s"],
@@ -128,12 +133,19 @@ def _whole_model(model: str, weights: str, prof, workload, budget: int, host: in
             "bottleneck": policy.prediction.decode_layer.bottleneck, "policy": policy.to_dict()}
 
 
+def _label(weights: str) -> str:
+    return weights.upper() if weights == "mxfp4" else weights
+
+
 def to_markdown(report: dict) -> str:
     gib = 2**30
     rows = []
     for weights, r in report["by_weights"].items():
+        if "error" in r:
+            rows.append([_label(weights), r["error"]] + [""] * 8)
+            continue
         p, whole = r["predicted"], r["whole_model"]
-        rows.append([weights.upper() if weights == "mxfp4" else weights, f"{r['policy']['batch_size']} / "
+        rows.append([_label(weights), f"{r['policy']['batch_size']} / "
                      f"{r['policy']['micro_batch_size']}", f"{r['weights_gpu_fraction']:.0%}",
                      f"{r['streamed_bytes'] / gib:.1f}", f"{r['tokens_per_s']:,.0f}", f"{r['decode_step_s']:.3f}",
                      f"{p['tokens_per_s']:,.0f} ({p['bottleneck']})", f"{r['fraction_of_prediction']:.0%}",
@@ -163,7 +175,7 @@ def plot(report: dict, path: str) -> None:
 
     from ..common.atomic_files import save_figure
 
-    rows = report["by_weights"]
+    rows = {w: r for w, r in report["by_weights"].items() if "error" not in r}
     fig, ax = plt.subplots(figsize=(6, 3.8))
     width = 0.27
     for i, weights in enumerate(rows):
@@ -175,7 +187,7 @@ def plot(report: dict, path: str) -> None:
             ax.bar(i + (j - 1) * width, value, width, color=f"C{j}", label=label if i == 0 else None)
         if not whole["fits"]:
             ax.text(i + width, 0, "does not fit", rotation=90, ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(range(len(rows)), [w.upper() if w == "mxfp4" else w for w in rows])
+    ax.set_xticks(range(len(rows)), [_label(w) for w in rows])
     ax.set_ylabel("tokens/s")
     ax.set_title(f"{report['model']}, {report['layers']} layers, {report['gpu_budget'] / 2**30:.0f} GiB GPU, "
                  f"{report['cpu_budget'] / 2**30:.0f} GiB host", fontsize=9)
