@@ -152,7 +152,6 @@ class KVCache:
                                  v_cache[:, :, first:length], mask, sinks, setting.scale)
             out[a:e].view(n, H, d).copy_(o)
 
-
     def _this_step(self, step: int, key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
         """``make()``, made once for decode step ``step`` (the tensors of earlier steps are dropped: every micro-batch
         finishes a step's layers before the next step starts)."""
