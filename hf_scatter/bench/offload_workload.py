@@ -20,10 +20,6 @@ def offload_models() -> list[str]:
     return [name for name in BUILTIN_MODELS if builtin_config(name).model_type in offloaded_model_types()]
 
 
-# e8m0 exponents of random MXFP4 groups: 2**-7 puts a group's largest values near 0.05, as std-0.02 weights have
-MXFP4_SCALES = (119, 122)
-
-
 def build_model(layers: int, seed: int = 0, model: str = DEFAULT_MODEL, weights: str = "bf16"):
     """A causal LM of built-in shape ``model`` with ``layers`` layers, random bf16 weights (std 0.02, norms 1),
     built without running transformers' initialisation on billions of parameters. ``weights="mxfp4"`` (GPT-OSS):
@@ -32,6 +28,7 @@ def build_model(layers: int, seed: int = 0, model: str = DEFAULT_MODEL, weights:
     from transformers import AutoModelForCausalLM
 
     from ..common.shapes import builtin_config
+    from ..kernels.mxfp4 import RANDOM_EXPONENTS
 
     config = builtin_config(model, num_hidden_layers=layers)
     with torch.device("meta"):
@@ -45,7 +42,7 @@ def build_model(layers: int, seed: int = 0, model: str = DEFAULT_MODEL, weights:
     g = torch.Generator().manual_seed(seed)
     block = (torch.randn(2 * FILL_BLOCK, generator=g) * 0.02).to(torch.bfloat16)
     packed = {"blocks": torch.randint(0, 256, (2 * FILL_BLOCK,), generator=g, dtype=torch.uint8),
-              "scales": torch.randint(*MXFP4_SCALES, (2 * FILL_BLOCK,), generator=g, dtype=torch.uint8)}
+              "scales": torch.randint(*RANDOM_EXPONENTS, (2 * FILL_BLOCK,), generator=g, dtype=torch.uint8)}
     shift = 0
     with torch.no_grad():
         for name, p in lm.named_parameters():

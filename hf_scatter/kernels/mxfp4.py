@@ -31,6 +31,9 @@ SCALE_BIAS = 127
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 E2M1_MAX_EXPONENT = 2  # 6 = 1.5 * 2**2: a group's scale puts its largest magnitude in [4, 8)
 BYTES_PER_WEIGHT = (4 + 8 / GROUP) / 8  # 0.53125
+# e8m0 exponents of random groups that look trained: scales of 2**-8 .. 2**-6 put a group's largest values near
+# 0.05, as in std-0.02 weights (for benchmarks and profiles, which time the format, not the values)
+RANDOM_EXPONENTS = (119, 122)
 
 if kernels_enabled():
     import triton
@@ -208,6 +211,14 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
             fail(op, "out must be contiguous")
     run_op(_dequantize_op, _dequantize_impl, blocks.contiguous(), scales.contiguous(), out)
     return out
+
+
+def random_experts(experts: int, d_in: int, d_out: int, device=None) -> Mxfp4Weight:
+    """Random MXFP4 experts' weights [E, d_in, d_out] (uniform bytes, exponents in :data:`RANDOM_EXPONENTS`), laid
+    out as checkpoints ship them, made without a float copy."""
+    blocks = torch.randint(0, 256, (experts, d_out, d_in // GROUP, GROUP // 2), device=device, dtype=torch.uint8)
+    scales = torch.randint(*RANDOM_EXPONENTS, (experts, d_out, d_in // GROUP), device=device, dtype=torch.uint8)
+    return Mxfp4Weight(blocks, scales)
 
 
 def quantize_experts(weight: torch.Tensor) -> Mxfp4Weight:

@@ -17,7 +17,7 @@ import torch
 from ..common.shapes import MIXTRAL_8X7B
 from ..common.timing import median_ms
 from ..kernels.backend import autotune_override
-from ..kernels.mxfp4 import BYTES_PER_WEIGHT as MXFP4_BYTES_PER_WEIGHT, Mxfp4Weight
+from ..kernels.mxfp4 import BYTES_PER_WEIGHT as MXFP4_BYTES_PER_WEIGHT, random_experts
 from ..kernels.swiglu import gpt_oss_gate
 from ..moe.mlp import FusedSwiGLU, expert_mlp, glu_activation
 from .plan.profile import HardwareProfile, current_machine, host_memory_bytes
@@ -171,11 +171,7 @@ def _moe_efficiency(p: HardwareProfile, quick: bool) -> None:
     w_in = torch.randn(E, 2 * inter, H, device=dev, dtype=torch.bfloat16).transpose(1, 2)
     w_out = torch.randn(E, H, inter, device=dev, dtype=torch.bfloat16).transpose(1, 2)
     act = glu_activation(torch.nn.functional.silu)
-    # the same shapes in MXFP4 as checkpoints ship it (random bytes; exponents of std-0.02 weights)
-    packed = [Mxfp4Weight(torch.randint(0, 256, (*w.shape[:1], w.shape[2], w.shape[1] // 32, 16), device=dev,
-                                        dtype=torch.uint8),
-                          torch.randint(119, 122, (*w.shape[:1], w.shape[2], w.shape[1] // 32), device=dev,
-                                        dtype=torch.uint8)) for w in (w_in, w_out)]
+    packed = [random_experts(*w.shape, device=dev) for w in (w_in, w_out)]  # the same shapes in MXFP4
     # each with the gate its family offloads with: Mixtral's SiLU, GPT-OSS's clamped gate (the fused kernel)
     gpt_oss = FusedSwiGLU(gpt_oss_gate(1.702, 7.0)._replace(interleaved=False))
     curves = {"bf16": ((w_in, w_out), 2.0, act), "mxfp4": (packed, MXFP4_BYTES_PER_WEIGHT, gpt_oss)}
