@@ -484,7 +484,7 @@ def profile_table(profile: dict) -> str:
     terms = [("gpu_flops", "bf16 matmul 8192^3, TFLOP/s", lambda x: f"{x / 1e12:.0f}"),
              ("gpu_bandwidth", "device-to-device copy, GB/s (read + write)", lambda x: f"{x / 1e9:.0f}"),
              ("gpu_attention_bandwidth", "decode SDPA, GB/s of KV", lambda x: f"{x / 1e9:.0f}"),
-             ("gpu_launch_s", "host time of one small `nn.Linear` call, us", lambda x: f"{x * 1e6:.1f}"),
+             ("gpu_launch_s", _launch_what(profile), lambda x: f"{x * 1e6:.1f}"),
              ("gemm_efficiency", "GEMM efficiency by rows", eff),
              ("moe_efficiency", "MoE expert kernels' efficiency by rows per expert", eff),
              ("h2d_pinned", "host->device pinned, GB/s", lambda x: f"{x / 1e9:.1f}"),
@@ -506,6 +506,13 @@ def profile_table(profile: dict) -> str:
              ("cpu_cores", "CPU cores", str)]
     rows = [[f"`{key}`", what, show(profile[key])] for key, what, show in terms if profile.get(key) is not None]
     return markdown_table(["field", "what", "measured"], rows)
+
+
+def _launch_what(profile: dict) -> str:
+    """What a profile's launch cost measured: profiles before 2026-11-28 timed one small module call."""
+    if "decode stage" in profile.get("notes", {}).get("gpu_launch_s", ""):
+        return "host time per kernel the planner counts, issuing the runtime's decode stages, us"
+    return "host time of one small `nn.Linear` call, us"
 
 
 def plot(report: dict, path: str) -> None:

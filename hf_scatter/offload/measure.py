@@ -8,6 +8,7 @@ import contextlib
 import functools
 import os
 import statistics
+import tempfile
 import threading
 import time
 from typing import Callable
@@ -20,6 +21,10 @@ from ..kernels.backend import autotune_override
 from ..kernels.mxfp4 import BYTES_PER_WEIGHT as MXFP4_BYTES_PER_WEIGHT, random_experts
 from ..kernels.swiglu import gpt_oss_gate
 from ..moe.mlp import FusedSwiGLU, expert_mlp, glu_activation
+from ..tiny import TINY_BUILDERS
+from .families.adapter import LayerAttention
+from .families.spec import ModelSpec
+from .plan.policy import Policy
 from .plan.profile import HardwareProfile, current_machine, host_memory_bytes
 from .plan.hrm import attention_shape
 from .runtime.cpu_attention import AttentionWorker, KVCache, attention_threads
@@ -67,7 +72,8 @@ def _attention_inputs(batch, context, q_heads, kv_heads, head_dim, device="cpu")
     return q, k, torch.randn_like(k)
 
 
-STANDARD_ATTENTION_SHAPE = (32, 8, 128, False)  # Mixtral's: query heads, KV heads, head size, keys = values
+# Mixtral's: query heads, KV heads, head size, keys are the values, sinks
+STANDARD_ATTENTION_SHAPE = (32, 8, 128, False, False)
 
 
 def _cpu_attention_point(worker, batch: int, context: int, shape=STANDARD_ATTENTION_SHAPE) -> dict:
@@ -75,19 +81,22 @@ def _cpu_attention_point(worker, batch: int, context: int, shape=STANDARD_ATTENT
     path: :meth:`KVCache.attend` (new K/V written, masked SDPA over one length bucket of prompts within
     +-10% of each other) on the attention worker thread, waited for by another thread: the per-call cost
     the runtime pays (about 0.3 ms on the H100 host)."""
-    q_heads, kv_heads, head_dim, values_are_keys = shape
+    q_heads, kv_heads, head_dim, values_are_keys, sinks = shape
+    # the sinks' rescaling of every head (GPT-OSS): about a quarter more time per call on the H200 host
+    attention = [LayerAttention(sinks=torch.randn(q_heads, generator=torch.Generator().manual_seed(0)))] if sinks \
+        else None
 
 
     # longest first, mean ``context``
     lens = [round(context * (1.1 - 0.2 * i / (batch - 1))) for i in range(batch)] if batch > 1 else [context]
     cache = KVCache([[(p, p + 1) for p in lens]], 1, kv_heads, head_dim, q_heads, torch.bfloat16,
-                    values_are_keys=values_are_keys)
+                    attention=attention, values_are_keys=values_are_keys)
     qkv = torch.randn(batch, (q_heads + 2 * kv_heads) * head_dim).to(torch.bfloat16)
     out = torch.empty(batch, q_heads * head_dim, dtype=torch.bfloat16)
     seconds = _median_s(lambda: worker.submit(cache.attend, 0, 0, 0, qkv, out).result(), budget_s=0.5)
     point = dict(batch=batch, context=context, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=2,
                  seconds=seconds)
-    return {**point, "values_are_keys": True} if values_are_keys else point
+    return {**point, **({"values_are_keys": True} if values_are_keys else {}), **({"sinks": True} if sinks else {})}
 
 
 @contextlib.contextmanager
@@ -116,6 +125,70 @@ def _link_traffic(device: int = 0):
     finally:
         stop.set()
         thread.join()
+
+
+# How much of the time the driver issues while the CPU attends, as the profile's attention is measured: its issue
+# spans took 35-60% of a micro-batch's stage in traces of one to four GPUs; beside a thread issuing half or all
+# of the time, one call of GPT-OSS's shape (512 rows, context 96, sinks) took 7.2 and 7.6 ms where the pipeline's
+# took 7-8.4 ms, and 5.9 ms with the copies alone (H200 host, 2026-11)
+DRIVER_DUTY = 0.5
+
+
+@contextlib.contextmanager
+def _driver_load(duty: float, period_s: float = 4e-3):
+    """A thread issuing small GPU ops for ``duty`` of every ``period_s`` and sleeping the rest, as the pipeline's
+    driver issues a micro-batch's stage while the CPU attends another: Python holding the interpreter lock between
+    ops, which the attention thread needs between its own; nothing without a GPU or at ``duty`` 0."""
+    if duty <= 0 or not torch.cuda.is_available():
+        yield False
+        return
+    layer = torch.nn.Linear(16, 16, device="cuda")
+    x = torch.ones(1, 16, device="cuda")
+    stop = threading.Event()
+
+    def issue():
+        with torch.no_grad():
+            while not stop.is_set():
+                start = time.perf_counter()
+                while time.perf_counter() - start < duty * period_s:
+                    layer(x)
+                torch.cuda.synchronize()
+                time.sleep((1 - duty) * period_s)
+
+    thread = threading.Thread(target=issue, daemon=True)
+    thread.start()
+    try:
+        yield True
+    finally:
+        stop.set()
+        thread.join()
+
+
+@contextlib.contextmanager
+def _attention_load(on: bool = True, rows: int = 256, context: int = 256):
+    """CPU attention of the standard shape running back to back on an attention worker of this host's thread count
+    meanwhile, as the pipeline's CPU attends while its driver issues; nothing when not ``on``."""
+    if not on:
+        yield
+        return
+    q_heads, kv_heads, head_dim = STANDARD_ATTENTION_SHAPE[:3]
+    cache = KVCache([[(context, context + 1)] * rows], 1, kv_heads, head_dim, q_heads, torch.bfloat16)
+    qkv = torch.randn(rows, (q_heads + 2 * kv_heads) * head_dim).to(torch.bfloat16)
+    out = torch.empty(rows, q_heads * head_dim, dtype=torch.bfloat16)
+    worker, stop = AttentionWorker(attention_threads()), threading.Event()
+
+    def attend():
+        while not stop.is_set():
+            worker.submit(cache.attend, 0, 0, 0, qkv, out).result()
+
+    thread = threading.Thread(target=attend, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        worker.close()
 
 
 def _cpu_op_seconds(calls: int = 2000) -> float:
@@ -195,21 +268,50 @@ def _gpu_attention(p: HardwareProfile, quick: bool) -> None:
     q, kk, v = _attention_inputs(64, 2048, 32, 8, 128, device=dev)
     p.gpu_attention_bandwidth = 2.0 * kk.numel() * 2 / (median_ms(lambda: _sdpa_decode(q, kk, v)) / 1e3)
 
-def _gpu_launch(p: HardwareProfile, quick: bool, calls: int = 2000) -> None:
-    """Host time of one small module call on the GPU: Python, nn.Module, dispatcher and launch."""
-    dev = torch.device("cuda")
-    # A tiny module call, as a decoder layer issues its ops: Python + nn.Module + dispatcher + launch.
-    layer = torch.nn.Linear(16, 16, device=dev)
-    x = torch.ones(1, 16, device=dev)
-    with torch.no_grad():
-        layer(x)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            layer(x)
-        torch.cuda.synchronize()
-    p.gpu_launch_s = (time.perf_counter() - start) / calls
-    p.notes["gpu_launch_s"] = "measured: host time of one small nn.Linear call on the GPU"
+# The tiny model whose decode stages time the host's issuing: sizes every kernel accepts (the host's time per call
+# hardly depends on them), one micro-batch, half the weights streamed (the pager's thread runs beside the driver, as
+# in a real plan)
+ISSUE_MODEL = {"hidden": 256, "layers": 2, "experts": 8, "top_k": 2, "intermediate": 256, "heads": 4, "kv_heads": 2}
+ISSUE_ROWS, ISSUE_PROMPT = 64, 16
+
+
+def stage_issue_seconds(family: str = "mixtral", device: str = "cuda", new_tokens: int = 16) -> tuple[float, float]:
+    """(host seconds to issue one micro-batch's decode stage, kernels the planner counts for it) for a tiny
+    ``family`` model run by the offloaded runtime: the driver's median "issue pre" + "issue post" spans. Python,
+    the dispatcher, custom ops and Triton's launcher dominate that time, far above one small module call. On a GPU
+    it is timed with CPU attention of the standard shape running meanwhile, as it runs beside the driver in the
+    pipeline (the attention thread takes the interpreter lock between its ops): a trace of GPT-OSS-120B's layers
+    (one H200, MXFP4, CPU-bound) showed 3.7 ms a stage where the tiny model alone took 2.0 ms."""
+    from .runtime.offloaded import offload_model  # the runtime's whole stack, only when this step runs
+
+    model = TINY_BUILDERS[family](dtype=torch.bfloat16, **ISSUE_MODEL)
+    spec = ModelSpec.from_config(model.config)
+    kernels = sum(op.kernels for name, op in spec.decode_ops(ISSUE_ROWS, ISSUE_PROMPT).items() if name != "attention")
+    policy = Policy(ISSUE_ROWS, ISSUE_ROWS, weights_gpu_fraction=0.5)
+    off = offload_model(model, gpu_memory="2GiB", policy=policy, device=device, progress=False)
+    try:
+        ids = torch.randint(0, model.config.vocab_size, (ISSUE_ROWS, ISSUE_PROMPT),
+                            generator=torch.Generator().manual_seed(0))
+        off.generate(ids, max_new_tokens=3, progress=False)  # compiles the kernels at these shapes
+        with tempfile.TemporaryDirectory(prefix="hf-scatter-profile-") as tmp, \
+                _attention_load(on=torch.device(device).type == "cuda"):
+            out = off.generate(ids, max_new_tokens=new_tokens, return_dict=True, progress=False,
+                               trace=os.path.join(tmp, "trace.json"))
+    finally:
+        off.close()
+    issue = out.stats["trace"]["driver_issue_s"]
+    return issue["pre"] + issue["post"], kernels
+
+
+def _gpu_launch(p: HardwareProfile, quick: bool, family: str = "mixtral") -> None:
+    """Host time per GPU kernel the planner counts (:data:`~.families.spec.KERNELS`), from the runtime's own issuing
+    of decode stages: one small module call took 17-18 us on the H100 and H200 hosts, the runtime's stages about
+    13 times that per counted kernel (GPT-OSS-120B's shapes, 2026-11)."""
+    seconds, kernels = stage_issue_seconds(family, "cuda", new_tokens=8 if quick else 16)
+    p.gpu_launch_s = seconds / kernels
+    p.notes["gpu_launch_s"] = (f"measured: host time of issuing one micro-batch's decode stage of a tiny {family} "
+                               f"through the offloaded runtime ({seconds * 1e3:.2f} ms), per kernel the planner "
+                               f"counts ({kernels:g})")
 
 def _link(p: HardwareProfile, quick: bool) -> None:
     """PCIe: pinned and pageable copies each way, both ways at once, and one small copy's latency."""
@@ -336,7 +438,7 @@ def _group_attention_rank(rank: int, ranks: int, calls: int, store: str, results
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=ranks)
     try:
-        heads, kv_heads, head_dim, _ = STANDARD_ATTENTION_SHAPE
+        heads, kv_heads, head_dim = STANDARD_ATTENTION_SHAPE[:3]
         heads, kv_heads, rows = heads // ranks, kv_heads // ranks, GROUP_ATTENTION_ROWS
         lens = [round(GROUP_ATTENTION_CONTEXT * (1.1 - 0.2 * i / (rows - 1))) for i in range(rows)]
         cache = KVCache([[(p, p + 1) for p in lens]], 1, kv_heads, head_dim, heads, torch.bfloat16)
@@ -446,7 +548,8 @@ def measure_profile(quick: bool = False, progress: bool = True, attention_shapes
         try:
             standard = STANDARD_ATTENTION_SHAPE  # first
             models = [s for s in dict.fromkeys(attention_shape(m) for m in attention_shapes) if s != standard]
-            with _link_traffic() as busy:
+            # as the pipeline runs it: the weights streaming over the link and the driver issuing GPU work beside it
+            with _link_traffic() as busy, _driver_load(DRIVER_DUTY) as driving:
                 p.cpu_attention = [_cpu_attention_point(worker, b, c) for c in contexts for b in (1, 4, 32)]
                 # a model's own shape at the rows per call its plans use (256: a micro-batch; the small batches
                 # above cost DeepSeek's latent 7x more per row on the H100 host)
@@ -455,7 +558,9 @@ def measure_profile(quick: bool = False, progress: bool = True, attention_shapes
         finally:
             worker.close()
         p.notes["cpu_attention"] = ("measured: KVCache.attend on the attention worker, one masked length bucket"
-                                    + (", pinned host->device copies running meanwhile" if busy else ""))
+                                    + (", pinned host->device copies running meanwhile" if busy else "")
+                                    + (f", a thread issuing small GPU ops {DRIVER_DUTY:.0%} of the time" if driving
+                                       else ""))
 
     steps = [
         ("CPU fp32 matmul", lambda p: setattr(p, "cpu_flops_fp32", _cpu_matmul_flops(torch.float32, n))),
@@ -465,7 +570,10 @@ def measure_profile(quick: bool = False, progress: bool = True, attention_shapes
         ("CPU op overhead", lambda p: setattr(p, "cpu_op_s", _cpu_op_seconds())),
     ]
     if torch.cuda.is_available():
-        steps += [(label, functools.partial(step, quick=quick)) for label, step in GPU_STEPS]
+        # the launch cost is timed on the first given model's family where the runtime has a tiny one
+        family = next((m.model_type for m in attention_shapes if m.model_type in TINY_BUILDERS), "mixtral")
+        steps += [(label, functools.partial(step, quick=quick, **({"family": family} if step is _gpu_launch else {})))
+                  for label, step in GPU_STEPS]
     else:
         profile.notes["gpu"] = ("no CUDA device: GPU and PCIe terms not measured (run `hf-scatter profile` on the "
                                 "GPU host)")

@@ -8,11 +8,15 @@ CPU attention busy time 10.9 to 44.3 s per rank (docs/results/history/offload-gp
 Run it twice, with and without OMP_WAIT_POLICY=PASSIVE (read at start-up), to see whether spinning teams matter.
 Its runs on the 4 x H100 host, per run and rank, are in docs/results/history/offload-rank-threads-h100-x4.json.
 
+With one process (``--nproc_per_node=1``) it asks the same of a lone offloaded model, whose CPU attention keeps every
+core but two while its driver thread issues the GPU's work beside it.
+
 Usage (GPU host, repository root):
   PYTHONPATH=. NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node=2 scripts/probes/probe_rank_threads.py OUT.json
-Settings (environment): THREADS (default "28,20,12"), ROUNDS (2), MODEL (gpt-oss-120b), LAYERS (8), REQUESTS (1024),
-NEW_TOKENS (32), GPU_MEMORY (16GiB), PROFILE (docs/results/history/profile-h100-x4.json), DEVICE (cuda; cpu: gloo ranks, a
-smoke test of the script itself).
+Settings (environment): THREADS (default "28,20,12"), ROUNDS (2), MODEL (gpt-oss-120b), LAYERS (8), WEIGHTS (bf16 or
+mxfp4), REQUESTS (1024), NEW_TOKENS (32), GPU_MEMORY (16GiB), CPU_MEMORY (the planner's default), PROFILE (a profile
+JSON, or a bench report holding one; default docs/results/history/profile-h100-x4.json), DEVICE (cuda;
+cpu: gloo ranks, a smoke test of the script itself).
 """
 
 from __future__ import annotations
@@ -55,10 +59,12 @@ def main() -> None:
         reqs = prompts(int(os.environ.get("REQUESTS", 1024)), config.vocab_size)
         ids, mask = left_padded(reqs)
         profile = load_profile(os.environ.get("PROFILE", "docs/results/history/profile-h100-x4.json"))
-        off = hf_scatter.offload_model(functools.partial(build_model, layers, model=model),
-                                       gpu_memory=os.environ.get("GPU_MEMORY", "16GiB"), profile=profile,
+        extra = {"cpu_memory": os.environ["CPU_MEMORY"]} if "CPU_MEMORY" in os.environ else {}
+        build = functools.partial(build_model, layers, model=model, weights=os.environ.get("WEIGHTS", "bf16"))
+        off = hf_scatter.offload_model(build, gpu_memory=os.environ.get("GPU_MEMORY", "16GiB"), profile=profile,
                                        workload=Workload.from_prompts([len(r) for r in reqs], new_tokens),
-                                       group=dist.group.WORLD, progress=False,
+                                       group=dist.group.WORLD if dist.get_world_size() > 1 else None,
+                                       progress=False, **extra,
                                        **({"device": "cpu"} if device == "cpu" else {}))
         off.generate(ids[:off.policy.batch_size], attention_mask=mask[:off.policy.batch_size], max_new_tokens=3,
                      progress=False)
@@ -77,7 +83,7 @@ def main() -> None:
                 busy = stats.pop("trace")["busy_s"]
                 mine = {"threads": threads, "round": r, "rank": rank, "wall_s": time.perf_counter() - start,
                         "stats": stats, "cpu_attention_busy_s": busy["CPU attention"],
-                        "h2d_weights_busy_s": busy["H2D weights"]}
+                        "h2d_weights_busy_s": busy["H2D weights"], "busy_s": busy}
                 every = [None] * dist.get_world_size()
                 dist.all_gather_object(every, mine)
                 runs.append(every)
@@ -88,6 +94,7 @@ def main() -> None:
         if rank == 0 and len(sys.argv) > 1:
             with open(sys.argv[1], "w") as f:
                 json.dump({"omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "cpu_count": os.cpu_count(),
+                           "weights": os.environ.get("WEIGHTS", "bf16"), "layers": layers,
                            "torch": torch.__version__, "runs": runs}, f, indent=1)
 
 

@@ -244,13 +244,13 @@ def _efficiency_curve(profile: HardwareProfile, field: str) -> tuple[np.ndarray,
     return np.log([m for m, _ in pts]), np.array([e for _, e in pts])
 
 
-def attention_shape(source) -> tuple[int, int, int, bool]:
-    """(query heads, KV heads, head size, keys are the values) of a :class:`ModelSpec` or of a profile's CPU
+def attention_shape(source) -> tuple[int, int, int, bool, bool]:
+    """(query heads, KV heads, head size, keys are the values, sinks) of a :class:`ModelSpec` or of a profile's CPU
     attention point: what CPU decode attention's speed per KV byte depends on besides the hardware."""
     if isinstance(source, dict):
         return (int(source["q_heads"]), int(source["kv_heads"]), int(source["head_dim"]),
-                bool(source.get("values_are_keys", False)))
-    return source.heads, source.kv_heads, source.head_dim, source.values_are_keys
+                bool(source.get("values_are_keys", False)), bool(source.get("sinks", False)))
+    return source.heads, source.kv_heads, source.head_dim, source.values_are_keys, source.attention_sinks
 
 
 def _fit_cpu_attention(points: list) -> tuple[np.ndarray, np.ndarray, float] | None:

@@ -46,7 +46,8 @@ KNOWN_PROFILES: dict[str, Callable[[], HardwareProfile]] = {"h100-host-anchors":
 
 
 def load_profile(ref: str | None = None) -> HardwareProfile:
-    """A known profile by name, a JSON file, or (``None``) the saved profile of this host and device."""
+    """A known profile by name, a JSON file (a profile, or a bench report: the profile it ran on, under
+    ``"profile"``), or (``None``) the saved profile of this host and device."""
     if ref in KNOWN_PROFILES:
         return KNOWN_PROFILES[ref]()
     path = ref or default_profile_path()
@@ -62,4 +63,6 @@ def load_profile(ref: str | None = None) -> HardwareProfile:
             data = json.load(f)
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not valid JSON ({e})") from None
+    if isinstance(data, dict) and isinstance(data.get("profile"), dict):
+        data = data["profile"]  # a bench report's own profile: plan again on the host it measured
     return HardwareProfile.from_dict(data, origin=path)

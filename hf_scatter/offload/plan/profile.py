@@ -40,7 +40,7 @@ class HardwareProfile:
     gpu_bandwidth: float | None = None  # device-to-device copy
     gpu_memory: float | None = None
     gpu_attention_bandwidth: float | None = None  # KV bytes/s of bf16 decode attention
-    gpu_launch_s: float | None = None  # host time to issue one small GPU op (Python + dispatcher + launch)
+    gpu_launch_s: float | None = None  # host time to issue one GPU kernel the planner counts (its notes say how timed)
     gemm_efficiency: list = field(default_factory=list)  # [[rows M, achieved / roofline of an [M,K]x[K,N] bf16 GEMM]]
     # [[rows per expert, achieved / roofline]] of the offloaded runtime's SwiGLU expert kernels (Mixtral-8x7B's
     # expert shape, block sizes as the runtime runs them): decode-sized MoE GEMMs reach less than dense ones

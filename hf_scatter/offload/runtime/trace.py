@@ -9,6 +9,7 @@ https://ui.perfetto.dev.
 from __future__ import annotations
 
 import contextlib
+import statistics
 import threading
 import time
 
@@ -95,7 +96,8 @@ class Tracer:
         how much of that compute ran under a transfer (in a link-bound run the second is the telling one:
         the link cannot be hidden behind less compute than it takes, but the compute can hide under it); and
         each lane's busy seconds within the prefill (a prefill whose lanes idle most of it is bound by the host
-        issuing its work)."""
+        issuing its work); and the driver's median time to issue one micro-batch's decode stage, its
+        pre-attention and post-attention work apart (what the planner's per-kernel launch cost stands for)."""
         spans = self.spans()
         busy = {lane: union([(s, e) for la, _, s, e in spans if la == lane]) for lane in LANES}
         weights = union(busy["H2D weights"] + busy["H2D routed experts"])
@@ -113,4 +115,18 @@ class Tracer:
                 "weight_transfer_s": total, "weight_transfer_overlapped_s": hidden,
                 "weight_transfer_overlap": hidden / total if total else None,
                 "compute_s": computing, "compute_under_transfer": hidden / computing if computing else None,
+                "driver_issue_s": _issue_medians(spans),
                 "span_s": (max(e for *_, e in spans) - min(s for _, _, s, _ in spans)) if spans else 0.0}
+
+
+def _issue_medians(spans) -> dict:
+    """Median seconds of the Driver's "issue pre" and "issue post" spans (one each per micro-batch and stage of
+    decode), and how many of each there were."""
+    kinds = {"pre": [], "post": []}
+    for lane, name, start, end in spans:
+        words = name.split()
+        if lane == "Driver" and words[0] == "issue" and words[1] in kinds:
+            kinds[words[1]].append(end - start)
+    out = {kind: statistics.median(times) if times else None for kind, times in kinds.items()}
+    out["stages"] = {kind: len(times) for kind, times in kinds.items()}
+    return out

@@ -18,6 +18,7 @@ from hf_scatter.offload import (
     turning_points,
 )
 from hf_scatter.offload.plan.cost_model import Lin
+from hf_scatter.offload.plan.hrm import attention_shape
 from hf_scatter.offload.plan.pwl import minimize
 
 GiB = 2**30
@@ -346,6 +347,9 @@ def test_profile_json_round_trip_and_validation(tmp_path, monkeypatch):
     path = ANCHORS.save()  # default location, keyed by host and device
     assert path.startswith(str(tmp_path)) and "H100" in path
     assert load_profile(path) == ANCHORS
+    report = tmp_path / "report.json"  # a bench report holds the profile it ran on
+    report.write_text(json.dumps({"tokens_per_s": 1.0, "profile": ANCHORS.to_dict()}))
+    assert load_profile(str(report)) == ANCHORS
     data = ANCHORS.to_dict()
     data["gpu_flopz"] = 1.0
     bad = tmp_path / "bad.json"
@@ -427,6 +431,32 @@ def test_cpu_attention_measured_at_a_models_own_shape_replaces_the_query_head_sc
     # Mixtral's price is the same whether or not another shape was measured
     assert decode_terms(measured, MIXTRAL, policy, 300.0).evaluate(0, 0).terms["cpu"] == pytest.approx(
         decode_terms(scaled, MIXTRAL, policy, 300.0).evaluate(0, 0).terms["cpu"], rel=1e-12)
+
+
+def test_sinks_are_part_of_the_attention_shape_measured_and_priced():
+    """GPT-OSS's sinks make each CPU attention call longer: the profile measures a GPT-OSS shape with them (the
+    point says so), and only a model with sinks is priced by those points."""
+    from hf_scatter.offload.measure import _cpu_attention_point
+    from hf_scatter.offload.runtime.cpu_attention import AttentionWorker
+
+    gpt_oss = ModelSpec.from_config("gpt-oss-120b")
+    assert gpt_oss.attention_sinks and not MIXTRAL.attention_sinks
+    assert attention_shape(gpt_oss) == (64, 8, 64, False, True)
+    worker = AttentionWorker(1)
+    try:
+        point = _cpu_attention_point(worker, 4, 16, (8, 2, 16, False, True))
+    finally:
+        worker.close()
+    assert point["sinks"] is True and attention_shape(point) == (8, 2, 16, False, True) and point["seconds"] > 0
+    standard = [dict(batch=b, context=c, q_heads=32, kv_heads=8, head_dim=128, dtype_bytes=2,
+                     seconds=2.5e-4 + b * c * 4096 / 50e9) for b in (1, 32) for c in (64, 512)]
+    plain, with_sinks = ([dict(batch=b, context=c, q_heads=64, kv_heads=8, head_dim=64, dtype_bytes=2,
+                               seconds=1e-4 + b * c * 2048 / rate, **extra) for b in (1, 32) for c in (64, 512)]
+                         for rate, extra in ((60e9, {}), (45e9, {"sinks": True})))
+    hrm = HierarchicalRoofline(synthetic(cpu_attention=standard + plain + with_sinks))
+    assert hrm.cpu_attention_rate(512, gpt_oss)[0] == pytest.approx(45e9, rel=1e-6)
+    without = dataclasses.replace(gpt_oss, family="mixtral")  # the same shape, no sinks
+    assert hrm.cpu_attention_rate(512, without)[0] == pytest.approx(60e9, rel=1e-6)
 
 
 def test_plan_reads_deepseek_latent_attention_shared_experts_and_dense_layers(capsys):
@@ -634,6 +664,18 @@ def test_group_attention_is_measured_with_the_ranks_at_once():
     assert 0 < group_attention_seconds(2, calls=3) < 10
 
 
+@pytest.mark.kernel_bodies("reference")  # its subject is the timing's plumbing, not the kernels' arithmetic
+def test_the_launch_cost_is_timed_on_the_runtime_s_own_decode_stages():
+    """The per-kernel launch cost comes from the offloaded runtime issuing a tiny model's decode stages (the driver's
+    traced "issue pre" + "issue post"), divided by the kernels the planner counts for that stage; the family timed
+    is the first given model's."""
+    from hf_scatter.offload.families.spec import KERNELS
+    from hf_scatter.offload.measure import stage_issue_seconds
+
+    seconds, kernels = stage_issue_seconds("gpt_oss", "cpu", new_tokens=3)
+    assert kernels == sum(KERNELS[op] for op in ("qkv", "o_proj", "router", "ffn")) and 0 < seconds < 5
+
+
 def test_a_rank_that_dies_ends_the_group_measurement_at_once_with_its_name():
     """A rank that fails (its traceback printed by its own process) is named within a second, not after the
     timeout, and the others are stopped."""
@@ -719,6 +761,20 @@ def test_plan_command_compares_gpu_counts(tmp_path, capsys):
     assert main(["plan", "--model", "mixtral-8x7b", "--profile", "h100-host-anchors", "--gpus", "1", "2",
                  "--plot", str(tmp_path / "r.png")]) == 2
     assert "--plot draws one plan" in capsys.readouterr().err and not (tmp_path / "r.png").exists()
+
+
+@pytest.mark.gpu
+def test_the_launch_cost_is_the_runtime_s_and_prices_its_stages():
+    """On the GPU, the runtime's decode stage costs the host far more than one small module call (Python, custom
+    ops, Triton's launcher: 13 times per counted kernel on the H100 and H200 hosts), and the profile's launch
+    cost prices a stage at what the driver measured."""
+    from hf_scatter.offload.measure import _gpu_launch, stage_issue_seconds
+
+    p = HardwareProfile(name="here")
+    _gpu_launch(p, quick=True, family="gpt_oss")
+    seconds, kernels = stage_issue_seconds("gpt_oss", "cuda", new_tokens=8)
+    assert 20e-6 < p.gpu_launch_s < 2e-3 and "decode stage of a tiny gpt_oss" in p.notes["gpu_launch_s"]
+    assert p.gpu_launch_s * kernels == pytest.approx(seconds, rel=0.5)  # two runs of one host-bound measurement
 
 
 @pytest.mark.gpu

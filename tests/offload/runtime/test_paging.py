@@ -202,6 +202,12 @@ def test_one_weight_page_per_micro_batch_and_the_trace(tmp_path):
     assert 0 < summary["prefill_s"] <= summary["span_s"] and ends <= min(e["ts"] for e in spans) / 1e6 + \
         summary["prefill_s"] + 1e-9 <= min(e["ts"] for e in decode_attention) / 1e6 + 1e-9
     assert 0 < summary["prefill_busy_s"]["GPU compute"] <= summary["prefill_s"] + 1e-9
+    # the driver's issuing per micro-batch and decode stage (what the planner's launch cost is measured from): a
+    # "pre" for each layer's attention input, a "post" for each layer's output, per step and micro-batch
+    issue = summary["driver_issue_s"]
+    assert issue["stages"] == {"pre": 2 * 2 * 3, "post": 2 * 2 * 3}
+    posts = sorted(e["dur"] / 1e6 for e in by_lane["Driver"] if e["name"].startswith("issue post"))
+    assert issue["post"] == pytest.approx((posts[5] + posts[6]) / 2, rel=1e-6) and issue["pre"] > 0
 
 
 def test_a_wholly_resident_stage_takes_no_slot_so_the_next_one_streams_during_the_last(tmp_path):
