@@ -161,8 +161,14 @@ class HierarchicalRoofline:
         return float(np.interp(math.log(max(rows, 1e-9)), *curve))
 
     def _measured_shape(self, model: ModelSpec | None):
-        """The fit of CPU attention measured at ``model``'s own attention shape, if the profile has one."""
-        return None if model is None else self._cpu_attention_by_shape.get(attention_shape(model))
+        """The fit of CPU attention measured at ``model``'s own attention shape, if the profile has one; for a model
+        with sinks, a profile measured before they were (2026-11-28) gives its shape without them, which is closer
+        than the standard shape scaled."""
+        if model is None:
+            return None
+        shape = attention_shape(model)
+        fit = self._cpu_attention_by_shape.get(shape)
+        return fit if fit is not None or not shape[4] else self._cpu_attention_by_shape.get(shape[:4] + (False,))
 
     def cpu_attention_rate(self, context: float, model: ModelSpec | None = None) -> tuple[float, float]:
         """(KV bytes/s, seconds of overhead per call) of CPU decode attention at this context length: measured

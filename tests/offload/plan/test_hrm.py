@@ -457,6 +457,9 @@ def test_sinks_are_part_of_the_attention_shape_measured_and_priced():
     assert hrm.cpu_attention_rate(512, gpt_oss)[0] == pytest.approx(45e9, rel=1e-6)
     without = dataclasses.replace(gpt_oss, family="mixtral")  # the same shape, no sinks
     assert hrm.cpu_attention_rate(512, without)[0] == pytest.approx(60e9, rel=1e-6)
+    # a profile measured before sinks were: the shape without them prices GPT-OSS, not the standard shape scaled
+    older = HierarchicalRoofline(synthetic(cpu_attention=standard + plain))
+    assert older.cpu_attention_rate(512, gpt_oss)[0] == pytest.approx(60e9, rel=1e-6)
 
 
 def test_plan_reads_deepseek_latent_attention_shared_experts_and_dense_layers(capsys):
