@@ -100,6 +100,20 @@ def _cpu_attention_point(worker, batch: int, context: int, shape=STANDARD_ATTENT
 
 
 @contextlib.contextmanager
+def _beside(work: Callable[[threading.Event], None]):
+    """``work(stop)`` on a thread of its own while the block runs: a load the measurement inside must share the
+    host with, as it does in the pipeline (``work`` returns once ``stop`` is set)."""
+    stop = threading.Event()
+    thread = threading.Thread(target=work, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+@contextlib.contextmanager
 def _link_traffic(device: int = 0):
     """Pinned host->device copies to GPU ``device`` running meanwhile (as the weights stream during decode: they
     take host memory bandwidth from the CPU's attention); nothing without a GPU."""
@@ -109,22 +123,16 @@ def _link_traffic(device: int = 0):
         return
     src = torch.empty(256 * 2**20, dtype=torch.uint8, pin_memory=True)
     dst = torch.empty_like(src, device=f"cuda:{device}")
-    stop = threading.Event()
 
-    def pump():
+    def pump(stop):
         stream = torch.cuda.Stream(device)
         while not stop.is_set():
             with torch.cuda.stream(stream):
                 dst.copy_(src, non_blocking=True)
             stream.synchronize()
 
-    thread = threading.Thread(target=pump, daemon=True)
-    thread.start()
-    try:
+    with _beside(pump):
         yield True
-    finally:
-        stop.set()
-        thread.join()
 
 
 # How much of the time the driver issues while the CPU attends, as the profile's attention is measured: its issue
@@ -144,9 +152,8 @@ def _driver_load(duty: float, period_s: float = 4e-3):
         return
     layer = torch.nn.Linear(16, 16, device="cuda")
     x = torch.ones(1, 16, device="cuda")
-    stop = threading.Event()
 
-    def issue():
+    def issue(stop):
         with torch.no_grad():
             while not stop.is_set():
                 start = time.perf_counter()
@@ -155,13 +162,8 @@ def _driver_load(duty: float, period_s: float = 4e-3):
                 torch.cuda.synchronize()
                 time.sleep((1 - duty) * period_s)
 
-    thread = threading.Thread(target=issue, daemon=True)
-    thread.start()
-    try:
+    with _beside(issue):
         yield True
-    finally:
-        stop.set()
-        thread.join()
 
 
 @contextlib.contextmanager
@@ -175,19 +177,16 @@ def _attention_load(on: bool = True, rows: int = 256, context: int = 256):
     cache = KVCache([[(context, context + 1)] * rows], 1, kv_heads, head_dim, q_heads, torch.bfloat16)
     qkv = torch.randn(rows, (q_heads + 2 * kv_heads) * head_dim).to(torch.bfloat16)
     out = torch.empty(rows, q_heads * head_dim, dtype=torch.bfloat16)
-    worker, stop = AttentionWorker(attention_threads()), threading.Event()
+    worker = AttentionWorker(attention_threads())
 
-    def attend():
+    def attend(stop):
         while not stop.is_set():
             worker.submit(cache.attend, 0, 0, 0, qkv, out).result()
 
-    thread = threading.Thread(target=attend, daemon=True)
-    thread.start()
     try:
-        yield
+        with _beside(attend):
+            yield
     finally:
-        stop.set()
-        thread.join()
         worker.close()
 
 
