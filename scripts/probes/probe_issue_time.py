@@ -9,7 +9,8 @@ post-attention alone; with one micro-batch (four GPUs) that time sits on the dep
 
 Usage (GPU host, repository root): PYTHONPATH=. python3 scripts/probes/probe_issue_time.py OUT_DIR
 Settings (environment): WEIGHTS ("bf16,mxfp4"), MODEL (gpt-oss-120b), LAYERS (6), REQUESTS (1024), NEW_TOKENS (8),
-GPU_MEMORY (16GiB), CPU_MEMORY (80GiB), DEVICE (cuda; cpu: a smoke test of the script), PROFILE (a profile JSON, or a bench report holding one).
+GPU_MEMORY (16GiB), CPU_MEMORY (80GiB), DEVICE (cuda; cpu: a smoke test of the script), PROFILE (a profile JSON,
+or a bench report holding one).
 """
 
 from __future__ import annotations
