@@ -509,8 +509,8 @@ def _add_plan(sub) -> None:
                    help="mean prompt length, or comma-separated lengths (default 512)")
     p.add_argument("--gen-len", type=positive_int, default=64, help="tokens generated per request (default 64)")
     p.add_argument("--num-requests", type=positive_int, help="requests in the workload (caps the batch size)")
-    p.add_argument("--profile", help="profile JSON or a known name ({known_profiles}); default: the saved profile "
-                                     "of this host and device")
+    p.add_argument("--profile", help="profile JSON, a bench report (the profile it ran on) or a known name "
+                                     "({known_profiles}); default: the saved profile of this host and device")
     p.add_argument("--gpu", help="plan for this GPU on the profile's host (spec-sheet peaks): {gpus}")
     p.add_argument("--gpus", type=positive_int, nargs="+", default=[1], metavar="N",
                    help="GPUs of the host as one tensor-parallel group, --gpu-memory on each (default 1); several "
