@@ -250,13 +250,20 @@ class Layout:
     def _lay_out_post(self, l: int, layer) -> None:
         for name, t in self.adapter.shard_post_tensors(layer).items():
             self._place(l, l + 1, f"post.{name}", t.shape, t.dtype)
-        r, columns = self.splits[l].columns, self.adapter.dims.intermediate
-        for name, t in self.adapter.shard_expert_tensors(layer).items():
-            dim, unit = self.adapter.column_dims[name], self.adapter.column_unit(name)
+        for key, part, resident in self.expert_parts(l, layer):
+            (self.resident_tables[l] if resident else self.stage_tables[l + 1]).add(key, part.shape, part.dtype)
+
+    def expert_parts(self, l: int, layer):
+        """Layer ``l``'s expert tensors as kept: (table name, the column range as a view of the tensor, resident?),
+        its first ``splits[l].columns`` intermediate columns resident and the rest streamed."""
+        f = self.adapter
+        r, columns = self.splits[l].columns, f.dims.intermediate
+        for name, t in f.shard_expert_tensors(layer).items():
+            dim, unit = f.column_dims[name], f.column_unit(name)
             if r > 0:
-                self.resident_tables[l].add(f"resident.{name}", _with(t.shape, dim, r // unit), t.dtype)
+                yield f"resident.{name}", t.narrow(dim, 0, r // unit), True
             if r < columns:
-                self.stage_tables[l + 1].add(f"{STREAMED}{name}", _with(t.shape, dim, (columns - r) // unit), t.dtype)
+                yield f"{STREAMED}{name}", t.narrow(dim, r // unit, (columns - r) // unit), False
 
     def _place(self, l: int, stage: int, name: str, shape, dtype) -> None:
         if name in self.splits[l].resident_dense:
@@ -313,13 +320,8 @@ class WeightStore:
             dst = self.resident[l].get(key)
             copy_weight(dst if dst is not None else self.stage_host[stage][key], t)
         if part == "post":
-            r, columns = self.layout.splits[l].columns, f.dims.intermediate
-            for name, t in f.shard_expert_tensors(layer).items():
-                dim, unit = f.column_dims[name], f.column_unit(name)
-                if r > 0:
-                    self.resident[l][f"resident.{name}"].copy_(t.narrow(dim, 0, r // unit))
-                if r < columns:
-                    self.stage_host[stage][f"{STREAMED}{name}"].copy_(t.narrow(dim, r // unit, (columns - r) // unit))
+            for key, columns, resident in self.layout.expert_parts(l, layer):
+                (self.resident[l] if resident else self.stage_host[stage])[key].copy_(columns)
 
     # ----- what a stage reads -----
     def stage_weights(self, stage: int, slot: int | None) -> StageWeights:
@@ -355,12 +357,6 @@ class WeightStore:
         if stage < self.num_layers:
             pre = {**named(self.resident[stage], "pre."), **named(streamed, "pre.")}
         return StageWeights(post, experts, pre)
-
-
-def _with(shape, dim: int, size: int) -> tuple[int, ...]:
-    shape = list(shape)
-    shape[dim] = size
-    return tuple(shape)
 
 
 PAGE_BYTES = 64 * 2**20  # a page is at most this large ...
