@@ -6,6 +6,7 @@ made them, so checkpoints move freely between patched and vanilla models.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 
 from torch import nn
@@ -100,7 +101,7 @@ def _refuse_fully_sharded(root: nn.Module, caller: str) -> None:
 def from_pretrained(path, *args, patch: dict | None = None, **kwargs) -> nn.Module:
     """``AutoModelForCausalLM.from_pretrained(path, ...)`` patched with ``patch_model(**patch)``: loads HF
     checkpoints and ``hf-scatter convert`` output alike (the latter with no per-expert stacking); GPT-OSS's MXFP4
-    experts stay MXFP4 (``models/mxfp4_experts.py``)."""
+    experts stay MXFP4 and block-scaled FP8 checkpoints stay FP8 (:func:`load_as_shipped`)."""
     from transformers import AutoModelForCausalLM
 
     with load_as_shipped():
@@ -108,12 +109,22 @@ def from_pretrained(path, *args, patch: dict | None = None, **kwargs) -> nn.Modu
     return patch_model(model, **(patch or {}))
 
 
+@contextlib.contextmanager
 def load_as_shipped():
-    """A context manager: inside it, ``from_pretrained`` of any loader keeps GPT-OSS's MXFP4 experts as shipped
-    (``models/mxfp4_experts.py``), as :func:`from_pretrained` and :func:`patch_transformers` do."""
-    from .models.mxfp4_experts import mxfp4_as_shipped
+    """A context manager: inside it, ``from_pretrained`` of any loader keeps GPT-OSS's MXFP4 experts
+    (``models/mxfp4_experts.py``) and block-scaled FP8 weights (``models/fp8_experts.py``) as shipped, as
+    :func:`from_pretrained` and :func:`patch_transformers` do."""
+    with contextlib.ExitStack() as stack:
+        for switch in _as_shipped_switches():
+            stack.enter_context(switch.enabled())
+        yield
 
-    return mxfp4_as_shipped()
+
+def _as_shipped_switches():
+    """The quantized formats hf-scatter keeps as shipped, each one entry of transformers' quantizer table."""
+    from .models import fp8_experts, mxfp4_experts
+
+    return (mxfp4_experts.AS_SHIPPED, fp8_experts.AS_SHIPPED)
 
 
 def unpatch_model(model: nn.Module) -> nn.Module:
@@ -136,7 +147,8 @@ def patch_report(model: nn.Module) -> dict[str, str]:
         if graphs is not None:
             impl = GRAPHS_IMPL[graphs.kind] if impl is None else f"{impl}, {GRAPHS_IMPL[graphs.kind]}"
         if impl is None and is_interface_experts(module) and module.config._experts_implementation == SCATTERMOE:
-            impl = f"{SCATTERMOE} (ExpertsInterface)"
+            stored = ", FP8 block-scaled weights as shipped" if hasattr(module, "down_proj_scale_inv") else ""
+            impl = f"{SCATTERMOE} (ExpertsInterface{stored})"
         if impl is not None:
             report[name] = impl
     return report
@@ -163,14 +175,13 @@ def _patching_post_init(options: PatchOptions, family: Family, original_post_ini
 
 def patch_transformers(**options) -> None:
     """Class level: every model of a supported family that transformers builds from now on (``from_pretrained``,
-    ``from_config``, a constructor) comes out patched with ``options``, and GPT-OSS's MXFP4 checkpoints load
-    as shipped (``models/mxfp4_experts.py``). An explicit ``experts_implementation=...`` at load time still
+    ``from_config``, a constructor) comes out patched with ``options``, and MXFP4 and block-scaled FP8
+    checkpoints load as shipped (:func:`load_as_shipped`). An explicit ``experts_implementation=...`` at load time still
     wins. Undo with :func:`unpatch_transformers`."""
-    from .models.mxfp4_experts import load_mxfp4_as_shipped
-
     opts = PatchOptions.from_kwargs("patch_transformers", **options)
     unpatch_transformers()
-    load_mxfp4_as_shipped(True)
+    for switch in _as_shipped_switches():
+        switch.enable(True)
     for family in families().values():
         cls = _family_base(family)
         attrs = {"post_init": _patching_post_init(opts, family, cls.post_init), **family.class_hooks(opts)}
@@ -182,9 +193,8 @@ def patch_transformers(**options) -> None:
 def unpatch_transformers() -> None:
     """Restore every class :func:`patch_transformers` touched; models built while it was on stay patched
     (use :func:`unpatch_model` on those)."""
-    from .models.mxfp4_experts import load_mxfp4_as_shipped
-
-    load_mxfp4_as_shipped(False)
+    for switch in _as_shipped_switches():
+        switch.enable(False)
     while _CLASS_PATCHES:
         cls, attr, saved = _CLASS_PATCHES.pop()
         if saved is _ABSENT:

@@ -63,11 +63,14 @@ CONFIGS = {
     "gpt-oss-20b-bias": _block("gpt-oss-20b", 16384, family="gpt_oss"),
     "mixtral-decode": MoEConfig(*_MIXTRAL, 64, backward=False),
     "qwen3-decode": _block("qwen3-30b-a3b", 64, backward=False),
+    # Qwen3-30B-A3B's layer in inference (the FP8 release's experts are frozen): a prefill chunk
+    "qwen3-prefill": _block("qwen3-30b-a3b", 8192, backward=False),
     # GPT-OSS-120B's layer as it ships (MXFP4 experts): inference only, as its quantized experts are frozen
     "gpt-oss-120b-decode": MoEConfig(**moe_block("gpt-oss-120b"), tokens=64, backward=False, family="gpt_oss"),
     "gpt-oss-120b-prefill": MoEConfig(**moe_block("gpt-oss-120b"), tokens=8192, backward=False, family="gpt_oss"),
 }
-IMPLS = ("hf-eager", "hf-grouped_mm", "hf-batched_mm", "liger", "sonicmoe", "hf-scatter", "hf-scatter-mxfp4", "dense")
+IMPLS = ("hf-eager", "hf-grouped_mm", "hf-batched_mm", "liger", "sonicmoe", "hf-scatter", "hf-scatter-mxfp4",
+         "hf-scatter-fp8", "dense")
 
 
 def hf_experts(cfg: MoEConfig, device, dtype):
@@ -93,20 +96,25 @@ def hf_experts(cfg: MoEConfig, device, dtype):
                 p.normal_(std=0.02)
             else:
                 p.normal_(std=fan_in[name] ** -0.5)
-    experts.mxfp4 = None
+    experts.mxfp4 = experts.fp8 = None
     if cfg.family == "gpt_oss" and cfg.hidden % 32 == 0 and cfg.intermediate % 32 == 0:
         experts.mxfp4 = _as_shipped(experts)  # GPT-OSS ships MXFP4: every implementation reads those values
+    elif not cfg.backward and cfg.hidden % 128 == 0 and cfg.intermediate % 128 == 0:
+        experts.fp8 = _as_shipped(experts, "fp8")  # as an FP8 release ships them: the same values everywhere
     return experts
 
 
-def _as_shipped(experts) -> tuple:
-    """GPT-OSS experts quantized as the checkpoints ship them (one expert at a time), their float weights set to
-    the quantized values, so the bf16 implementations and ``hf-scatter-mxfp4`` compute with the same numbers."""
-    from ..kernels.mxfp4 import quantize_experts
+def _as_shipped(experts, form: str = "mxfp4") -> tuple:
+    """Experts quantized as checkpoints ship them (GPT-OSS's MXFP4, or 128 x 128 block-scaled FP8; one expert
+    at a time), their float weights set to the quantized values, so the bf16 implementations and
+    ``hf-scatter-<form>`` compute with the same numbers."""
+    from ..kernels import fp8_blocks, mxfp4
 
+    quantize_experts = (mxfp4 if form == "mxfp4" else fp8_blocks).quantize_experts
     packed = []
     with torch.no_grad():
-        for w in (experts.gate_up_proj, experts.down_proj):  # [E, in, out]
+        for w in (experts.gate_up_proj, experts.down_proj):
+            w = w if experts.is_transposed else w.transpose(1, 2)  # [E, in, out]
             packed.append(quantize_experts(w))
             w.copy_(packed[-1].dequantize(w.dtype))
     return tuple(packed)
@@ -188,6 +196,11 @@ def _implementations(cfg: MoEConfig, experts, device, dtype, liger_autotune: boo
         return gpt_oss_mxfp4_experts(x, *experts.mxfp4, experts.gate_up_proj_bias, experts.down_proj_bias,
                                      float(experts.alpha), float(experts.limit), idx, gates)
 
+    def ours_fp8(x, idx, gates):
+        from ..moe.mlp import FusedSwiGLU, expert_mlp
+
+        return expert_mlp(x, (experts.fp8[0],), experts.fp8[1], idx, gates, FusedSwiGLU(), validate=False)
+
     expert_params = list(experts.parameters())
     routed: dict[str, Callable | str] = {
         "hf-eager": hf("eager"), "hf-grouped_mm": hf("grouped_mm"), "hf-batched_mm": hf("batched_mm"),
@@ -198,6 +211,10 @@ def _implementations(cfg: MoEConfig, experts, device, dtype, liger_autotune: boo
         "hf-scatter-mxfp4": (ours_mxfp4 if experts.mxfp4 is not None and not cfg.backward else
                              "n/a: MXFP4 weights as GPT-OSS ships them, for GPT-OSS layers (dimensions multiples of "
                              "32) in inference (the quantized experts are frozen)"),
+        "hf-scatter-fp8": (ours_fp8 if experts.fp8 is not None else
+                           "n/a: 128 x 128 block-scaled FP8 weights as DeepSeek-V3 and Qwen3-FP8 ship them, for "
+                           "SwiGLU layers (dimensions multiples of 128) in inference (the quantized experts are "
+                           "frozen)"),
     }
     dense, dense_params = _dense_swiglu((cfg.top_k + cfg.shared_experts) * cfg.intermediate, cfg.hidden, device,
                                         dtype)
@@ -267,7 +284,7 @@ def _first_call_s(fn, params, x, idx, gates, dy, backward: bool) -> float:
 
 
 # Implementations whose forward records into a CUDA graph (no host syncs): their GPU time alone is measurable.
-_GRAPHABLE = ("hf-grouped_mm", "liger", "sonicmoe", "hf-scatter", "hf-scatter-mxfp4", "dense")
+_GRAPHABLE = ("hf-grouped_mm", "liger", "sonicmoe", "hf-scatter", "hf-scatter-mxfp4", "hf-scatter-fp8", "dense")
 
 
 def _call_costs(impl: str, fn, x, idx, gates, calls: int = 100) -> dict:

@@ -298,6 +298,18 @@ def _run(layers, new_tokens, requests, gpu_memory, peer_batch, peer_new_tokens, 
     return report
 
 
+def _check_something_streams(offloaded, layers: int, gpu_memory: str) -> None:
+    """A sweep where every streamed stage keeps its own GPU slot measures nothing: decode never reloads them."""
+    from ..offload.runtime.paging import SLOTS
+
+    streamed = len(offloaded.store.streamed_stages)
+    if streamed <= SLOTS:
+        offloaded.close()
+        raise ValueError(f"--layers {layers} at --gpu-memory {gpu_memory} streams {streamed} stage(s), which stay in "
+                         f"the {SLOTS} GPU slots: decode reloads no weights, so routed streaming has nothing to save; "
+                         f"give more --layers or a smaller --gpu-memory")
+
+
 def _run_routed(layers, new_tokens, gpu_memory, profile, progress, model_name, published_layers,
                 batches: list[int]) -> dict:
     """When routed expert streaming pays: see the module docstring."""
@@ -313,6 +325,7 @@ def _run_routed(layers, new_tokens, gpu_memory, profile, progress, model_name, p
     workload = Workload.from_prompts([len(r) for r in reqs], new_tokens)
     spec = ModelSpec.from_config(model.config, name=f"{model_name} ({layers} of {published_layers} layers)")
     offloaded = hf_scatter.offload_model(model, gpu_memory=budget, profile=prof, workload=workload, progress=progress)
+    _check_something_streams(offloaded, layers, gpu_memory)
     plan = {"cpu_budget": offloaded.cpu_budget, "policy": offloaded.policy.to_dict(),
             "weights_gpu_fraction": offloaded.store.layout.fraction}
     try:

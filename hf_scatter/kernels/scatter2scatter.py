@@ -11,20 +11,23 @@ Unlike the original ScatterMoE, a tile never straddles two experts: tiles are la
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
 from .backend import cdiv, fit_shared_memory, fitted_block, fitting_configs, kernels_enabled, launch, next_power_of_2, triton_interpreted, triton_runs, use_triton
 from .checks import check_float, check_index, check_like, check_out, fail
 from .custom_ops import mutating_op, run_op, tf32_allowed
+from .fp8_blocks import Fp8BlockWeight
 from .mxfp4 import Mxfp4Weight, scaled_dot_enabled
 from .swiglu import SILU, GateForm, swiglu_reference
+from .weight_formats import is_quantized, operands, weight_of
 
 if kernels_enabled():
     import triton
     import triton.language as tl
 
+    from .fp8_blocks import e4m3_tile, fp8_block_tile, fp8_column_scales
     from .mxfp4 import mxfp4_operands, mxfp4_tile
     from .swiglu import swiglu_tile
     from .tiling import dot_accumulate, grouped_tile
@@ -39,12 +42,17 @@ if kernels_enabled():
         FAN_OUT: tl.constexpr, X_GROUPED: tl.constexpr, Y_GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr,
         ALLOW_TF32: tl.constexpr, UPCAST: tl.constexpr, GLU: tl.constexpr, GLU_CONCAT: tl.constexpr,
         STORE_Y: tl.constexpr, SKIP_BIN: tl.constexpr, W_MXFP4: tl.constexpr, SCALED_DOT: tl.constexpr,
+        W_FP8: tl.constexpr, W_BLOCK_N: tl.constexpr, W_BLOCK_K: tl.constexpr, CONVERT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ):
         # W_MXFP4: w_ptr holds the weight as MXFP4 bytes [E, N, K / 2] (two values of row n per byte, low nibble
         # first) and scales_ptr its exponents [E, N, K / 32]; each [BLOCK_K, BLOCK_N] tile is decoded in
         # registers (exact in the activations' dtype) right before its product, so HBM holds and serves 4.25
         # bits per weight.
+        # W_FP8: w_ptr holds the weight as e4m3 bytes [E, N, K] and scales_ptr its float32 scales
+        # [E, N / W_BLOCK_N, K / W_BLOCK_K]; each tile is converted and scaled in registers (the float32 product
+        # rounded once, as transformers dequantizes), so HBM serves 1 byte per weight. A K step within one block
+        # along K loads one scale per column; a step across blocks one per weight.
         # GLU: the N = 2I columns are [gate, up] pairs and the epilogue also writes h = act(gate) * up [M, I]
         # (``y``, the pre-activation, only with STORE_Y). A tile holds BLOCK_N / 2 pairs side by side, so one
         # split in registers separates them: interleaved weights ([g0, u0, g1, u1, ...]) are read as they lie;
@@ -95,6 +103,19 @@ if kernels_enabled():
                     x_odd = tl.load(x_even_ptr + stride_xk, mask=x_mask, other=0.0)
                     acc = dot_accumulate(acc, x_even, w_even.to(x_even.dtype), UPCAST, ALLOW_TF32)
                     acc = dot_accumulate(acc, x_odd, w_odd.to(x_odd.dtype), UPCAST, ALLOW_TF32)
+                elif W_FP8:
+                    x = tl.load(x_tile_ptr, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                    e64 = tl.minimum(expert, E - 1).to(tl.int64)
+                    if W_BLOCK_K % BLOCK_K == 0:  # the step within one block along K: a scale per column
+                        w = e4m3_tile(w_ptr, e64, k0, K, cols, col_mask, stride_we, stride_wn, BLOCK_K, CONVERT)
+                        w = w * fp8_column_scales(scales_ptr, e64, k0, cols, col_mask, stride_se, stride_sn,
+                                                  BLOCK_K, W_BLOCK_N, W_BLOCK_K)[None, :]
+                    else:
+                        w = fp8_block_tile(w_ptr, scales_ptr, e64, k0, K, cols, col_mask, stride_we, stride_wn,
+                                           stride_se, stride_sn, BLOCK_K, W_BLOCK_N, W_BLOCK_K, CONVERT)
+                    if not UPCAST:  # the interpreter truncates a cast to bf16: it keeps the float32 values
+                        w = w.to(x.dtype)  # the value transformers dequantizes to: float32 product, rounded once
+                    acc = dot_accumulate(acc, x, w, UPCAST, ALLOW_TF32)
                 else:
                     x = tl.load(x_tile_ptr, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
                     w = tl.load(w_tile_ptr, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
@@ -272,8 +293,8 @@ def tile_rows(num_rows: int, num_experts: int) -> int:
 def scatter2scatter_reference(x, weight, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, fan_out,
                               x_grouped, y_grouped, bias=None, out=None):
     """Pure-torch definition of :func:`scatter2scatter` (tests, and devices without Triton)."""
-    if isinstance(weight, Mxfp4Weight):
-        weight = weight.dequantize(x.dtype)  # exact in any float dtype the kernel computes in
+    if is_quantized(weight):
+        weight = weight.dequantize(x.dtype)  # the values the kernel computes with
     M = sorted_scattered_idxs.numel()
     rows = x if x_grouped else x.index_select(0, sorted_scattered_idxs // fan_out)
     y_sorted = rows.new_zeros((M, weight.shape[2]))  # a skip bin's rows (one bin more than experts) stay zero
@@ -297,7 +318,7 @@ def scatter2scatter_triton(x, weight, sorted_expert_idxs, sorted_scattered_idxs,
                            h_out=None):
     """Launch the Triton kernel into ``out`` ([M, N]); inputs are assumed validated. With a gate form ``glu``,
     also ``h_out`` [M, N/2] = act(gate) * up of the [gate, up] columns (``out`` None: h alone). ``weight``: a
-    tensor, or an :class:`Mxfp4Weight` read as it is stored."""
+    tensor, or an :class:`Mxfp4Weight` or :class:`Fp8BlockWeight` read as it is stored."""
     M, K, N, E = sorted_scattered_idxs.numel(), weight.shape[1], weight.shape[2], weight.shape[0]
     if M == 0 or N == 0:
         return out
@@ -309,9 +330,13 @@ def scatter2scatter_triton(x, weight, sorted_expert_idxs, sorted_scattered_idxs,
     y = out if out is not None else h_out
     b = bias if bias is not None else y
     h = h_out if h_out is not None else y
-    mxfp4 = isinstance(weight, Mxfp4Weight)
+    mxfp4, fp8 = isinstance(weight, Mxfp4Weight), isinstance(weight, Fp8BlockWeight)
+    w_block = (1, 1)
     if mxfp4:  # bytes [E, N, K / 2] and exponents [E, N, K / 32]
         w, scales = weight.blocks, weight.scales
+        w_strides, s_strides = (w.stride(0), 1, w.stride(1)), (scales.stride(0), scales.stride(1))
+    elif fp8:  # bytes [E, N, K] and float32 scales [E, N / bn, K / bk]
+        w, scales, w_block = weight.weight.view(torch.uint8), weight.scale_inv, weight.block
         w_strides, s_strides = (w.stride(0), 1, w.stride(1)), (scales.stride(0), scales.stride(1))
     else:
         w, scales = weight, weight
@@ -323,34 +348,25 @@ def scatter2scatter_triton(x, weight, sorted_expert_idxs, sorted_scattered_idxs,
                 ALLOW_TF32=allow_tf32, UPCAST=interpreted and x.dtype == torch.bfloat16, GLU=glu is not None,
                 GLU_CONCAT=glu is not None and not glu.interleaved, STORE_Y=out is not None,
                 SKIP_BIN=int(expert_offsets.numel() > E), W_MXFP4=mxfp4,
-                SCALED_DOT=mxfp4 and x.dtype == torch.bfloat16 and scaled_dot_enabled(), BLOCK_M=block_m)
+                SCALED_DOT=mxfp4 and x.dtype == torch.bfloat16 and scaled_dot_enabled(), W_FP8=fp8, W_BLOCK_N=w_block[0], W_BLOCK_K=w_block[1],
+                CONVERT=not interpreted, BLOCK_M=block_m)
     grid = lambda cfg: (num_tiles * cdiv(N, cfg["BLOCK_N"]),)  # noqa: E731
     interpreter_blocks = dict(BLOCK_N=min(128, max(16, next_power_of_2(N))),
                               BLOCK_K=min(128, max(16, next_power_of_2(K))), GROUP_M=4)
     tune_key = (K, N, block_m, x_grouped, y_grouped, fan_out, bias is not None, allow_tf32, x.dtype, w.dtype,
-                y.dtype, meta["GLU"], meta["GLU_CONCAT"], meta["STORE_Y"], meta["SKIP_BIN"])
+                y.dtype, meta["GLU"], meta["GLU_CONCAT"], meta["STORE_Y"], meta["SKIP_BIN"], meta["W_MXFP4"], fp8, w_block)
     launch(_scatter2scatter_kernel, _scatter2scatter_tuned, _S2S_CONFIGS, {"BLOCK_N": N, "BLOCK_K": K}, grid,
            args, meta, interpreter_blocks, tune_key, None if interpreted else _table_config(K, N, block_m, x.element_size()))
     return out
 
 
 # ---------------------------------------------------------------------------------------------- op
-def _operands(weight) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """A weight as the ops take it (custom ops take tensors): (tensor, None) or (MXFP4 blocks, scales)."""
-    if isinstance(weight, Mxfp4Weight):
-        return weight.blocks, weight.scales
-    return weight, None
-
-
-def _weight_of(weight: torch.Tensor, weight_scales: Optional[torch.Tensor]):
-    return weight if weight_scales is None else Mxfp4Weight(weight, weight_scales)
-
-
 def _scatter2scatter_impl(x: torch.Tensor, weight: torch.Tensor, sorted_expert_idxs: torch.Tensor,
                           sorted_scattered_idxs: torch.Tensor, expert_offsets: torch.Tensor, fan_out: int,
                           x_grouped: bool, y_grouped: bool, bias: Optional[torch.Tensor], out: torch.Tensor,
-                          allow_tf32: bool, weight_scales: Optional[torch.Tensor] = None) -> None:
-    weight = _weight_of(weight, weight_scales)
+                          allow_tf32: bool, weight_scales: Optional[torch.Tensor] = None,
+                          weight_block: Optional[List[int]] = None) -> None:
+    weight = weight_of(weight, weight_scales, weight_block)
     if triton_runs(x, "scatter2scatter"):
         scatter2scatter_triton(x, weight, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, fan_out,
                                x_grouped, y_grouped, bias, out, allow_tf32)
@@ -366,8 +382,9 @@ def _scatter2scatter_swiglu_impl(x: torch.Tensor, weight: torch.Tensor, sorted_e
                                  sorted_scattered_idxs: torch.Tensor, expert_offsets: torch.Tensor, fan_out: int,
                                  bias: Optional[torch.Tensor], alpha: float, limit: float, up_shift: float,
                                  interleaved: bool, out: Optional[torch.Tensor], h_out: torch.Tensor,
-                                 allow_tf32: bool, weight_scales: Optional[torch.Tensor] = None) -> None:
-    weight = _weight_of(weight, weight_scales)
+                                 allow_tf32: bool, weight_scales: Optional[torch.Tensor] = None,
+                                 weight_block: Optional[List[int]] = None) -> None:
+    weight = weight_of(weight, weight_scales, weight_block)
     form = GateForm(alpha, limit, up_shift, interleaved)
     if triton_runs(x, "scatter2scatter"):
         scatter2scatter_triton(x, weight, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, fan_out,
@@ -388,7 +405,8 @@ def scatter2scatter(x: torch.Tensor, weight: torch.Tensor, sorted_expert_idxs: t
     """``y[i or idx[i]] = x[i or idx[i] // fan_out] @ weight[e(i)] (+ bias[e(i)])`` over expert-sorted rows ``i``.
 
     ``weight`` is [E, d_in, d_out] with any strides (a transposed view of an HF [E, d_out, d_in] tensor
-    is read in place), or an :class:`Mxfp4Weight` of that shape (decoded in the kernel). Returns ``out`` of
+    is read in place), or an :class:`Mxfp4Weight` or :class:`Fp8BlockWeight` of that shape (decoded in the
+    kernel). Returns ``out`` of
     shape [M, d_out], M = number of (token, expert) slots.
     """
     scatter2scatter_checks(x, weight, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, fan_out, x_grouped,
@@ -402,7 +420,7 @@ def scatter2scatter_checks(x, weight, sorted_expert_idxs, sorted_scattered_idxs,
     """:func:`scatter2scatter`'s argument checks: a ValueError naming the argument and the fix."""
     op = "scatter2scatter"
     check_float(op, "x", x, 2)
-    if isinstance(weight, Mxfp4Weight):  # validated when made; values exact in any float dtype of x
+    if is_quantized(weight):  # validated when made
         if weight.device != x.device:
             fail(op, f"weight is on {weight.device} but the input is on {x.device}; put all tensors on one device")
     else:
@@ -448,10 +466,10 @@ def scatter2scatter_swiglu(x: torch.Tensor, weight: torch.Tensor, sorted_expert_
     M, N = sorted_scattered_idxs.shape[0], weight.shape[2]
     pre = x.new_empty((M, N)) if keep_pre_activation else None
     h = x.new_empty((M, N // 2))
-    weight, scales = _operands(weight)
+    weight, scales, block = operands(weight)
     run_op(_scatter2scatter_swiglu_op, _scatter2scatter_swiglu_impl, x, weight, sorted_expert_idxs,
            sorted_scattered_idxs, expert_offsets, fan_out, bias, *form.numbers, form.interleaved, pre, h,
-           tf32_allowed(), scales)
+           tf32_allowed(), scales, block)
     return pre, h
 
 
@@ -460,7 +478,7 @@ def scatter2scatter_unchecked(x, weight, sorted_expert_idxs, sorted_scattered_id
     """:func:`scatter2scatter` without the checks (see ``custom_ops``: for callers that validated already)."""
     if out is None:
         out = x.new_empty((sorted_scattered_idxs.shape[0], weight.shape[2]))
-    weight, scales = _operands(weight)
+    weight, scales, block = operands(weight)
     run_op(_scatter2scatter_op, _scatter2scatter_impl, x, weight, sorted_expert_idxs, sorted_scattered_idxs,
-           expert_offsets, fan_out, x_grouped, y_grouped, bias, out, tf32_allowed(), scales)
+           expert_offsets, fan_out, x_grouped, y_grouped, bias, out, tf32_allowed(), scales, block)
     return out

@@ -52,6 +52,8 @@ def patch_interface_experts(model: nn.Module, options, class_default: bool = Fal
     experts = [m for m in model.modules() if is_interface_experts(m)]
     if not experts:
         return
+    if any(type(m).__name__ == "FP8Experts" for m in experts):  # transformers' FP8 experts have a table of their own
+        register_fp8_experts_backend()
     current = model.config._experts_implementation
     if class_default:  # the class-level default already applied; what the user chose at load time stands
         _show_choice_in_repr(experts, current == SCATTERMOE)
@@ -76,10 +78,40 @@ def register_experts_backend() -> None:
     ALL_EXPERTS_FUNCTIONS.register(SCATTERMOE, scattermoe_experts_forward)
 
 
+def register_fp8_experts_backend() -> None:
+    """transformers' FP8 experts (``FP8Experts``, their own ``ExpertsInterface`` table) dispatch
+    ``experts_implementation="scattermoe"`` to the same forward, which reads their FP8 weights in place. Added
+    when such experts are first built or patched: the table's module costs 0.6 s to import."""
+    from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS
+
+    ALL_FP8_EXPERTS_FUNCTIONS.register(SCATTERMOE, scattermoe_experts_forward)
+
+
+def fp8_expert_weight(experts: nn.Module, name: str):
+    """``experts.<name>`` as stored by transformers' ``FP8Experts`` ([E, out, in] FP8 beside ``<name>_scale_inv``),
+    or None when that projection is not block-scaled FP8."""
+    weight, scale = getattr(experts, name, None), getattr(experts, f"{name}_scale_inv", None)
+    if weight is None or scale is None:
+        return None
+    from ..kernels.fp8_blocks import FP8_DTYPE, Fp8BlockWeight
+
+    if weight.dtype != FP8_DTYPE:
+        raise ValueError(f"hf_scatter: {type(experts).__name__}.{name} is stored as {weight.dtype} (FP4-packed "
+                         "experts); hf-scatter reads block-scaled FP8 experts only: load the checkpoint with "
+                         "quantization_config=FineGrainedFP8Config(dequantize=True) to get bf16 weights")
+    if scale.dtype != torch.float32:
+        scale = scale.to(torch.float32)  # power-of-two (ue8m0) scales hold exact float32 values
+    return Fp8BlockWeight(weight, scale)
+
+
 def _uses_default_gate(experts: torch.nn.Module) -> bool:
     from transformers.integrations.moe import _default_apply_gate
 
-    return getattr(type(experts), "_apply_gate", _default_apply_gate) is _default_apply_gate
+    if getattr(type(experts), "_apply_gate", _default_apply_gate) is _default_apply_gate:
+        return True
+    # transformers' FP8Experts carries a gate of its own, the default one unless its config clamps or softcaps
+    return type(experts).__name__ == "FP8Experts" and all(
+        getattr(experts, name, None) is None for name in ("swiglu_alpha", "limit", "gate_softcap", "up_softcap"))
 
 
 def _fused_gate_form(experts: torch.nn.Module):
@@ -146,6 +178,7 @@ def _local_routes(num_local: int, top_k_index: torch.Tensor, top_k_weights: torc
 
 def scattermoe_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                                top_k_weights: torch.Tensor) -> torch.Tensor:
+    from ..kernels.weight_formats import is_quantized
     from ..moe.mlp import FusedSwiGLU, expert_mlp, glu_activation  # the kernels load on first use
 
     routing = None
@@ -154,12 +187,16 @@ def scattermoe_experts_forward(self: torch.nn.Module, hidden_states: torch.Tenso
     elif _maybe_expert_parallel(self):
         top_k_index, top_k_weights = _local_routes(self.num_experts, top_k_index, top_k_weights)
 
-    def kernel_layout(w: torch.Tensor) -> torch.Tensor:  # [E, d_in, d_out], a view either way
+    def kernel_layout(name: str):  # [E, d_in, d_out]: a view, or FP8 weights read as stored
+        quantized = fp8_expert_weight(self, name)
+        if quantized is not None:
+            return quantized
+        w = getattr(self, name)
         return w if self.is_transposed else w.transpose(1, 2)
 
     has_bias = getattr(self, "has_bias", False)
     if getattr(self, "has_gate", True):
-        w_in, b_in = self.gate_up_proj, (self.gate_up_proj_bias if has_bias else None)
+        w_in, b_in = kernel_layout("gate_up_proj"), (self.gate_up_proj_bias if has_bias else None)
         fused_form = _fused_gate_form(self)
         if fused_form is not None:
             activation = FusedSwiGLU(fused_form)
@@ -168,12 +205,15 @@ def scattermoe_experts_forward(self: torch.nn.Module, hidden_states: torch.Tenso
         else:
             activation = self._apply_gate  # interleaved [g0, u0, ...] or a family-specific gate (clamps, alpha)
     else:
-        w_in, b_in = self.up_proj, (self.up_proj_bias if has_bias else None)
+        w_in, b_in = kernel_layout("up_proj"), (self.up_proj_bias if has_bias else None)
         activation = self.act_fn
+    w_out = kernel_layout("down_proj")
+    if not isinstance(activation, FusedSwiGLU) and is_quantized(w_out):  # a gate only torch ops compute
+        w_in, w_out = w_in.dequantize(hidden_states.dtype), w_out.dequantize(hidden_states.dtype)
     post_norm = self.post_expert_norm if getattr(self, "has_post_expert_norm", False) else None
     x = hidden_states.reshape(-1, hidden_states.shape[-1])
     # Router top-k ids are in range by construction: skip the validating host sync on the hot path.
-    out = expert_mlp(x, (kernel_layout(w_in),), kernel_layout(self.down_proj), top_k_index.reshape(x.shape[0], -1),
+    out = expert_mlp(x, (w_in,), w_out, top_k_index.reshape(x.shape[0], -1),
                      top_k_weights.reshape(x.shape[0], -1), activation, b_in=(b_in,),
                      b_out=self.down_proj_bias if has_bias else None, post_norm=post_norm, validate=False,
                      routing=routing)

@@ -9,7 +9,7 @@ kernels do not run). ``save_pretrained`` writes the same keys back.
 
 transformers picks a checkpoint's quantizer by its ``quant_method`` from one table and offers no other way to
 load MXFP4 without dequantizing (a ``quantization_config`` argument only toggles ``dequantize``, which the stock
-quantizer turns back on without the hub kernels). :func:`load_mxfp4_as_shipped` points that table's
+quantizer turns back on without the hub kernels). :data:`AS_SHIPPED` points that table's
 ``"mxfp4"`` entry at :class:`Mxfp4AsShippedQuantizer`, which builds these modules in place of ``GptOssExperts``
 before the weights load, as transformers' own quantizers replace modules; ``Mxfp4Config(dequantize=True)``
 still gets the stock quantizer. ``hf_scatter.patch_transformers()`` and ``hf_scatter.from_pretrained`` switch
@@ -21,7 +21,6 @@ them train, so LoRA on attention works through them (the backward decodes one la
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 
@@ -30,6 +29,7 @@ from torch import nn
 from transformers.quantizers.base import HfQuantizer
 
 from ..kernels.mxfp4 import GROUP, Mxfp4Weight
+from .quantizer_switch import QuantizerSwitch
 
 QUANT_METHOD = "mxfp4"
 
@@ -133,30 +133,7 @@ def _choose_quantizer(config, **kwargs):
     return Mxfp4AsShippedQuantizer(config, **kwargs)
 
 
-_STOCK: list = []  # the table's own entry while ours is in place
-
-
-def load_mxfp4_as_shipped(enable: bool = True) -> None:
-    """Point transformers' ``"mxfp4"`` quantizer entry at ours (``enable``) or give the stock one back."""
-    from transformers.quantizers import auto
-
-    if enable and not _STOCK:
-        _STOCK.append(auto.AUTO_QUANTIZER_MAPPING[QUANT_METHOD])
-        auto.AUTO_QUANTIZER_MAPPING[QUANT_METHOD] = _choose_quantizer
-    elif not enable and _STOCK:
-        auto.AUTO_QUANTIZER_MAPPING[QUANT_METHOD] = _STOCK.pop()
-
-
-@contextlib.contextmanager
-def mxfp4_as_shipped():
-    """MXFP4 checkpoints load as shipped inside this block; the table is as it was after it."""
-    already = bool(_STOCK)
-    load_mxfp4_as_shipped(True)
-    try:
-        yield
-    finally:
-        if not already:
-            load_mxfp4_as_shipped(False)
+AS_SHIPPED = QuantizerSwitch(QUANT_METHOD, _choose_quantizer)  # switched on by hf_scatter's loaders
 
 
 def quantize_gpt_oss_experts(model: nn.Module) -> nn.Module:

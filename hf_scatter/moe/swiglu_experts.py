@@ -27,10 +27,10 @@ from ..kernels.custom_ops import profiled
 from ..kernels.gating import gate_mix_unchecked
 from ..kernels.group import group_unchecked
 from ..kernels.library_gemm import grouped_mm_applies, grouped_mm_rows, grouped_mm_rows_apply
-from ..kernels.mxfp4 import Mxfp4Weight
 from ..kernels.scatter2scatter import scatter2scatter_swiglu, scatter2scatter_unchecked
 from ..kernels.swiglu import SILU, GateForm
 from ..kernels.swiglu_grad_gemm import swiglu_grad_gemm_unchecked
+from ..kernels.weight_formats import is_quantized
 from ..common.dtypes import autocast_operands
 from .parallel_linear import (dw_operand, expert_weight_grad, grouped_copy_pays, saved_weight, weight_to_save,
                               with_bias_term)
@@ -79,9 +79,9 @@ class _SwiGLUExperts(torch.autograd.Function):
         y, gate_up = _forward(x, w_in, w_out, gates, b_in, b_out, form, k, routing)
         ctx.k, ctx.form = k, form
         ctx.consumed = False
-        ctx.quantized = tuple(w if isinstance(w, Mxfp4Weight) else None for w in (w_in, w_out))
+        ctx.quantized = tuple(w if is_quantized(w) else None for w in (w_in, w_out))
         (w_in_kept, ctx.w_in_view), (w_out_kept, ctx.w_out_view) = (
-            (None, None) if isinstance(w, Mxfp4Weight) else weight_to_save(w) for w in (w_in, w_out))
+            (None, None) if is_quantized(w) else weight_to_save(w) for w in (w_in, w_out))
         ctx.save_for_backward(x, w_in_kept, w_out_kept, gates, b_in, b_out, gate_up, *routing)  # h: recomputed
         return y
 
@@ -152,7 +152,7 @@ def swiglu_experts(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, gat
     ``act`` the gate ``form`` over the [gate, up] columns (SiLU: ``silu(g) * u``).
 
     ``w_in`` [E, d, 2I] and ``w_out`` [E, I, d] in kernel layout (transposed views welcome; or
-    :class:`Mxfp4Weight`, frozen: their gradients are not computed), biases [E, 2I] /
+    a quantized ``Mxfp4Weight`` / ``Fp8BlockWeight``, frozen: their gradients are not computed), biases [E, 2I] /
     [E, d] or None; ``routing`` from :func:`flatten_sort_count`. Same result and gradients as the
     ParallelLinear chain, at a lower backward peak.
     """

@@ -4,6 +4,7 @@ the expert GEMMs read MXFP4 weights in place with the result of their values in 
 
 import pytest
 import torch
+from moe_reference import relative_error, routing_case, scatter2scatter_error
 
 from hf_scatter.kernels.mxfp4 import (E2M1_VALUES, GROUP, Mxfp4Weight, dequantize_mxfp4, dequantize_mxfp4_reference,
                                       quantize_mxfp4)
@@ -88,23 +89,9 @@ def test_bad_input_names_the_tensor_and_the_layout():
 
 
 # ------------------------------------------------------------------------ expert GEMMs on MXFP4 weights
-def _routing(T, k, E, device, empty_expert: bool):
-    from hf_scatter.moe import flatten_sort_count
-
-    g = torch.Generator().manual_seed(T * k + E)
-    first = 1 if empty_expert else 0  # expert 0 never chosen
-    idx = torch.stack([first + torch.randperm(E - first, generator=g)[:k] for _ in range(T)]).to(device)
-    return idx, flatten_sort_count(idx, E)
-
-
 def _weight(E, N, K, device, seed) -> Mxfp4Weight:
     # scales around 2**-7 keep values near trained weights' size; every code of the format appears
     return Mxfp4Weight(*_random_checkpoint(E, N, K // GROUP, device, seed, scale_range=(118, 124)))
-
-
-def _rel_err(out, ref):
-    assert out.shape == ref.shape and out.isfinite().all(), "unwritten (poisoned) rows"
-    return ((out.double() - ref).norm() / ref.norm()).item()
 
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # fp32 accumulation over K; bf16: the output's rounding
@@ -116,25 +103,11 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # fp32 accumulation over K; b
 def test_scatter2scatter_reads_mxfp4_weights_in_place(device, dtype, x_grouped, y_grouped, with_bias, empty_expert):
     """Odd d_out, d_in of three groups, an expert no token chose, output poisoned: every slot equals the float64
     product with the weight's values."""
-    from hf_scatter.kernels.scatter2scatter import scatter2scatter
-
-    T, k, E, K, N = 29, 3, 5, 96, 37
-    idx, (se, ss, off) = _routing(T, k, E, device, empty_expert)
+    E, K, N = 5, 96, 37
     weight = _weight(E, N, K, device, seed=5)
     values = dequantize_mxfp4_reference(weight.blocks.cpu(), weight.scales.cpu(), torch.float64).transpose(1, 2)
-    bias = torch.randn(E, N, device=device, dtype=dtype) if with_bias else None
-    x_tok = torch.randn(T, K, device=device, dtype=dtype)
-    x = x_tok[ss // k] if x_grouped else x_tok
-    out = torch.full((T * k, N), float("nan"), device=device, dtype=dtype)
-    scatter2scatter(x, weight, se, ss, off, fan_out=1 if x_grouped else k, x_grouped=x_grouped, y_grouped=y_grouped,
-                    bias=bias, out=out)
-    rows = x_tok.double().cpu()[ss.cpu() // k]  # slot order of the sort
-    want = torch.einsum("sk,skn->sn", rows, values[se.cpu()])
-    if bias is not None:
-        want += bias.double().cpu()[se.cpu()]
-    if not y_grouped:
-        want = torch.empty_like(want).index_copy_(0, ss.cpu(), want)
-    assert _rel_err(out.cpu(), want) < TOL[dtype]
+    error = scatter2scatter_error(weight, values, device, dtype, x_grouped, y_grouped, with_bias, empty_expert)
+    assert error < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -146,7 +119,7 @@ def test_gpt_oss_experts_on_mxfp4_equal_their_values_forward_and_input_gradient(
     from hf_scatter.moe.swiglu_experts import swiglu_experts
 
     T, k, E, d, inter = 23, 2, 4, 64, 96
-    _, routing = _routing(T, k, E, device, empty_expert=True)
+    _, routing = routing_case(T, k, E, device, empty_expert=True)
     w_in, w_out = _weight(E, 2 * inter, d, device, seed=1), _weight(E, d, inter, device, seed=2)
     b_in = torch.randn(E, 2 * inter, device=device, dtype=dtype)
     b_out = torch.randn(E, d, device=device, dtype=dtype)
@@ -162,9 +135,9 @@ def test_gpt_oss_experts_on_mxfp4_equal_their_values_forward_and_input_gradient(
     got = run(w_in, w_out)
     want = run(w_in.dequantize(dtype), w_out.dequantize(dtype))  # frozen (no requires_grad), like the MXFP4 ones
     for g, w in zip(got, want):
-        assert _rel_err(g.cpu(), w.double().cpu()) < TOL[dtype]
+        assert relative_error(g.cpu(), w.double().cpu()) < TOL[dtype]
     with torch.no_grad():  # generation: no autograd node
-        assert _rel_err(swiglu_experts(x, w_in, w_out, gates, routing, b_in, b_out, form).cpu(),
+        assert relative_error(swiglu_experts(x, w_in, w_out, gates, routing, b_in, b_out, form).cpu(),
                         want[0].double().cpu()) < TOL[dtype]
 
 

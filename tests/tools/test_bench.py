@@ -233,15 +233,18 @@ def test_bench_convert_runs_on_the_cpu_and_writes_json_table_png(tmp_path, monke
     assert sorted(p.name for p in tmp_path.iterdir()) == ["convert.json", "convert.png"], "checkpoints left behind"
 
 
-@pytest.mark.parametrize("family,shared", [("mixtral", 0), ("mixtral", 2), ("gpt_oss", 0)])
-def test_bench_moe_peers_compute_the_same_layer(family, shared):
+@pytest.mark.parametrize("family,shared,shipped", [("mixtral", 0, None), ("mixtral", 2, None), ("gpt_oss", 0, "mxfp4"),
+                                                   ("mixtral", 0, "fp8")])
+def test_bench_moe_peers_compute_the_same_layer(family, shared, shipped):
     """Every implementation bench moe times computes transformers' eager experts (plus the same shared
-    experts), so the timings compare one computation; peers that cannot run the family say why."""
+    experts), so the timings compare one computation; peers that cannot run the family say why. In inference,
+    GPT-OSS layers (dimensions in groups of 32) also run on MXFP4 weights and SwiGLU layers (dimensions in
+    blocks of 128) on FP8 ones, every peer on the same quantized values."""
     from hf_scatter.bench import moe
 
-    gpt_oss = family == "gpt_oss"  # MXFP4 experts too: dimensions in groups of 32, inference
-    cfg = moe.MoEConfig(hidden=64 if gpt_oss else 24, intermediate=32 if gpt_oss else 20, experts=5, top_k=2,
-                        tokens=9, shared_experts=shared, family=family, backward=not gpt_oss)
+    size = {None: (24, 20), "mxfp4": (64, 32), "fp8": (128, 128)}[shipped]
+    cfg = moe.MoEConfig(hidden=size[0], intermediate=size[1], experts=5, top_k=2, tokens=9, shared_experts=shared,
+                        family=family, backward=shipped is None)
     torch.manual_seed(0)
     experts = moe.hf_experts(cfg, "cpu", torch.float32)
     x, idx, gates, _ = moe.routed_batch(cfg.tokens, cfg.hidden, cfg.experts, cfg.top_k, "cpu", torch.float32)
@@ -249,10 +252,10 @@ def test_bench_moe_peers_compute_the_same_layer(family, shared):
     assert set(table) == set(moe.IMPLS)
     ref = table["hf-eager"][0](x, idx, gates)
     assert ref.abs().max() > 0
-    for impl in ("hf-grouped_mm", "hf-scatter") + (("hf-scatter-mxfp4",) if gpt_oss else ()):
+    for impl in ("hf-grouped_mm", "hf-scatter") + ((f"hf-scatter-{shipped}",) if shipped else ()):
         torch.testing.assert_close(table[impl][0](x, idx, gates), ref, rtol=1e-4, atol=1e-5, msg=impl)
-    if not gpt_oss:
-        assert table["hf-scatter-mxfp4"].startswith("n/a")
+    for other in {"mxfp4", "fp8"} - {shipped}:
+        assert table[f"hf-scatter-{other}"].startswith("n/a")
     if family == "gpt_oss":
         assert table["liger"].startswith("n/a")
     assert table["sonicmoe"].startswith("n/a")  # a Hopper-only peer says why it sits out, on any other device

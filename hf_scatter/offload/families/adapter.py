@@ -103,6 +103,10 @@ class PipelineAdapter:
         """``shard``: this process's part of a tensor-parallel group; the getters ``shard_*`` then give its
         share of each layer, :attr:`dims` its heads and expert columns, and :meth:`post` all-reduces."""
         self.model, self.shard = model, shard
+        if any(p.dtype == torch.float8_e4m3fn for p in model.parameters()):
+            raise NotImplementedError("this model holds block-scaled FP8 weights as shipped; offloading them as FP8 "
+                                      "is not built yet: load the checkpoint with quantization_config="
+                                      "FineGrainedFP8Config(dequantize=True) to offload its bf16 values")
         self.full_dims = dataclasses.replace(self.read_dims(model.config),
                                              expert_format=self.read_expert_format(model))
         if not shard.whole and self.tensor_parallel_refusal:

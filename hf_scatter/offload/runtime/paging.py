@@ -52,6 +52,7 @@ from .streams import DONE, Streams
 ALIGN = 256  # bytes: every tensor starts on a 256-byte boundary (vectorised kernel loads)
 COLUMN_ALIGN = 16  # resident expert columns come in multiples of this (16-byte aligned rows in bf16)
 STREAMED = "streamed."  # page-table names of the streamed expert columns, [E, ...] each
+SLOTS = 2  # GPU slots streamed stages take turns in: one computes while the next arrives
 
 
 @dataclass(frozen=True)
@@ -305,8 +306,10 @@ class WeightStore:
                 self._fill(s, layers[s], "pre", s)
         self.host.pin()
         self.slot_bytes = layout.slot_bytes
-        self.slots = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(2)] \
+        self.slots = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(SLOTS)] \
             if self.slot_bytes else []
+        # stages with weights to stream; no more of them than slots: each stays in its slot and none reloads
+        self.streamed_stages = {s for s, t in enumerate(self.stage_tables) if t.nbytes}
         self._views: dict[tuple[int, int], StageWeights] = {}
         # each stage's streamed expert columns: their byte range, and per slot (slot view, host view) pairs
         self.expert_spans = [t.span(STREAMED) for t in self.stage_tables]
@@ -473,11 +476,11 @@ class WeightStreamer:
         self.fetched_experts = 0  # expert blocks copied by fetch_experts (summed over stages and steps)
         self.partial_loads = 0  # stages loaded without their streamed expert columns
         self.num_stages = store.num_layers + 1
-        self.slot_load: list[_Load | None] = [None, None]  # the stage each slot holds or is receiving
-        self.slot_free = [DONE, DONE]  # event: the slot's stage has no reader left
+        self.slot_load: list[_Load | None] = [None] * SLOTS  # the stage each slot holds or is receiving
+        self.slot_free = [DONE] * SLOTS  # event: the slot's stage has no reader left
         self.rounds = 0
         self.current = None
-        self._streamed = {s for s, t in enumerate(store.stage_tables) if t.nbytes}
+        self._streamed = store.streamed_stages
 
     @property
     def tracer(self):

@@ -298,17 +298,35 @@ def test_routed_sweep_rows_render_as_a_table_and_a_plot(tmp_path):
         bench.check_flags(model="qwen3-30b-a3b", layers=2, routed_batches=[1, 64], requests=8)
 
 
+def test_routed_sweep_refuses_a_model_whose_streamed_stages_never_leave_their_slots():
+    """One layer streams two stages: each keeps a GPU slot, decode reloads nothing, and a routed sweep would
+    report equal times with no expert fetched; the bench says so and how to fix it."""
+    from hf_scatter.bench import offload as bench
+
+    one = hf_scatter.offload_model(BUILDERS["qwen3_moe"](num_hidden_layers=1), gpu_memory="1GiB", device="cpu",
+                                   policy=Policy(4, 4), progress=False)
+    assert len(one.store.streamed_stages) == 2
+    with pytest.raises(ValueError, match=r"--layers 1 at --gpu-memory 1GiB streams 2 stage\(s\).*more --layers"):
+        bench._check_something_streams(one, 1, "1GiB")
+    three = hf_scatter.offload_model(BUILDERS["qwen3_moe"](num_hidden_layers=3), gpu_memory="1GiB", device="cpu",
+                                     policy=Policy(4, 4), progress=False)
+    bench._check_something_streams(three, 3, "1GiB")  # four stages take turns in two slots
+    three.close()
+
+
 @pytest.mark.gpu
 def test_bench_offload_routed_sweep_small(tmp_path):
     from hf_scatter.cli import main
 
     out, png = tmp_path / "routed.json", tmp_path / "routed.png"
-    assert main(["bench", "offload", "--model", "qwen3-30b-a3b", "--layers", "2", "--new-tokens", "4", "--requests",
+    assert main(["bench", "offload", "--model", "qwen3-30b-a3b", "--layers", "3", "--new-tokens", "4", "--requests",
                  "8", "--routed-batches", "1,8", "--gpu-memory", "8GiB", "--profile", "h100-host-anchors", "--out",
                  str(out), "--plot", str(png)]) == 0
     report = json.loads(out.read_text())
     one, eight = report["routed_sweep"]
-    assert one["routed"]["experts_per_layer_step"] == 8 and one["batch_size"] == 1  # top-8: one row, 8 experts
+    # top-8: one row chooses 8 experts per layer, fewer to fetch where some are still in the slot from the step
+    # before (three streamed stages take turns in two slots)
+    assert 4 <= one["routed"]["experts_per_layer_step"] <= 8 and one["batch_size"] == 1
     assert 8 < eight["routed"]["experts_per_layer_step"] <= 64
     assert png.stat().st_size > 0
 

@@ -1,0 +1,205 @@
+"""Block-scaled FP8 as DeepSeek-V3 and the Qwen3 FP8 releases ship it: our dequantization and quantization equal
+transformers' own bit for bit, the kernel equals the reference for every byte, and the expert GEMMs read FP8
+weights in place with the result of their values in float64."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from moe_reference import relative_error, routing_case, scatter2scatter_error
+
+from hf_scatter.kernels.fp8_blocks import (FP8_DTYPE, FP8_MAX, Fp8BlockWeight, dequantize_fp8_blocks,
+                                           dequantize_fp8_blocks_reference, quantize_fp8_blocks)
+
+# (experts, rows, columns, scale rows, scale columns): odd blocks, a fused gate_up of two half-block matrices
+# (two scale rows of 24 rows each), a single block, and several 128 x 128 blocks
+SHAPES = [(3, 48, 96, 2, 3), (1, 37, 40, 1, 1), (2, 256, 384, 2, 3)]
+
+
+def _random_checkpoint(experts, rows, cols, srows, scols, device, seed):
+    """Every byte but the NaN codes, scales of trained weights' size and beyond."""
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, 256, (experts, rows, cols), generator=g, dtype=torch.uint8)
+    data = torch.where((data & 0x7F) == 0x7F, data ^ 1, data)
+    scale = torch.exp2(torch.randint(-20, 4, (experts, srows, scols), generator=g).float())
+    scale = scale * (1 + torch.rand(experts, srows, scols, generator=g))  # not powers of two: the product rounds
+    return data.view(FP8_DTYPE).to(device), scale.to(device)
+
+
+def _transformers_dequantize(weight, scale_inv, dtype):
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    return Fp8Dequantize(None)._dequantize_one(weight, scale_inv, output_dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_reference_equals_transformers_dequantization_bit_for_bit(shape, dtype):
+    weight, scale = _random_checkpoint(*shape, "cpu", seed=sum(shape))
+    want = _transformers_dequantize(weight, scale, dtype)
+    got = dequantize_fp8_blocks_reference(weight, scale, dtype)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_kernel_equals_the_reference_and_writes_every_value(shape, dtype, device):
+    weight, scale = _random_checkpoint(*shape, device, seed=7 * sum(shape))
+    if dtype == torch.float16:
+        scale = scale.clamp(max=1.0)  # 448 * scale stays in float16's range
+    out = torch.full(tuple(weight.shape), float("nan"), dtype=dtype, device=device)
+    got = dequantize_fp8_blocks(weight, scale, dtype, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    want = dequantize_fp8_blocks_reference(weight.cpu(), scale.cpu(), dtype)
+    assert torch.equal(got.cpu(), want)
+
+
+def test_every_byte_decodes_as_torch_reads_it(device):
+    """All 256 codes with a unit scale: the subnormals, both zeros, the largest magnitude and the NaN codes."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8_DTYPE).reshape(1, 2, 128).to(device)
+    got = dequantize_fp8_blocks(codes, torch.ones(1, 1, 1, device=device), torch.float32).cpu().flatten()
+    want = codes.cpu().to(torch.float32).flatten()
+    nan = want.isnan()
+    assert nan.sum() == 2 and got[nan].isnan().all()
+    assert torch.equal(got[~nan], want[~nan]) and torch.equal(got[~nan].signbit(), want[~nan].signbit())
+    assert got[~nan].abs().max() == FP8_MAX
+
+
+def test_quantizer_equals_transformers_bit_for_bit_and_round_trips():
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(2, 256, 384, generator=g) * torch.logspace(-4, 1, 256)[None, :, None]
+    weight[0, :128, :128] = 0.0  # an all-zero block
+    got_q, got_s = quantize_fp8_blocks(weight)
+    config = SimpleNamespace(weight_block_size=(128, 128), scale_fmt="float")
+    want = Fp8Quantize(SimpleNamespace(quantization_config=config))._quantize_one("w.weight", weight)
+    assert got_q.dtype == FP8_DTYPE and got_s.shape == (2, 2, 3)
+    assert torch.equal(got_q.view(torch.uint8), want["w.weight"].view(torch.uint8))
+    assert torch.equal(got_s, want["w.weight_scale_inv"])
+    # every block's largest magnitude lands on 448 before rounding: the format's range is used
+    values = dequantize_fp8_blocks_reference(got_q, got_s, torch.float32)
+    assert (values - weight).abs().max() <= weight.abs().max() / 16  # e4m3: 3 mantissa bits
+    assert got_q.view(torch.uint8)[0, :128, :128].eq(0).all() and got_s[0, 0, 0] == 1.0
+
+
+def test_no_experts_or_rows_give_empty_weights(device):
+    for shape in [(0, 5, 32, 1, 1), (3, 0, 32, 1, 1)]:
+        weight, scale = _random_checkpoint(*shape, device, seed=1)
+        assert dequantize_fp8_blocks(weight, scale).shape == shape[:3]
+
+
+def test_bad_input_names_the_tensor_and_the_layout():
+    weight, scale = _random_checkpoint(2, 48, 96, 2, 3, "cpu", seed=0)
+    with pytest.raises(ValueError, match="weight must be a float8_e4m3fn tensor"):
+        dequantize_fp8_blocks(weight.float(), scale)
+    with pytest.raises(ValueError, match="scale_inv must be a float32 tensor"):
+        dequantize_fp8_blocks(weight, scale.bfloat16())
+    with pytest.raises(ValueError, match=r"a weight \[48, 96\] needs a scale grid that divides it .* got \[5, 3\]"):
+        dequantize_fp8_blocks(weight, torch.ones(2, 5, 3))
+    with pytest.raises(ValueError, match=r"weight's leading dimensions \(2,\)"):
+        dequantize_fp8_blocks(weight, scale[0])
+    with pytest.raises(ValueError, match=r"out must be \(2, 48, 96\) torch.bfloat16"):
+        dequantize_fp8_blocks(weight, scale, torch.bfloat16, out=torch.empty(2, 48, 96))
+    with pytest.raises(ValueError, match=r"multiples of the block \(128, 128\)"):
+        quantize_fp8_blocks(torch.randn(3, 40))
+    with pytest.raises(ValueError, match=r"one matrix per expert"):
+        Fp8BlockWeight(weight[0], scale[0])
+    with pytest.raises(ValueError, match=r"contiguous"):
+        Fp8BlockWeight(weight.transpose(1, 2), scale.transpose(1, 2))
+
+
+# ------------------------------------------------------------------------ expert GEMMs on FP8 weights
+def _weight(E, N, K, SN, SK, device, seed) -> Fp8BlockWeight:
+    weight, _ = _random_checkpoint(E, N, K, SN, SK, device, seed)
+    g = torch.Generator().manual_seed(seed)
+    scale = (2.0**-10 * (1 + torch.rand(E, SN, SK, generator=g))).to(device)  # values up to ~0.9
+    return Fp8BlockWeight(weight, scale)
+
+
+# fp32: fp32 accumulation over K; bf16: the values rounded to bf16 (as the kernel computes with them) and the
+# output's rounding, each 2**-9 relative
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("x_grouped,y_grouped,with_bias,empty_expert", [
+    (False, False, False, False), (False, True, True, True), (True, False, True, False), (True, True, False, True)])
+@pytest.mark.parametrize("K,SK", [(96, 3), (256, 2)])
+def test_scatter2scatter_reads_fp8_weights_in_place(device, dtype, x_grouped, y_grouped, with_bias, empty_expert, K,
+                                                   SK):
+    """Odd d_out of one scale row, d_in of three blocks (a K step crosses blocks: a scale per weight) or of two
+    128-wide blocks (a step lies within one: a scale per column), an expert no token chose, output poisoned:
+    every slot equals the float64 product with the weight's values."""
+    E, N = 5, 37
+    weight = _weight(E, N, K, 1, SK, device, seed=5)
+    values = dequantize_fp8_blocks_reference(weight.weight.cpu(), weight.scale_inv.cpu(), torch.float32)
+    values = values.to(dtype).double().transpose(1, 2)  # [E, K, N], rounded as the kernel computes with them
+    error = scatter2scatter_error(weight, values, device, dtype, x_grouped, y_grouped, with_bias, empty_expert)
+    assert error < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_experts_on_fp8_equal_their_values_forward_and_input_gradient(device, dtype):
+    """The SiLU experts of Qwen3-MoE and DeepSeek ([gate; up] concatenated, two scale rows per half) on FP8
+    weights against the same layer on their dequantized values: the same output, and through the frozen
+    quantized experts the same input and gate gradients (a LoRA adapter's path)."""
+    from hf_scatter.moe.swiglu_experts import swiglu_experts
+
+    T, k, E, d, inter = 23, 2, 4, 64, 96
+    _, routing = routing_case(T, k, E, device, empty_expert=True)
+    w_in, w_out = _weight(E, 2 * inter, d, 4, 2, device, seed=1), _weight(E, d, inter, 2, 3, device, seed=2)
+    x = torch.randn(T, d, device=device, dtype=dtype).requires_grad_()
+    gates = torch.rand(T, k, device=device, dtype=dtype).requires_grad_()
+    dy = torch.randn(T, d, device=device, dtype=dtype)
+
+    def run(w1, w2):
+        y = swiglu_experts(x, w1, w2, gates, routing)
+        return (y, *torch.autograd.grad(y, (x, gates), dy))
+
+    got = run(w_in, w_out)
+    want = run(w_in.dequantize(dtype), w_out.dequantize(dtype))  # frozen (no requires_grad), like the FP8 ones
+    for g, w in zip(got, want):
+        assert relative_error(g.cpu(), w.double().cpu()) < TOL[dtype]
+    with torch.no_grad():  # generation: no autograd node
+        assert relative_error(swiglu_experts(x, w_in, w_out, gates, routing).cpu(), want[0].double().cpu()) < TOL[dtype]
+
+
+def test_fp8_weight_reports_its_layout():
+    weight = _weight(2, 48, 96, 2, 3, "cpu", seed=0)
+    assert weight.shape == (2, 96, 48) and weight.block == (24, 32)
+    assert weight.dequantize(torch.float32).shape == (2, 96, 48)
+    from hf_scatter.kernels.scatter2scatter import scatter2scatter
+    from hf_scatter.moe import flatten_sort_count
+
+    se, ss, off = flatten_sort_count(torch.tensor([[0], [1]]), 2)
+    with pytest.raises(ValueError, match=r"x has 32 features but weight expects d_in=96"):
+        scatter2scatter(torch.randn(2, 32), weight, se, ss, off)
+
+
+def test_partial_last_blocks_of_a_configured_block_size(device):
+    """DeepSeek-V3's ``kv_a_proj_with_mqa`` is [576, 7168] with [5, 56] scales in 128 x 128 blocks: the last row
+    block holds 64 rows. Scaled down: [24, 40] in 16 x 16 blocks. Dequantized, and read by the linear layer's
+    GEMM (one expert, grouped in and out), each value takes its own block's scale."""
+    from hf_scatter.models.fp8_experts import Fp8BlockLinear
+
+    weight, _ = _random_checkpoint(1, 24, 40, 2, 3, "cpu", seed=11)
+    scale = torch.tensor([[[1.0, 2.0, 4.0], [8.0, 16.0, 32.0]]]) * 2.0**-8
+    want = weight[0].float() * scale[0].repeat_interleave(16, 0)[:24].repeat_interleave(16, 1)[:, :40]
+    got = dequantize_fp8_blocks(weight.to(device), scale.to(device), torch.float32, block=(16, 16))
+    assert torch.equal(got[0].cpu(), want)
+    with pytest.raises(ValueError, match=r"in blocks of \(16, 16\) needs \[2, 3\] scales, got \[2, 2\]"):
+        dequantize_fp8_blocks(weight, scale[..., :2], block=(16, 16))
+    layer = Fp8BlockLinear(40, 24, (16, 16), bias=True).to(device)
+    layer.weight.data, layer.weight_scale_inv.data = weight[0].to(device), scale[0].to(device)
+    torch.nn.init.normal_(layer.bias)
+    x = torch.randn(3, 5, 40, device=device)
+    out = torch.full((3, 5, 24), float("nan"), device=device)
+    with torch.no_grad():
+        out.copy_(layer(x))
+    ref = x.double().cpu() @ want.double().T + layer.bias.double().cpu()
+    assert relative_error(out.cpu().reshape(15, 24), ref.reshape(15, 24)) < TOL[torch.float32]
+    x.requires_grad_()  # a gradient to the input: the weight decoded for that call
+    layer(x).sum().backward()
+    assert relative_error(x.grad.cpu().reshape(15, 40), want.double().sum(0).expand(15, 40)) < TOL[torch.float32]

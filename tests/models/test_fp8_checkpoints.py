@@ -1,0 +1,178 @@
+"""Block-scaled FP8 checkpoints (DeepSeek-V3 and Qwen3-FP8 layout) load as shipped: experts and linear layers
+keep the checkpoint's bytes (no float copy), generate the tokens transformers' own (dequantizing) load
+generates, train what is around them, and save back as shipped; transformers' own path stays one argument
+away."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
+import hf_scatter
+from hf_scatter.kernels.fp8_blocks import FP8_DTYPE
+from hf_scatter.models.fp8_experts import Fp8BlockLinear, save_fp8_checkpoint
+from hf_scatter.tiny import tiny_decoder
+
+pytestmark = pytest.mark.kernel_bodies("reference")  # the kernels' FP8 arithmetic: tests/kernels/test_fp8_blocks.py
+# Both models compute with the same float32 values in different orders (grouped products against
+# transformers' per-expert loop): float32 rounding over sums of ~100 products, ~1e-6 relative per layer; one
+# decoded value wrong moves the result by about 1e-2.
+FP32_REL = 1e-5
+# the tiny models' dimensions are multiples of these blocks (releases use 128 x 128 on their own dimensions)
+FAMILIES = {"qwen3_moe": (32, 32), "deepseek_v3": (8, 8)}
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def checkpoint(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp("fp8") / request.param
+    save_fp8_checkpoint(tiny_decoder(request.param, seed=3), path, block=FAMILIES[request.param])
+    return path
+
+
+def _fp8_experts(model):
+    return {n: m for n, m in model.named_modules() if type(m).__name__ == "FP8Experts"}
+
+
+def test_weights_keep_the_checkpoints_bytes_and_nothing_is_dequantized(checkpoint):
+    model = hf_scatter.from_pretrained(checkpoint, dtype=torch.float32)
+    shipped = load_file(checkpoint / "model.safetensors")
+    experts = _fp8_experts(model)
+    assert len(experts) == sum(k.endswith(".experts.0.down_proj.weight") for k in shipped) > 0
+    for name, module in experts.items():
+        for e in range(module.num_experts):
+            gate_up = torch.cat([shipped[f"{name}.{e}.{p}.weight"] for p in ("gate_proj", "up_proj")])
+            assert torch.equal(module.gate_up_proj[e].view(torch.uint8), gate_up.view(torch.uint8))
+            assert torch.equal(module.down_proj[e].view(torch.uint8), shipped[f"{name}.{e}.down_proj.weight"].view(
+                torch.uint8))
+            scales = torch.cat([shipped[f"{name}.{e}.{p}.weight_scale_inv"] for p in ("gate_proj", "up_proj")])
+            assert torch.equal(module.gate_up_proj_scale_inv[e], scales)
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, Fp8BlockLinear)}
+    assert linears and all(torch.equal(m.weight.view(torch.uint8), shipped[f"{n}.weight"].view(torch.uint8))
+                           for n, m in linears.items())
+    # no float copy of a quantized weight anywhere: every float tensor is one the checkpoint holds as floats
+    state = model.state_dict()
+    assert {k for k, v in state.items() if v.dtype == FP8_DTYPE} and \
+        not any(v.dtype == FP8_DTYPE for k, v in shipped.items() if k.removesuffix(".weight") + ".weight" not in state
+                and ".experts." not in k)
+    floats = {k for k, v in state.items() if v.is_floating_point() and v.dtype != FP8_DTYPE and "scale_inv" not in k}
+    assert floats == {k for k, v in shipped.items() if v.is_floating_point() and v.dtype != FP8_DTYPE
+                      and "scale_inv" not in k}
+    report = hf_scatter.patch_report(model)
+    assert all("FP8 block-scaled weights as shipped" in report[name] for name in experts), report
+    assert all(report[name].startswith("fp8 block-scaled linear") for name in linears)
+
+
+def _transformers_own(checkpoint):
+    """transformers' own load of the checkpoint, dequantized (what it does without a GPU; with one, its FP8
+    modules need a kernel from the hub), in float32 throughout."""
+    return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32,
+                                                quantization_config=FineGrainedFP8Config(dequantize=True))
+
+
+def test_greedy_tokens_equal_transformers_own_load_in_fp32(checkpoint):
+    """transformers dequantizes the same checkpoint: the same values, so the same tokens."""
+    stock = _transformers_own(checkpoint)
+    assert not _fp8_experts(stock) and not any(p.dtype == FP8_DTYPE for p in stock.parameters())
+    ours = hf_scatter.from_pretrained(checkpoint, dtype=torch.float32)
+    prompt = torch.tensor([[5, 17, 101, 42, 7, 250, 3]])
+    with torch.no_grad():
+        assert _rel_err(ours(prompt).logits, stock(prompt).logits) < FP32_REL
+        want = stock.generate(prompt, max_new_tokens=8, do_sample=False)
+        got = ours.generate(prompt, max_new_tokens=8, do_sample=False)
+    assert torch.equal(got, want)
+
+
+def test_frozen_fp8_weights_pass_gradients_to_what_trains(checkpoint):
+    """The FP8 weights get no gradient; the norms around them get the gradients of the dequantized model."""
+    stock = _transformers_own(checkpoint)
+    ours = hf_scatter.from_pretrained(checkpoint, dtype=torch.float32)
+    ids = torch.tensor([[9, 8, 30, 200, 11, 6]])
+    for model in (stock, ours):
+        model.requires_grad_(False)
+        for layer in model.model.layers:
+            layer.input_layernorm.weight.requires_grad_(True)
+        model(ids, labels=ids).loss.backward()
+    for a, b in zip(ours.model.layers, stock.model.layers):
+        assert _rel_err(a.input_layernorm.weight.grad, b.input_layernorm.weight.grad) < FP32_REL
+    stored = [p for p in ours.parameters() if p.dtype == FP8_DTYPE]
+    assert stored and all(p.grad is None for p in stored)
+
+
+def test_fp8_weights_load_frozen(checkpoint):
+    """An optimizer over ``model.parameters()`` (a full fine-tune) gets no FP8 tensor to step: training stays
+    in float, around the frozen checkpoint."""
+    model = hf_scatter.from_pretrained(checkpoint, dtype=torch.float32)
+    frozen = [n for n, p in model.named_parameters() if p.dtype == FP8_DTYPE or n.endswith("scale_inv")]
+    assert frozen and not any(model.get_parameter(n).requires_grad for n in frozen)
+    assert any(p.requires_grad for p in model.parameters())  # the norms, routers and embeddings train
+
+
+def test_save_pretrained_writes_the_shipped_keys_back(checkpoint, tmp_path):
+    model = hf_scatter.from_pretrained(checkpoint, dtype=torch.float32)
+    model.save_pretrained(tmp_path / "again")
+    shipped, saved = load_file(checkpoint / "model.safetensors"), load_file(tmp_path / "again" / "model.safetensors")
+    assert saved.keys() == shipped.keys()
+    assert all(torch.equal(saved[k].view(torch.uint8), shipped[k].view(torch.uint8)) for k in shipped
+               if shipped[k].dtype == FP8_DTYPE)
+    again = hf_scatter.from_pretrained(tmp_path / "again", dtype=torch.float32)
+    assert _fp8_experts(again)
+
+
+def test_dequantize_asks_for_transformers_own_path_and_the_table_is_given_back(checkpoint):
+    from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
+
+    stock_entry = AUTO_QUANTIZER_MAPPING["fp8"]
+    floats = hf_scatter.from_pretrained(checkpoint, dtype=torch.float32,
+                                        quantization_config=FineGrainedFP8Config(dequantize=True))
+    assert not _fp8_experts(floats) and not any(p.dtype == FP8_DTYPE for p in floats.parameters())
+    assert AUTO_QUANTIZER_MAPPING["fp8"] is stock_entry  # from_pretrained's own switch, undone
+    hf_scatter.patch_transformers()
+    try:
+        patched = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+        assert _fp8_experts(patched)
+    finally:
+        hf_scatter.unpatch_transformers()
+    assert AUTO_QUANTIZER_MAPPING["fp8"] is stock_entry
+
+
+def test_trainer_trains_a_lora_adapter_on_fp8_attention(checkpoint, tmp_path):
+    """PEFT wraps the FP8 attention projections with a LoRA adapter; the adapter trains (its loss falls) and the
+    FP8 bytes stay the checkpoint's."""
+    peft = pytest.importorskip("peft")
+    from transformers import Trainer, TrainingArguments
+
+    model = hf_scatter.from_pretrained(checkpoint, dtype=torch.float32)
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=2, learning_rate=3e-2,
+                             save_strategy="no", report_to=[], logging_steps=1, disable_tqdm=True, use_cpu=True)
+    rows = [{"input_ids": torch.arange(i, i + 10) % 300 + 1, "labels": torch.arange(i, i + 10) % 300 + 1}
+            for i in range(4)]
+    target = ["q_proj", "v_proj"] if "qwen" in checkpoint.name else ["q_b_proj", "kv_b_proj"]
+    adapted = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=target))
+    trainer = Trainer(model=adapted, args=args, train_dataset=rows)
+    trainer.train()
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    assert losses[-1] < losses[0], losses
+    shipped = load_file(checkpoint / "model.safetensors")
+    base = adapted.base_model.model.model.layers[-1].self_attn.o_proj
+    key = f"model.layers.{len(adapted.base_model.model.model.layers) - 1}.self_attn.o_proj.weight"
+    assert torch.equal(base.weight.view(torch.uint8), shipped[key].view(torch.uint8))
+
+
+def test_the_converter_refuses_a_quantized_checkpoint_before_writing(checkpoint, tmp_path, capsys):
+    from hf_scatter.cli import main
+
+    assert main(["convert", str(checkpoint), str(tmp_path / "out")]) != 0
+    said = capsys.readouterr().err
+    assert "quantized (fp8)" in said and "never dequantizes" in said
+    assert not (tmp_path / "out").exists()
+
+
+def test_offloading_an_fp8_model_says_what_to_do_before_any_work(checkpoint):
+    """The offload runtime streams float and MXFP4 experts; an FP8 model is refused with the load that works."""
+    model = hf_scatter.from_pretrained(checkpoint, dtype=torch.float32)
+    with pytest.raises(NotImplementedError, match=r"FineGrainedFP8Config\(dequantize=True\)"):
+        hf_scatter.offload_model(model, gpu_memory="1GiB", device="cpu", progress=False)
