@@ -118,6 +118,10 @@ class Fp8AsShippedQuantizer(_stock_quantizer()):
                     model.set_submodule(name, Fp8BlockLinear.like(module))
         return model
 
+    @property
+    def is_trainable(self) -> bool:
+        return True  # adapters train around the frozen FP8 weights (transformers 5.17's stock one says no)
+
     def _process_model_after_weight_loading(self, model, **kwargs):
         model = super()._process_model_after_weight_loading(model, **kwargs)
         for name, param in model.named_parameters():  # frozen: training stays in float, around the checkpoint
