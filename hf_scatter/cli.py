@@ -518,9 +518,10 @@ def _add_plan(sub) -> None:
     p.add_argument("--placement", choices=("any", "cgopipe"), default="any",
                    help="any: attention and experts each on the CPU or the GPU, as the HRM finds best (default); "
                         "cgopipe: what hf_scatter.offload runs (attention on the CPU, experts on the GPU)")
-    p.add_argument("--weights", choices=("shipped", "bf16"), default="shipped",
+    p.add_argument("--weights", choices=("shipped", "bf16", "fp8"), default="shipped",
                    help="shipped: the experts in the checkpoint's own format (GPT-OSS: MXFP4, 4.25 bits a weight; "
-                        "default); bf16: as a dequantized load holds them")
+                        "a block-scaled FP8 checkpoint: 1 byte; default); bf16: as a dequantized load holds them; "
+                        "fp8: as a block-scaled FP8 release of the model holds them (Qwen3-30B-A3B-FP8)")
     p.add_argument("--out", help="write model, profile, turning points and policy as JSON here")
     p.add_argument("--plot", help="draw the hierarchical roofline with the chosen operating points into this PNG")
     p.set_defaults(func=_cmd_plan)

@@ -159,7 +159,8 @@ def add_arguments(parser) -> None:
                              "expert streamed and with only the routed ones, against the HRM's prediction for each")
     parser.add_argument("--weights", nargs="+", choices=FORMATS,
                         help="instead of the comparison: offload the same layers with their experts in each of these "
-                             "formats (mxfp4 bf16: GPT-OSS as shipped against bf16) at one GPU and one host budget, "
+                             "formats (mxfp4 bf16: GPT-OSS as shipped against bf16; fp8 bf16: Qwen3-MoE's block-scaled "
+                             "FP8 release against bf16) at one GPU and one host budget, "
                              "against the HRM's prediction for each and for all the model's layers")
     parser.add_argument("--cpu-memory", type=byte_size, default="80GiB",
                         help="host memory budget of the --weights runs (default 80GiB)")

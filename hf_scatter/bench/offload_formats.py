@@ -1,8 +1,8 @@
-"""``hf-scatter bench offload --weights mxfp4 bf16``: the same layers offloaded with their experts in each format,
+"""``hf-scatter bench offload --weights mxfp4|fp8 bf16``: the same layers offloaded with their experts in each format,
 side by side in one process, at one GPU and one host budget, each against the HRM's prediction.
 
-Each format builds its own model of the built-in shape (random weights; MXFP4 experts as a checkpoint loaded as
-shipped holds them, never a bf16 copy), is planned by the HRM for the workload, generates every request and is
+Each format builds its own model of the built-in shape (random weights; MXFP4 or FP8 experts as a checkpoint loaded
+as shipped holds them, never a bf16 copy), is planned by the HRM for the workload, generates every request and is
 closed before the next format builds, so the host holds one model at a time. The host budget applies to both: a
 format the planner cannot fit in it gets the planner's reason in its row, and the others still run. Beside each
 measured row, the HRM's plan for
@@ -22,8 +22,10 @@ from ..common.timing import run_header
 from .availability import require_cuda
 from .offload_workload import PROMPT_LENS, bench_profile, build_model, left_padded, prompts
 
-FORMATS = ("mxfp4", "bf16")
-MXFP4_FAMILIES = ("gpt_oss",)  # the shipped MXFP4 checkpoints the runtime loads as shipped
+FORMATS = ("mxfp4", "fp8", "bf16")
+# the families whose quantized releases the runtime streams as shipped: GPT-OSS in MXFP4; Qwen3-MoE (Qwen3-FP8)
+# and the other Llama-style layers in block-scaled FP8
+SHIPPED_FAMILIES = {"mxfp4": ("gpt_oss",), "fp8": ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe")}
 
 
 def check_formats(formats: list[str], model: str) -> None:
@@ -33,9 +35,11 @@ def check_formats(formats: list[str], model: str) -> None:
     unknown = [f for f in formats if f not in FORMATS]
     if unknown:
         raise ValueError(f"--weights {','.join(unknown)}: choose from {', '.join(FORMATS)}")
-    if "mxfp4" in formats and builtin_config(model).model_type not in MXFP4_FAMILIES:
-        raise ValueError(f"--weights mxfp4: {model} does not ship MXFP4 experts; GPT-OSS does (gpt-oss-20b, "
-                         "gpt-oss-120b)")
+    family = builtin_config(model).model_type
+    for fmt in formats:
+        if fmt in SHIPPED_FAMILIES and family not in SHIPPED_FAMILIES[fmt]:
+            raise ValueError(f"--weights {fmt}: offloading {family} experts in {fmt.upper()} is not built; it is for "
+                             f"{', '.join(SHIPPED_FAMILIES[fmt])} models")
 
 
 def run_formats(formats: list[str], *, model: str, layers: int, published_layers: int, new_tokens: int,
@@ -75,12 +79,13 @@ def run_formats(formats: list[str], *, model: str, layers: int, published_layers
               "gpu_budget": budget, "cpu_budget": host, "profile": prof.to_dict(), "profile_s": profile_s,
               "workload": {"requests": requests, "prompt_lens": PROMPT_LENS, "new_tokens": new_tokens},
               "by_weights": rows}
-    if all("tokens_per_s" in rows.get(w, {}) for w in ("mxfp4", "bf16")):
-        a, b = rows["mxfp4"], rows["bf16"]
-        report["mxfp4_over_bf16"] = {
-            "measured_tokens_per_s": a["tokens_per_s"] / b["tokens_per_s"],
-            "measured_decode_step": b["decode_step_s"] / a["decode_step_s"],
-            "predicted_tokens_per_s": a["predicted"]["tokens_per_s"] / b["predicted"]["tokens_per_s"]}
+    for fmt in ("mxfp4", "fp8"):
+        if all("tokens_per_s" in rows.get(w, {}) for w in (fmt, "bf16")):
+            a, b = rows[fmt], rows["bf16"]
+            report[f"{fmt}_over_bf16"] = {
+                "measured_tokens_per_s": a["tokens_per_s"] / b["tokens_per_s"],
+                "measured_decode_step": b["decode_step_s"] / a["decode_step_s"],
+                "predicted_tokens_per_s": a["predicted"]["tokens_per_s"] / b["predicted"]["tokens_per_s"]}
     return report
 
 
@@ -124,7 +129,7 @@ def _whole_model(model: str, weights: str, prof, workload, budget: int, host: in
     from ..offload import ModelSpec, PlanError, search_policy
     from ..offload.runtime.offloaded import CGOPIPE_PLACEMENT
 
-    spec = ModelSpec.from_config(model, weights="shipped" if weights == "mxfp4" else "bf16")
+    spec = ModelSpec.from_config(model, weights={"mxfp4": "shipped"}.get(weights, weights))
     try:
         policy = search_policy(spec, prof, workload, budget, host, placements=[CGOPIPE_PLACEMENT])
     except PlanError as e:
@@ -134,7 +139,7 @@ def _whole_model(model: str, weights: str, prof, workload, budget: int, host: in
 
 
 def _label(weights: str) -> str:
-    return weights.upper() if weights == "mxfp4" else weights
+    return weights if weights == "bf16" else weights.upper()
 
 
 def to_markdown(report: dict) -> str:
@@ -158,11 +163,12 @@ def to_markdown(report: dict) -> str:
              f"{report['gpu_budget'] / gib:.0f} GiB GPU, {report['cpu_budget'] / gib:.0f} GiB host, "
              f"{report['workload']['requests']} requests, {report['workload']['new_tokens']} new tokens, "
              f"{report['device']}", "", markdown_table(header, rows)]
-    ratio = report.get("mxfp4_over_bf16")
-    if ratio:
-        lines += ["", f"MXFP4 over bf16: {ratio['measured_tokens_per_s']:.2f}x tokens/s measured "
-                      f"({ratio['measured_decode_step']:.2f}x decode step), {ratio['predicted_tokens_per_s']:.2f}x "
-                      "predicted"]
+    for fmt in ("mxfp4", "fp8"):
+        ratio = report.get(f"{fmt}_over_bf16")
+        if ratio:
+            lines += ["", f"{fmt.upper()} over bf16: {ratio['measured_tokens_per_s']:.2f}x tokens/s measured "
+                          f"({ratio['measured_decode_step']:.2f}x decode step), "
+                          f"{ratio['predicted_tokens_per_s']:.2f}x predicted"]
     return "\n".join(lines)
 
 

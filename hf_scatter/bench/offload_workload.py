@@ -22,12 +22,13 @@ def offload_models() -> list[str]:
 
 def build_model(layers: int, seed: int = 0, model: str = DEFAULT_MODEL, weights: str = "bf16"):
     """A causal LM of built-in shape ``model`` with ``layers`` layers, random bf16 weights (std 0.02, norms 1),
-    built without running transformers' initialisation on billions of parameters. ``weights="mxfp4"`` (GPT-OSS):
-    the experts as a checkpoint loaded as shipped holds them (random MXFP4 bytes and scales), with no bf16 copy
-    at any time, so a model whose bf16 experts exceed host memory builds too."""
+    built without running transformers' initialisation on billions of parameters. ``weights="mxfp4"`` (GPT-OSS)
+    or ``"fp8"`` (block-scaled): the experts as a checkpoint loaded as shipped holds them (random bytes and
+    scales), with no bf16 copy at any time, so a model whose bf16 experts exceed host memory builds too."""
     from transformers import AutoModelForCausalLM
 
     from ..common.shapes import builtin_config
+    from ..kernels.fp8_blocks import RANDOM_SCALE
     from ..kernels.mxfp4 import RANDOM_EXPONENTS
 
     config = builtin_config(model, num_hidden_layers=layers)
@@ -35,21 +36,31 @@ def build_model(layers: int, seed: int = 0, model: str = DEFAULT_MODEL, weights:
         lm = AutoModelForCausalLM.from_config(config)
         if weights == "mxfp4":
             _mxfp4_experts_on_meta(lm)
-        elif weights != "bf16":
-            raise ValueError(f"weights must be bf16 or mxfp4, got {weights!r}")
-        lm = lm.to(torch.bfloat16)  # the float tensors; MXFP4 bytes stay uint8
+        elif weights not in ("fp8", "bf16"):
+            raise ValueError(f"weights must be bf16, mxfp4 or fp8, got {weights!r}")
+        lm = lm.to(torch.bfloat16)  # the float tensors (MXFP4 bytes stay uint8), before FP8 ones exist
+        if weights == "fp8":
+            _fp8_experts_on_meta(lm)
     lm = lm.to_empty(device="cpu").eval()
     g = torch.Generator().manual_seed(seed)
     block = (torch.randn(2 * FILL_BLOCK, generator=g) * 0.02).to(torch.bfloat16)
+    e4m3 = torch.randint(0, 255, (2 * FILL_BLOCK,), generator=g, dtype=torch.uint8)
     packed = {"blocks": torch.randint(0, 256, (2 * FILL_BLOCK,), generator=g, dtype=torch.uint8),
-              "scales": torch.randint(*RANDOM_EXPONENTS, (2 * FILL_BLOCK,), generator=g, dtype=torch.uint8)}
+              "scales": torch.randint(*RANDOM_EXPONENTS, (2 * FILL_BLOCK,), generator=g, dtype=torch.uint8),
+              "fp8": torch.where((e4m3 & 0x7F) == 0x7F, e4m3 - 1, e4m3).view(torch.float8_e4m3fn),  # no NaN code
+              "scale_inv": torch.full((2 * FILL_BLOCK,), RANDOM_SCALE)}
     shift = 0
     with torch.no_grad():
         for name, p in lm.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
                 p.fill_(1.0)
                 continue
-            source = packed[name.rsplit("_", 1)[-1]] if p.dtype == torch.uint8 else block
+            if name.endswith("scale_inv"):
+                source = packed["scale_inv"]
+            elif p.dtype == torch.float8_e4m3fn:
+                source = packed["fp8"]
+            else:
+                source = packed[name.rsplit("_", 1)[-1]] if p.dtype == torch.uint8 else block
             flat = p.view(-1)
             for start in range(0, flat.numel(), FILL_BLOCK):
                 n = min(FILL_BLOCK, flat.numel() - start)
@@ -70,6 +81,17 @@ def _mxfp4_experts_on_meta(lm) -> None:
         raise ValueError(f"weights='mxfp4' is GPT-OSS's shipped format; {lm.config.model_type} ships in bf16")
     for i, layer in enumerate(lm.model.layers):
         lm.model.set_submodule(f"layers.{i}.mlp.experts", Mxfp4GptOssExperts(lm.config))
+
+
+def _fp8_experts_on_meta(lm) -> None:
+    """Every experts module replaced by transformers' FP8 experts (128 x 128 blocks), as a block-scaled release
+    loaded as shipped holds them; the dense layers stay bf16 (offloading decodes a release's FP8 ones into the
+    same bf16 values)."""
+    from ..models.fp8_experts import fp8_experts_module
+
+    for i, layer in enumerate(lm.model.layers):
+        if hasattr(layer.mlp, "experts"):
+            lm.model.set_submodule(f"layers.{i}.mlp.experts", fp8_experts_module(lm.config))
 
 
 def bench_profile(profile: str | None, model: str, progress: bool):

@@ -87,6 +87,20 @@ def fp8_linear(x: torch.Tensor, weight: Fp8BlockWeight, bias: torch.Tensor | Non
                            x_grouped=True, y_grouped=True, bias=None if bias is None else bias[None])
 
 
+def fp8_experts_module(config, block: tuple[int, int] = BLOCK) -> nn.Module:
+    """transformers' FP8 experts for ``config`` (SwiGLU, no bias) in ``block`` blocks, built as its quantizer
+    builds them before a load (on the current device; their tensors uninitialised)."""
+    from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS, FP8Experts
+    from transformers.integrations.moe import use_experts_implementation
+
+    register_fp8_experts_backend()
+    experts = use_experts_implementation(experts_class=FP8Experts, experts_interface=ALL_FP8_EXPERTS_FUNCTIONS,
+                                         has_bias=False, has_gate=True)
+    module = experts(config=config.get_text_config(), block_size=list(block), activation_scheme="dynamic",
+                     has_bias=False, has_gate=True)
+    return module.requires_grad_(False)  # frozen, as a load as shipped leaves them
+
+
 def _stock_quantizer():
     from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
 

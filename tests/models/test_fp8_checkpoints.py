@@ -171,8 +171,33 @@ def test_the_converter_refuses_a_quantized_checkpoint_before_writing(checkpoint,
     assert not (tmp_path / "out").exists()
 
 
-def test_offloading_an_fp8_model_says_what_to_do_before_any_work(checkpoint):
-    """The offload runtime streams float and MXFP4 experts; an FP8 model is refused with the load that works."""
+def test_offloading_streams_the_shipped_fp8_bytes_and_generates_transformers_own_tokens(checkpoint):
+    """Qwen3-MoE offloaded as loaded: the experts' FP8 bytes and scales stream as shipped (part of every expert's
+    columns resident, in whole blocks), the dense FP8 layers decoded into float, and greedy tokens (every expert
+    streamed, and only the routed ones) are those of transformers' own dequantizing load. DeepSeek's offloading
+    (its own expert layout) refuses FP8 and names the load that works."""
+    from hf_scatter.offload import Policy
+
     model = hf_scatter.from_pretrained(checkpoint, dtype=torch.float32)
-    with pytest.raises(NotImplementedError, match=r"FineGrainedFP8Config\(dequantize=True\)"):
-        hf_scatter.offload_model(model, gpu_memory="1GiB", device="cpu", progress=False)
+    if "deepseek" in checkpoint.name:
+        with pytest.raises(NotImplementedError, match=r"FineGrainedFP8Config\(dequantize=True\)"):
+            hf_scatter.offload_model(model, gpu_memory="1GiB", device="cpu", progress=False)
+        return
+    prompt = torch.tensor([[5, 17, 101, 42, 7, 250, 3], [0, 0, 9, 8, 30, 200, 11]])
+    mask = (torch.arange(7) >= torch.tensor([[0], [2]])).long()
+    with torch.no_grad():
+        want = _transformers_own(checkpoint).generate(prompt, attention_mask=mask, max_new_tokens=8,
+                                                      do_sample=False, pad_token_id=0)
+    shipped = sum(t.nbytes for name, t in model.state_dict().items() if ".experts." in name)
+    off = hf_scatter.offload_model(model, gpu_memory="1GiB", device="cpu", progress=False,
+                                   policy=Policy(2, 1, weights_gpu_fraction=0.8))
+    layout = off.store.layout
+    assert all(0 < split.columns < 96 and split.columns % 32 == 0 for split in layout.splits)  # whole blocks
+    experts = [e for t in (*layout.stage_tables, *layout.resident_tables) for n, e in t.entries.items()
+               if "gate_up" in n or "down" in n]
+    assert {e.dtype for e in experts} == {FP8_DTYPE, torch.float32}  # bytes and scales
+    assert sum(e.nbytes for e in experts) == shipped  # every expert byte as shipped, nothing more
+    assert "| experts' weights | FP8, as shipped |" in off.describe()
+    for mode in ("all", "routed"):
+        off.expert_streaming = mode
+        assert off.generate(prompt, attention_mask=mask, max_new_tokens=8, progress=False).tolist() == want.tolist()

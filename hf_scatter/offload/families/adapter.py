@@ -103,10 +103,7 @@ class PipelineAdapter:
         """``shard``: this process's part of a tensor-parallel group; the getters ``shard_*`` then give its
         share of each layer, :attr:`dims` its heads and expert columns, and :meth:`post` all-reduces."""
         self.model, self.shard = model, shard
-        if any(p.dtype == torch.float8_e4m3fn for p in model.parameters()):
-            raise NotImplementedError("this model holds block-scaled FP8 weights as shipped; offloading them as FP8 "
-                                      "is not built yet: load the checkpoint with quantization_config="
-                                      "FineGrainedFP8Config(dequantize=True) to offload its bf16 values")
+        self.float_dtype = model.get_input_embeddings().weight.dtype  # the dense maths' (FP8 linears decoded)
         self.full_dims = dataclasses.replace(self.read_dims(model.config),
                                              expert_format=self.read_expert_format(model))
         if not shard.whole and self.tensor_parallel_refusal:
@@ -119,8 +116,12 @@ class PipelineAdapter:
         self.other_tensors()
         if layers:
             self.shard_expert_tensors(layers[0])
-            self.shard_pre_tensors(layers[0])
-            self.shard_post_tensors(layers[0])
+            dense = {**self.shard_pre_tensors(layers[0]), **self.shard_post_tensors(layers[0]), **self.other_tensors()}
+            stored = [name for name, t in dense.items() if t.dtype == torch.float8_e4m3fn]
+            if stored:
+                raise NotImplementedError(f"offloading {self.model_type} reads its {', '.join(stored)} weights as "
+                                          "float, and this model holds them as FP8; load the checkpoint with "
+                                          "quantization_config=FineGrainedFP8Config(dequantize=True) to offload it")
 
     # ----- reading -----
     def read_dims(self, config) -> Dims:
@@ -252,10 +253,23 @@ class PipelineAdapter:
         raise NotImplementedError
 
 
-def mlp_tensors(prefix: str, mlp: nn.Module) -> dict:
+def linear_weight(linear: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """A linear layer's weight [out, in] as the dense maths read it: a block-scaled FP8 one (``Fp8BlockLinear``,
+    a checkpoint loaded as shipped) decoded into ``dtype``, the model's float dtype (dense weights are a few
+    percent of an MoE layer's bytes; the experts stay FP8)."""
+    scale = getattr(linear, "weight_scale_inv", None)
+    if scale is None:
+        return linear.weight
+    from ...kernels.fp8_blocks import dequantize_fp8_blocks
+
+    return dequantize_fp8_blocks(linear.weight, scale, dtype, block=getattr(linear, "block_size", None))
+
+
+def mlp_tensors(prefix: str, mlp: nn.Module, dtype: torch.dtype) -> dict:
     """A gated MLP's weights as ``<prefix>_gate_up`` [2I, H] ([gate; up]) and ``<prefix>_down`` [H, I], with
-    their biases where it has them."""
-    t = {f"{prefix}_gate_up": Rows(mlp.gate_proj.weight, mlp.up_proj.weight), f"{prefix}_down": mlp.down_proj.weight}
+    their biases where it has them (FP8 ones decoded into ``dtype``)."""
+    t = {f"{prefix}_gate_up": Rows(linear_weight(mlp.gate_proj, dtype), linear_weight(mlp.up_proj, dtype)),
+         f"{prefix}_down": linear_weight(mlp.down_proj, dtype)}
     if mlp.gate_proj.bias is not None:
         t.update({f"{prefix}_gate_up_bias": Rows(mlp.gate_proj.bias, mlp.up_proj.bias),
                   f"{prefix}_down_bias": mlp.down_proj.bias})

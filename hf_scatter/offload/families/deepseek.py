@@ -103,6 +103,7 @@ class DeepseekPipelineAdapter(LlamaStylePipelineAdapter):
     logits with the family's selection, the shared experts added to the routed ones, and the first layers'
     dense MLPs in place of experts."""
 
+    streams_fp8_experts = False  # its own expert tensors, not laid out for FP8 yet
     tensor_parallel_refusal = ("its latent attention caches one latent head that every query head reads, so "
                                "each GPU would hold and stream the whole cache (not built)")
 
@@ -141,9 +142,9 @@ class DeepseekPipelineAdapter(LlamaStylePipelineAdapter):
             bias = getattr(mlp.gate, "e_score_correction_bias", None)
             if bias is not None:
                 t["score_bias"] = bias
-            t.update(mlp_tensors("shared", mlp.shared_experts))
+            t.update(mlp_tensors("shared", mlp.shared_experts, self.float_dtype))
         else:
-            t.update(mlp_tensors("dense", mlp))
+            t.update(mlp_tensors("dense", mlp, self.float_dtype))
         return t
 
     def expert_tensors(self, layer):

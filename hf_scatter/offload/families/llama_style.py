@@ -12,10 +12,11 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
+from ...kernels.fp8_blocks import Fp8BlockWeight
 from ...kernels.norms import fused_add_rms_norm
 from ...kernels.router import router_topk
 from ...moe.mlp import expert_mlp, glu_activation
-from .adapter import Dims, LayerAttention, PipelineAdapter
+from .adapter import Dims, LayerAttention, PipelineAdapter, linear_weight
 from .rows import Rows
 
 
@@ -44,8 +45,11 @@ class LlamaStylePipelineAdapter(PipelineAdapter):
     family and add its q/k norms or routing; every layer must hold an MoE block."""
 
     gates_in_logits_dtype = False
-    column_dims = {"gate_up": 2, "down": 2}  # gate_up as [E, 2, I, H] ([gate; up]), down [E, H, I]
+    # gate_up as [E, 2, I, H] ([gate; up]), down [E, H, I]; FP8 experts' scales as [E, 2, I / bn, H / bk] and
+    # [E, H / bn, I / bk], a column range of them in whole blocks
+    column_dims = {"gate_up": 2, "down": 2, "gate_up_scale": 2, "down_scale": 2}
     norm_casting = "llama"  # its RMSNorm's rounding (kernels.norms.fused_add_rms_norm)
+    streams_fp8_experts = True  # transformers' FP8Experts (a block-scaled checkpoint as shipped) stream as FP8
 
     # ----- reading -----
     def read_dims(self, c) -> Dims:
@@ -65,7 +69,8 @@ class LlamaStylePipelineAdapter(PipelineAdapter):
 
     def pre_tensors(self, layer):
         a = layer.self_attn
-        tensors = {"norm": layer.input_layernorm.weight, "qkv": Rows(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)}
+        q, k, v = (linear_weight(p, self.float_dtype) for p in (a.q_proj, a.k_proj, a.v_proj))
+        tensors = {"norm": layer.input_layernorm.weight, "qkv": Rows(q, k, v)}
         if a.q_proj.bias is not None:  # attention_bias (Qwen2-MoE and GPT-OSS always; the others by config)
             tensors["qkv_bias"] = Rows(a.q_proj.bias, a.k_proj.bias, a.v_proj.bias)
         return tensors
@@ -76,7 +81,7 @@ class LlamaStylePipelineAdapter(PipelineAdapter):
     def _attention_out_tensors(self, layer) -> dict:
         """The attention's output projection (with its bias where it has one) and the post-attention norm."""
         o = layer.self_attn.o_proj
-        tensors = {"o": o.weight, "post_norm": layer.post_attention_layernorm.weight}
+        tensors = {"o": linear_weight(o, self.float_dtype), "post_norm": layer.post_attention_layernorm.weight}
         if o.bias is not None:
             tensors["o_bias"] = o.bias
         return tensors
@@ -92,7 +97,34 @@ class LlamaStylePipelineAdapter(PipelineAdapter):
         if getattr(experts, "is_transposed", False):  # stored [E, H, 2I] / [E, I, H]
             gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
         E, two_i, H = gate_up.shape
-        return {"gate_up": gate_up.reshape(E, 2, two_i // 2, H), "down": down}
+        tensors = {"gate_up": gate_up.reshape(E, 2, two_i // 2, H), "down": down}
+        if self.full_dims.expert_format == "fp8":  # as shipped: the bytes and their scales, split in whole blocks
+            gate_up_scale, down_scale = experts.gate_up_proj_scale_inv, experts.down_proj_scale_inv
+            tensors.update(gate_up_scale=gate_up_scale.reshape(E, 2, -1, gate_up_scale.shape[-1]),
+                           down_scale=down_scale)
+        return tensors
+
+    def read_expert_format(self, model) -> str:
+        experts = next((m for m in model.modules() if getattr(m, "down_proj_scale_inv", None) is not None), None)
+        if experts is None:  # transformers' FP8Experts hold the scales
+            return ""
+        if not self.streams_fp8_experts:
+            raise NotImplementedError(f"offloading {self.model_type}'s FP8 experts as shipped is not built; load the "
+                                      "checkpoint with quantization_config=FineGrainedFP8Config(dequantize=True)")
+        if not self.shard.whole:
+            raise NotImplementedError("offloading FP8 experts over several GPUs is not built; offload them on one "
+                                      "GPU, or load the checkpoint with FineGrainedFP8Config(dequantize=True)")
+        gate_rows, down_cols = experts.gate_up_proj_scale_inv.shape[1], experts.down_proj_scale_inv.shape[2]
+        inter = experts.down_proj.shape[2]
+        if gate_rows % 2 or inter % (gate_rows // 2) or inter % down_cols:
+            raise NotImplementedError(f"offloading FP8 experts needs each of gate and up to hold whole scale blocks; "
+                                      f"this model's {inter} intermediate columns have {gate_rows} scale rows")
+        # a column range holds whole blocks of both projections' scales
+        self._fp8_units = {"gate_up_scale": inter // (gate_rows // 2), "down_scale": inter // down_cols}
+        return "fp8"
+
+    def column_unit(self, name: str) -> int:
+        return getattr(self, "_fp8_units", {}).get(name) or super().column_unit(name)
 
     def other_tensors(self):
         base = self.model.model
@@ -124,9 +156,12 @@ class LlamaStylePipelineAdapter(PipelineAdapter):
 
     def _experts(self, part, x, experts, gates, routing):
         E, _, c, H = part["gate_up"].shape
-        w_in = part["gate_up"].view(E, 2 * c, H).transpose(1, 2)
-        return expert_mlp(x, (w_in,), part["down"].transpose(1, 2), experts, gates, self.constants.glu,
-                          validate=False, routing=routing)
+        if "gate_up_scale" in part:  # FP8 as shipped, read by the kernels as [E, d_in, d_out]
+            w_in = Fp8BlockWeight(part["gate_up"].view(E, 2 * c, H), part["gate_up_scale"].flatten(1, 2))
+            w_out = Fp8BlockWeight(part["down"], part["down_scale"])
+        else:
+            w_in, w_out = part["gate_up"].view(E, 2 * c, H).transpose(1, 2), part["down"].transpose(1, 2)
+        return expert_mlp(x, (w_in,), w_out, experts, gates, self.constants.glu, validate=False, routing=routing)
 
     def _final_norm(self, other, x):
         return self._norm(x, None, other["final_norm"])

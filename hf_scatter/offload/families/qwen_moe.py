@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...kernels.norms import fused_add_rms_norm
-from .adapter import LayerAttention, dense_mlp, layer_windows, mlp_tensors
+from .adapter import LayerAttention, dense_mlp, layer_windows, linear_weight, mlp_tensors
 from .llama_style import LlamaStyleConstants, LlamaStylePipelineAdapter
 from .registry import OffloadFamily
 from .spec import llama_style_spec
@@ -75,8 +75,8 @@ class Qwen2MoePipelineAdapter(LlamaStylePipelineAdapter):
 
     def post_tensors(self, layer):
         mlp = layer.mlp
-        return {**super().post_tensors(layer), **mlp_tensors("shared", mlp.shared_expert),
-                "shared_gate": mlp.shared_expert_gate.weight}  # [1, H]
+        return {**super().post_tensors(layer), **mlp_tensors("shared", mlp.shared_expert, self.float_dtype),
+                "shared_gate": linear_weight(mlp.shared_expert_gate, self.float_dtype)}  # [1, H]
 
     def _mlp(self, w, expert_parts, normed, fetch=None):
         shared = torch.sigmoid(F.linear(normed, w["shared_gate"])) * dense_mlp(w, "shared", normed, self.constants.glu)

@@ -15,9 +15,10 @@ from dataclasses import asdict, dataclass, replace
 from ...common.shapes import BUILTIN_MODELS, builtin_config
 
 # Bytes per weight of the experts' formats ("": the model's dtype). MXFP4: an e2m1 nibble per weight and an e8m0
-# exponent per 32 (kernels/mxfp4.py; not imported here, so planning loads no kernels).
-EXPERT_FORMATS = {"": 0.0, "mxfp4": (4 + 8 / 32) / 8}
-WEIGHT_CHOICES = ("shipped", "bf16")
+# exponent per 32 (kernels/mxfp4.py); FP8: an e4m3 byte per weight and a float32 per 128 x 128 block
+# (kernels/fp8_blocks.py). Neither imported here, so planning loads no kernels.
+EXPERT_FORMATS = {"": 0.0, "mxfp4": (4 + 8 / 32) / 8, "fp8": 1 + 4 / (128 * 128)}
+WEIGHT_CHOICES = ("shipped", "bf16", "fp8")
 SHIPPED_EXPERT_FORMATS = {"gpt-oss-20b": "mxfp4", "gpt-oss-120b": "mxfp4"}  # built-ins, as OpenAI ships them
 
 
@@ -27,7 +28,8 @@ def _checkpoint_expert_format(config) -> str:
              else getattr(config, "quantization_config", None))
     method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
     method = str(getattr(method, "value", method) or "")  # transformers' QuantizationMethod enum, or a string
-    return method if method in EXPERT_FORMATS else ""
+    dequantized = quant.get("dequantize") if isinstance(quant, dict) else getattr(quant, "dequantize", False)
+    return method if method in EXPERT_FORMATS and not dequantized else ""
 
 # GPU kernel launches per op and micro-batch, counted on the patched Mixtral layer (norm, GEMM, rotary
 # embedding, residual add, routing and expert kernels). Launch-bound ops cost this many launches.
@@ -108,12 +110,15 @@ class ModelSpec:
         """From a transformers config, a config dict, a config.json path or directory, or a built-in name
         (:data:`~hf_scatter.common.shapes.BUILTIN_MODELS`). ``weights``: ``"shipped"`` prices the experts in the
         format the checkpoint holds them (its ``quantization_config``; a built-in name: as its publisher ships it),
-        ``"bf16"`` in the model's dtype, as a dequantized load holds them."""
+        ``"bf16"`` in the model's dtype, as a dequantized load holds them, ``"fp8"`` as a block-scaled FP8 release
+        of the same model holds them (Qwen3-30B-A3B-FP8, DeepSeek-V3)."""
         if weights not in WEIGHT_CHOICES:
             raise ValueError(f"weights must be one of {', '.join(WEIGHT_CHOICES)}, got {weights!r}")
         spec = cls._from_any(config, name, dtype_bytes)
         if weights == "bf16":
             return replace(spec, expert_format="")
+        if weights == "fp8":
+            return replace(spec, expert_format="fp8" if spec.is_moe else "")
         if isinstance(config, str) and config in SHIPPED_EXPERT_FORMATS:
             return replace(spec, expert_format=SHIPPED_EXPERT_FORMATS[config])
         return replace(spec, expert_format=_checkpoint_expert_format(config) if spec.is_moe else "")

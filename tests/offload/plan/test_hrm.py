@@ -183,8 +183,21 @@ def test_experts_are_priced_in_the_format_the_checkpoint_ships():
     assert ModelSpec.from_config(config).expert_format == "mxfp4"
     assert ModelSpec.from_config(builtin_config("gpt-oss-20b")).expert_format == ""  # a bf16 model as built
     assert ModelSpec.from_config("mixtral-8x7b").expert_format == ""
-    with pytest.raises(ValueError, match="weights must be one of shipped, bf16"):
+    with pytest.raises(ValueError, match="weights must be one of shipped, bf16, fp8"):
         ModelSpec.from_config("gpt-oss-120b", weights="int4")
+
+
+def test_block_scaled_fp8_experts_are_priced_at_a_byte_and_a_scale_per_block():
+    """Qwen3-30B-A3B-FP8 and DeepSeek-V3 ship e4m3 experts with a float32 per 128 x 128 block: a config that
+    declares it, or --weights fp8, prices them so; a dequantized load (dequantize=True) in the model's dtype."""
+    fp8, bf16 = ModelSpec.from_config("qwen3-30b-a3b", weights="fp8"), ModelSpec.from_config("qwen3-30b-a3b")
+    assert fp8.expert_format == "fp8" and bf16.expert_format == ""
+    assert fp8.expert_weight_bytes == 3 * 2048 * 768 * (1 + 4 / 128**2)
+    assert fp8.qkv_weight_bytes == bf16.qkv_weight_bytes  # the runtime decodes the dense FP8 layers into bf16
+    config = {**builtin_config("qwen3-30b-a3b").to_dict(), "quantization_config": {"quant_method": "fp8"}}
+    assert ModelSpec.from_config(config).expert_format == "fp8"
+    dequantized = {**config, "quantization_config": {"quant_method": "fp8", "dequantize": True}}
+    assert ModelSpec.from_config(dequantized).expert_format == ""
 
 
 def test_plan_for_gpt_oss_120b_fits_a_128_gb_host_as_shipped_and_not_dequantized(capsys):

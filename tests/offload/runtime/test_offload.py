@@ -250,22 +250,26 @@ def test_bench_offload_end_to_end_small(tmp_path, model, layers):
 
 
 @pytest.mark.gpu
-def test_bench_offload_formats_small(tmp_path):
-    """GPT-OSS's experts as shipped against bf16, side by side in one budget: the MXFP4 run's layers hold about a
-    quarter of the bytes, and the whole model's plan fits the host as shipped."""
+@pytest.mark.parametrize("model,shipped,gpu_memory,share", [("gpt-oss-20b", "mxfp4", "6GiB", 0.4),
+                                                            ("qwen3-30b-a3b", "fp8", "4GiB", 0.6)])
+def test_bench_offload_formats_small(tmp_path, model, shipped, gpu_memory, share):
+    """Experts as shipped (GPT-OSS's MXFP4, Qwen3-FP8's block-scaled FP8) against bf16, side by side in one budget:
+    each run within it, the quantized layers hold about a quarter (MXFP4) or half (FP8) of the bytes, the ratio is
+    reported, and the whole model's plan fits the host as shipped."""
     from hf_scatter.cli import main
 
     out, png = tmp_path / "formats.json", tmp_path / "formats.png"
-    assert main(["bench", "offload", "--model", "gpt-oss-20b", "--layers", "2", "--new-tokens", "4", "--requests",
-                 "64", "--weights", "mxfp4", "bf16", "--gpu-memory", "6GiB", "--cpu-memory", "24GiB", "--profile",
+    assert main(["bench", "offload", "--model", model, "--layers", "3", "--new-tokens", "4", "--requests", "32",
+                 "--weights", shipped, "bf16", "--gpu-memory", gpu_memory, "--cpu-memory", "48GiB", "--profile",
                  "h100-host-anchors", "--out", str(out), "--plot", str(png)]) == 0
     report = json.loads(out.read_text())
-    mxfp4, bf16 = report["by_weights"]["mxfp4"], report["by_weights"]["bf16"]
-    assert mxfp4["expert_format"] == "mxfp4" and bf16["expert_format"] == "bf16"
-    assert mxfp4["within_budget"] and bf16["within_budget"]
-    assert mxfp4["streamed_bytes"] + mxfp4["resident_bytes"] < 0.4 * (bf16["streamed_bytes"] + bf16["resident_bytes"])
-    assert report["mxfp4_over_bf16"]["measured_tokens_per_s"] > 0
-    assert mxfp4["whole_model"]["fits"] and png.stat().st_size > 0
+    quantized, bf16 = report["by_weights"][shipped], report["by_weights"]["bf16"]
+    assert quantized["expert_format"] == shipped and bf16["expert_format"] == "bf16"
+    assert quantized["within_budget"] and bf16["within_budget"]
+    stored = quantized["streamed_bytes"] + quantized["resident_bytes"]
+    assert stored < share * (bf16["streamed_bytes"] + bf16["resident_bytes"])
+    assert report[f"{shipped}_over_bf16"]["measured_tokens_per_s"] > 0
+    assert quantized["whole_model"]["fits"] and png.stat().st_size > 0
 
 
 def test_routed_sweep_rows_render_as_a_table_and_a_plot(tmp_path):
