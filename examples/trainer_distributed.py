@@ -126,6 +126,10 @@ def main(argv: list[str] | None = None) -> None:
     trainer = Trainer(model=model, args=training, train_dataset=rows, data_collator=collate)
     trainer.train()
     trainer.save_model(args.out)  # a vanilla checkpoint: the same parameter names as the unpatched model
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # the backend's threads end before the interpreter's teardown (a rank once aborted
+        dist.destroy_process_group()  # there with "terminate called without an active exception")
 
 
 if __name__ == "__main__":

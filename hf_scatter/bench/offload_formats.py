@@ -23,9 +23,10 @@ from .availability import require_cuda
 from .offload_workload import PROMPT_LENS, bench_profile, build_model, left_padded, prompts
 
 FORMATS = ("mxfp4", "fp8", "bf16")
-# the families whose quantized releases the runtime streams as shipped: GPT-OSS in MXFP4; Qwen3-MoE (Qwen3-FP8)
-# and the other Llama-style layers in block-scaled FP8
-SHIPPED_FAMILIES = {"mxfp4": ("gpt_oss",), "fp8": ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe")}
+# the families whose quantized releases the runtime streams as shipped: GPT-OSS in MXFP4; DeepSeek-V3, Qwen3-MoE
+# (Qwen3-FP8) and the other Llama-style layers in block-scaled FP8
+SHIPPED_FAMILIES = {"mxfp4": ("gpt_oss",),
+                    "fp8": ("qwen3_moe", "deepseek_v3", "deepseek_v2", "mixtral", "qwen2_moe", "olmoe")}
 
 
 def check_formats(formats: list[str], model: str) -> None:

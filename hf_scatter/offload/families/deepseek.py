@@ -22,7 +22,7 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as v3
 
 from ...kernels.router_select import (Selection, deepseek_v2_group_limited, deepseek_v2_selection,
                                       deepseek_v3_selection, router_select)
-from .adapter import LayerAttention, dense_mlp, mlp_tensors
+from .adapter import LayerAttention, dense_mlp, linear_weight, mlp_tensors
 from .llama_style import LlamaStyleConstants, LlamaStylePipelineAdapter
 from .registry import OffloadFamily
 from .spec import ModelSpec
@@ -103,7 +103,6 @@ class DeepseekPipelineAdapter(LlamaStylePipelineAdapter):
     logits with the family's selection, the shared experts added to the routed ones, and the first layers'
     dense MLPs in place of experts."""
 
-    streams_fp8_experts = False  # its own expert tensors, not laid out for FP8 yet
     tensor_parallel_refusal = ("its latent attention caches one latent head that every query head reads, so "
                                "each GPU would hold and stream the whole cache (not built)")
 
@@ -114,18 +113,20 @@ class DeepseekPipelineAdapter(LlamaStylePipelineAdapter):
     def _kv_b(self, layer) -> torch.Tensor:
         """``kv_b_proj`` as [heads, nope + v, latent]: each head's key rows, then its value rows."""
         k = self.constants
-        return layer.self_attn.kv_b_proj.weight.view(self.full_dims.heads, k.nope + k.v, k.latent)
+        weight = linear_weight(layer.self_attn.kv_b_proj, self.float_dtype)
+        return weight.view(self.full_dims.heads, k.nope + k.v, k.latent)
 
     def pre_tensors(self, layer):
         a = layer.self_attn
         t = {"norm": layer.input_layernorm.weight}
         if a.q_lora_rank is None:
-            t["q"] = a.q_proj.weight
+            t["q"] = linear_weight(a.q_proj, self.float_dtype)
         else:
-            t.update(q_a=a.q_a_proj.weight, q_a_norm=a.q_a_layernorm.weight, q_b=a.q_b_proj.weight)
+            t.update(q_a=linear_weight(a.q_a_proj, self.float_dtype), q_a_norm=a.q_a_layernorm.weight,
+                     q_b=linear_weight(a.q_b_proj, self.float_dtype))
             if a.q_a_proj.bias is not None:
                 t["q_a_bias"] = a.q_a_proj.bias
-        t.update(kv_a=a.kv_a_proj_with_mqa.weight, kv_a_norm=a.kv_a_layernorm.weight,
+        t.update(kv_a=linear_weight(a.kv_a_proj_with_mqa, self.float_dtype), kv_a_norm=a.kv_a_layernorm.weight,
                  w_uk=self._kv_b(layer)[:, :self.constants.nope])  # [heads, nope, latent]
         if a.kv_a_proj_with_mqa.bias is not None:
             t["kv_a_bias"] = a.kv_a_proj_with_mqa.bias
@@ -133,7 +134,8 @@ class DeepseekPipelineAdapter(LlamaStylePipelineAdapter):
 
     def post_tensors(self, layer):
         a, mlp = layer.self_attn, layer.mlp
-        t = {"w_uv": self._kv_b(layer)[:, self.constants.nope:], "o": a.o_proj.weight}  # w_uv: [heads, v, latent]
+        t = {"w_uv": self._kv_b(layer)[:, self.constants.nope:],  # [heads, v, latent]
+             "o": linear_weight(a.o_proj, self.float_dtype)}
         if a.o_proj.bias is not None:
             t["o_bias"] = a.o_proj.bias
         t["post_norm"] = layer.post_attention_layernorm.weight

@@ -49,7 +49,6 @@ class LlamaStylePipelineAdapter(PipelineAdapter):
     # [E, H / bn, I / bk], a column range of them in whole blocks
     column_dims = {"gate_up": 2, "down": 2, "gate_up_scale": 2, "down_scale": 2}
     norm_casting = "llama"  # its RMSNorm's rounding (kernels.norms.fused_add_rms_norm)
-    streams_fp8_experts = True  # transformers' FP8Experts (a block-scaled checkpoint as shipped) stream as FP8
 
     # ----- reading -----
     def read_dims(self, c) -> Dims:
@@ -108,9 +107,6 @@ class LlamaStylePipelineAdapter(PipelineAdapter):
         experts = next((m for m in model.modules() if getattr(m, "down_proj_scale_inv", None) is not None), None)
         if experts is None:  # transformers' FP8Experts hold the scales
             return ""
-        if not self.streams_fp8_experts:
-            raise NotImplementedError(f"offloading {self.model_type}'s FP8 experts as shipped is not built; load the "
-                                      "checkpoint with quantization_config=FineGrainedFP8Config(dequantize=True)")
         if not self.shard.whole:
             raise NotImplementedError("offloading FP8 experts over several GPUs is not built; offload them on one "
                                       "GPU, or load the checkpoint with FineGrainedFP8Config(dequantize=True)")
