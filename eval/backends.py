@@ -76,12 +76,15 @@ def _causal(settings: LoadSettings, patched: bool):
 def _float32_throughout(model, dtype) -> None:
     """A float32 evaluation computes in float32 everywhere: transformers 5.17 dequantizes MXFP4 experts to bf16
     whatever dtype was asked (their values are the format's, exact in either), which would put bf16 rounding into
-    the comparison. Casting up loses nothing; other dtypes are left as loaded (float32 routers stay float32)."""
+    the comparison. Casting up loses nothing; other dtypes are left as loaded (float32 routers stay float32), and
+    so are weights kept as shipped in an 8-bit float format (FP8 checkpoints: their kernels decode them)."""
     import torch
 
-    if dtype in ("float32", torch.float32) and any(p.is_floating_point() and p.dtype != torch.float32
-                                                   for p in model.parameters()):
-        model.to(torch.float32)
+    if dtype not in ("float32", torch.float32):
+        return
+    for param in model.parameters():
+        if param.is_floating_point() and param.dtype.itemsize > 1 and param.dtype != torch.float32:
+            param.data = param.data.to(torch.float32)
 
 
 def _masked(settings: LoadSettings, patched: bool):

@@ -196,7 +196,8 @@ def dequantize_fp8_blocks_triton(weight: torch.Tensor, scale_inv: torch.Tensor, 
         return out
     bn, bk = block_of("dequantize_fp8_blocks", weight.shape, scale_inv.shape, block)
     # the interpreter casts float32 to bf16 / fp16 by truncation; the GPU rounds to nearest, as torch does
-    target = out if out.dtype == torch.float32 or not triton_interpreted() else torch.empty_like(out, dtype=torch.float32)
+    exact = out.dtype == torch.float32 or not triton_interpreted()
+    target = out if exact else torch.empty_like(out, dtype=torch.float32)
     BLOCK_R, BLOCK_C = 16, 128
     _dequantize_fp8_blocks_kernel[(cdiv(R, BLOCK_R), cdiv(K, BLOCK_C))](
         weight.view(torch.uint8), scale_inv, target, R, N, K, SN, SK, bn, bk, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C)

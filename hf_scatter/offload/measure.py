@@ -18,7 +18,7 @@ import torch
 from ..common.shapes import MIXTRAL_8X7B
 from ..common.timing import median_ms
 from ..kernels.backend import autotune_override
-from ..kernels.mxfp4 import BYTES_PER_WEIGHT as MXFP4_BYTES_PER_WEIGHT, random_experts
+from ..kernels import fp8_blocks, mxfp4
 from ..kernels.swiglu import gpt_oss_gate
 from ..moe.mlp import FusedSwiGLU, expert_mlp, glu_activation
 from ..tiny import TINY_BUILDERS
@@ -235,7 +235,7 @@ def _gemm_efficiency(p: HardwareProfile, quick: bool) -> None:
 
 def _moe_efficiency(p: HardwareProfile, quick: bool) -> None:
     """Achieved / roofline of the offloaded runtime's SwiGLU expert kernels on Mixtral-8x7B's experts, untuned
-    as it runs them, with bf16 weights and with MXFP4 weights read as shipped."""
+    as it runs them, with bf16 weights and with MXFP4 and block-scaled FP8 weights read as shipped."""
     dev = torch.device("cuda")
     shape = MIXTRAL_8X7B  # its experts (quick: narrower)
     E, H, k = shape["experts"], shape["hidden"], shape["top_k"]
@@ -243,10 +243,13 @@ def _moe_efficiency(p: HardwareProfile, quick: bool) -> None:
     w_in = torch.randn(E, 2 * inter, H, device=dev, dtype=torch.bfloat16).transpose(1, 2)
     w_out = torch.randn(E, H, inter, device=dev, dtype=torch.bfloat16).transpose(1, 2)
     act = glu_activation(torch.nn.functional.silu)
-    packed = [random_experts(*w.shape, device=dev) for w in (w_in, w_out)]  # the same shapes in MXFP4
-    # each with the gate its family offloads with: Mixtral's SiLU, GPT-OSS's clamped gate (the fused kernel)
+    # the same shapes as shipped: MXFP4 (with GPT-OSS's clamped gate, the fused kernel) and FP8 (SiLU, as
+    # Qwen3-FP8 and DeepSeek-V3)
+    packed = [mxfp4.random_experts(*w.shape, device=dev) for w in (w_in, w_out)]
+    blocks = [fp8_blocks.random_experts(*w.shape, device=dev) for w in (w_in, w_out)]
     gpt_oss = FusedSwiGLU(gpt_oss_gate(1.702, 7.0)._replace(interleaved=False))
-    curves = {"bf16": ((w_in, w_out), 2.0, act), "mxfp4": (packed, MXFP4_BYTES_PER_WEIGHT, gpt_oss)}
+    curves = {"bf16": ((w_in, w_out), 2.0, act), "mxfp4": (packed, mxfp4.BYTES_PER_WEIGHT, gpt_oss),
+              "fp8": (blocks, fp8_blocks.BYTES_PER_WEIGHT, act)}
     points = {name: [] for name in curves}
     with torch.no_grad(), autotune_override(False):  # as the offloaded runtime runs them
         for tokens in ((8, 128, 2048) if quick else (4, 16, 64, 256, 1024, 4096)):
@@ -259,7 +262,7 @@ def _moe_efficiency(p: HardwareProfile, quick: bool) -> None:
                 seconds = median_ms(lambda: expert_mlp(x, (a,), b, experts, gates, gate, validate=False)) / 1e3
                 roofline = max(flops / p.gpu_flops, 3.0 * active * H * inter * bytes_per_weight / p.gpu_bandwidth)
                 points[name].append([tokens * k / E, min(1.0, roofline / seconds)])
-    p.moe_efficiency, p.mxfp4_moe_efficiency = points["bf16"], points["mxfp4"]
+    p.moe_efficiency, p.mxfp4_moe_efficiency, p.fp8_moe_efficiency = points["bf16"], points["mxfp4"], points["fp8"]
 
 def _gpu_attention(p: HardwareProfile, quick: bool) -> None:
     """KV bytes/s of bf16 decode attention on the GPU."""

@@ -423,15 +423,25 @@ def test_gpu_bf16_parity_sits_at_transformers_own_noise_floor(tmp_path, capsys):
     assert ours["decisions_changed"] <= max(3, 3 * floor["decisions_changed"]), out.out
 
 
-@pytest.mark.kernel_bodies("reference")  # the MXFP4 kernels against float64: tests/kernels/test_mxfp4.py
-def test_mxfp4_checkpoint_as_shipped_matches_transformers_own_load(tmp_path, capsys, tokenizer):
-    """A GPT-OSS checkpoint with MXFP4 experts: `--model hf` loads it dequantized, `hf-scatter` keeps the experts
-    MXFP4 (the kernels read the bytes); both compute with the same values, so request by request they agree."""
+def _shipped_checkpoint(shipped: str, path) -> None:
+    from hf_scatter.models.fp8_experts import save_fp8_checkpoint
     from hf_scatter.models.mxfp4_experts import save_mxfp4_checkpoint
     from hf_scatter.tiny import tiny_decoder
 
-    path = tmp_path / "gpt-oss-mxfp4"
-    save_mxfp4_checkpoint(tiny_decoder("gpt_oss", seed=5), path)
+    if shipped == "MXFP4":
+        save_mxfp4_checkpoint(tiny_decoder("gpt_oss", seed=5), path)
+    else:
+        save_fp8_checkpoint(tiny_decoder("qwen3_moe", seed=5), path, block=(32, 32))
+
+
+@pytest.mark.kernel_bodies("reference")  # the kernels against float64: tests/kernels/test_mxfp4.py, test_fp8_blocks.py
+@pytest.mark.parametrize("shipped", ["MXFP4", "FP8"])
+def test_quantized_checkpoint_as_shipped_matches_transformers_own_load(tmp_path, capsys, tokenizer, shipped):
+    """A GPT-OSS checkpoint with MXFP4 experts, or a block-scaled FP8 Qwen3-MoE one: `--model hf` loads it
+    dequantized (no hub kernels), `hf-scatter` keeps the weights as shipped (the kernels read the bytes); both compute
+    with the same values, so request by request they agree."""
+    path = tmp_path / shipped
+    _shipped_checkpoint(shipped, path)
     tokenizer.save_pretrained(path)
     rc, report, out = _eval(["--model", str(path), *FP32, "--limit", "2", *LL, "--tasks", "hfs_facts,hfs_generation"],
                             tmp_path, capsys)
@@ -439,4 +449,4 @@ def test_mxfp4_checkpoint_as_shipped_matches_transformers_own_load(tmp_path, cap
     summary = report["summary"]["patched"]
     assert summary["ll_max_per_token"] <= LL_PER_TOKEN and summary["generations"] > 0
     assert summary["generations_changed"] == 0
-    assert any("MXFP4" in impl for impl in report["backends"][1]["patch_report"]), report["backends"]
+    assert any(shipped in impl for impl in report["backends"][1]["patch_report"]), report["backends"]

@@ -132,7 +132,8 @@ class HierarchicalRoofline:
         self._moe = _efficiency_curve(p, "moe_efficiency")
         if self._moe is None:
             self.uncalibrated.append("moe_efficiency (expert GEMMs at the dense GEMM efficiency)")
-        self._moe_mxfp4 = _efficiency_curve(p, "mxfp4_moe_efficiency")  # None: MXFP4 experts at bf16's curve
+        # each quantized format's expert kernels (None: at bf16's curve)
+        self._moe_by_format = {f: _efficiency_curve(p, f"{f}_moe_efficiency") for f in ("mxfp4", "fp8")}
         # CPU attention: the profile's standard shape (its first points), and any model shapes measured besides
         by_shape: dict[tuple, list] = {}
         for pt in p.cpu_attention or []:
@@ -151,11 +152,11 @@ class HierarchicalRoofline:
     # ----- calibration terms -----
     def gemm_efficiency(self, rows: float, moe: bool = False, weight_format: str = "") -> float:
         """Achieved / roofline time of a GEMM with ``rows`` rows (``moe``: of the grouped expert kernels at
-        ``rows`` per expert; ``weight_format`` "mxfp4": reading MXFP4 weights, where the profile measured
-        them): log-linear between measured points, flat outside them."""
+        ``rows`` per expert; ``weight_format`` "mxfp4" or "fp8": reading weights in that format, where the
+        profile measured them): log-linear between measured points, flat outside them."""
         curve = self._moe if moe and self._moe is not None else self._gemm
-        if moe and weight_format == "mxfp4" and self._moe_mxfp4 is not None:
-            curve = self._moe_mxfp4
+        if moe and self._moe_by_format.get(weight_format) is not None:
+            curve = self._moe_by_format[weight_format]
         if curve is None:
             return 1.0
         return float(np.interp(math.log(max(rows, 1e-9)), *curve))
@@ -193,7 +194,7 @@ class HierarchicalRoofline:
 
     def calibrates(self, weight_format: str) -> bool:
         """Whether the profile measured the expert kernels reading weights in ``weight_format``."""
-        return not weight_format or (weight_format == "mxfp4" and self._moe_mxfp4 is not None)
+        return not weight_format or self._moe_by_format.get(weight_format) is not None
 
     def cpu_attention_bytes_per_token(self, model: ModelSpec) -> float:
         """What one cached token costs CPU decode attention, in the KV bytes the measured rate counts: its K and

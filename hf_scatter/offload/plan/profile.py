@@ -48,6 +48,8 @@ class HardwareProfile:
     # the same kernels reading MXFP4 weights (GPT-OSS as shipped), against the roofline of MXFP4's bytes: decoding
     # in registers makes them slower per FLOP than bf16's on GPUs without FP4 tensor cores
     mxfp4_moe_efficiency: list = field(default_factory=list)
+    # and reading block-scaled FP8 weights (Qwen3-FP8, DeepSeek-V3 as shipped), against the roofline of FP8's bytes
+    fp8_moe_efficiency: list = field(default_factory=list)
     # CPU <-> GPU link
     h2d_pinned: float | None = None
     h2d_pageable: float | None = None
@@ -94,9 +96,9 @@ class HardwareProfile:
         if "name" not in data:
             data["name"] = os.path.basename(origin)
         for key, value in data.items():
-            if key in ("gemm_efficiency", "moe_efficiency", "mxfp4_moe_efficiency", "cpu_attention",
-                       "h2d_pinned_concurrent", "notes", "cpu_attention_group", "name", "host", "device", "source",
-                       "date"):
+            if key in ("gemm_efficiency", "moe_efficiency", "mxfp4_moe_efficiency", "fp8_moe_efficiency",
+                       "cpu_attention", "h2d_pinned_concurrent", "notes", "cpu_attention_group", "name", "host",
+                       "device", "source", "date"):
                 continue
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0):
                 raise ValueError(f"{origin}: {key} must be a positive number or null, got {value!r}")

@@ -114,6 +114,12 @@ def test_calibration_terms_interpolate_measurements():
     assert not any("mxfp4" in u for u in predict(policy, shipped, both, Workload(77, 8)).uncalibrated)
     assert any("mxfp4_moe_efficiency" in u for u in predict(policy, shipped, synthetic(moe_efficiency=[[16, 0.4]]),
                                                               Workload(77, 8)).uncalibrated)
+    # FP8 experts likewise: their own curve, bf16's where the profile has none
+    fp8 = ModelSpec.from_config("qwen3-30b-a3b", weights="fp8").decode_ops(2048, 100)["ffn"]
+    assert fp8.weight_format == "fp8" and fp8.rows == 128
+    both = HierarchicalRoofline(synthetic(moe_efficiency=[[128, 0.4]], fp8_moe_efficiency=[[128, 0.2]]))
+    assert both.gpu_seconds(fp8) == pytest.approx(bf16_curve.gpu_seconds(fp8) * 0.4 / 0.2)
+    assert both.calibrates("fp8") and not both.calibrates("mxfp4") and not bf16_curve.calibrates("fp8")
 
 
 # ----- model description -----
