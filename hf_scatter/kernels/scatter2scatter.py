@@ -348,13 +348,14 @@ def scatter2scatter_triton(x, weight, sorted_expert_idxs, sorted_scattered_idxs,
                 ALLOW_TF32=allow_tf32, UPCAST=interpreted and x.dtype == torch.bfloat16, GLU=glu is not None,
                 GLU_CONCAT=glu is not None and not glu.interleaved, STORE_Y=out is not None,
                 SKIP_BIN=int(expert_offsets.numel() > E), W_MXFP4=mxfp4,
-                SCALED_DOT=mxfp4 and x.dtype == torch.bfloat16 and scaled_dot_enabled(), W_FP8=fp8, W_BLOCK_N=w_block[0], W_BLOCK_K=w_block[1],
-                CONVERT=not interpreted, BLOCK_M=block_m)
+                SCALED_DOT=mxfp4 and x.dtype == torch.bfloat16 and scaled_dot_enabled(), W_FP8=fp8,
+                W_BLOCK_N=w_block[0], W_BLOCK_K=w_block[1], CONVERT=not interpreted, BLOCK_M=block_m)
     grid = lambda cfg: (num_tiles * cdiv(N, cfg["BLOCK_N"]),)  # noqa: E731
     interpreter_blocks = dict(BLOCK_N=min(128, max(16, next_power_of_2(N))),
                               BLOCK_K=min(128, max(16, next_power_of_2(K))), GROUP_M=4)
     tune_key = (K, N, block_m, x_grouped, y_grouped, fan_out, bias is not None, allow_tf32, x.dtype, w.dtype,
-                y.dtype, meta["GLU"], meta["GLU_CONCAT"], meta["STORE_Y"], meta["SKIP_BIN"], meta["W_MXFP4"], fp8, w_block)
+                y.dtype, meta["GLU"], meta["GLU_CONCAT"], meta["STORE_Y"], meta["SKIP_BIN"], meta["W_MXFP4"], fp8,
+                w_block)
     launch(_scatter2scatter_kernel, _scatter2scatter_tuned, _S2S_CONFIGS, {"BLOCK_N": N, "BLOCK_K": K}, grid,
            args, meta, interpreter_blocks, tune_key, None if interpreted else _table_config(K, N, block_m, x.element_size()))
     return out

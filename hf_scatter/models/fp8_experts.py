@@ -11,8 +11,9 @@ twice their bytes).
 two differences: the weights stay FP8 on any device, and each ``FP8Linear`` becomes an :class:`Fp8BlockLinear`
 holding the same tensors, run on our kernels. The ``FP8Experts`` themselves stay transformers' module: their
 ``"scattermoe"`` entry of transformers' FP8 ``ExpertsInterface`` reads the FP8 bytes in the expert GEMMs
-(``kernels/fp8_blocks.py``; ``experts.register_fp8_experts_backend`` adds it). ``FineGrainedFP8Config(dequantize=True)``
-and quantizing a float checkpoint on the fly still get the stock quantizer.
+(``kernels/fp8_blocks.py``; ``experts.register_fp8_experts_backend`` adds it).
+``FineGrainedFP8Config(dequantize=True)`` and quantizing a float checkpoint on the fly still get the stock
+quantizer.
 
 Weights stay frozen (training stays bf16): inputs and everything around them train, so LoRA on the attention
 of a model whose projections are FP8 works through them (their backward decodes one weight at a time).
@@ -20,6 +21,7 @@ of a model whose projections are FP8 works through them (their backward decodes 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import tempfile
@@ -87,17 +89,23 @@ def fp8_linear(x: torch.Tensor, weight: Fp8BlockWeight, bias: torch.Tensor | Non
                            x_grouped=True, y_grouped=True, bias=None if bias is None else bias[None])
 
 
-def fp8_experts_module(config, block: tuple[int, int] = BLOCK) -> nn.Module:
-    """transformers' FP8 experts for ``config`` (SwiGLU, no bias) in ``block`` blocks, built as its quantizer
-    builds them before a load (on the current device; their tensors uninitialised)."""
+@functools.cache
+def _fp8_experts_class() -> type:
+    """transformers' ``FP8Experts`` with its experts switch, as its quantizer decorates it (once here: the
+    decorator wraps the class it is given, so every call would wrap it again)."""
     from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS, FP8Experts
     from transformers.integrations.moe import use_experts_implementation
 
+    return use_experts_implementation(experts_class=FP8Experts, experts_interface=ALL_FP8_EXPERTS_FUNCTIONS,
+                                      has_bias=False, has_gate=True)
+
+
+def fp8_experts_module(config, block: tuple[int, int] = BLOCK) -> nn.Module:
+    """transformers' FP8 experts for ``config`` (SwiGLU, no bias) in ``block`` blocks, built as its quantizer
+    builds them before a load (on the current device; their tensors uninitialised)."""
     register_fp8_experts_backend()
-    experts = use_experts_implementation(experts_class=FP8Experts, experts_interface=ALL_FP8_EXPERTS_FUNCTIONS,
-                                         has_bias=False, has_gate=True)
-    module = experts(config=config.get_text_config(), block_size=list(block), activation_scheme="dynamic",
-                     has_bias=False, has_gate=True)
+    module = _fp8_experts_class()(config=config.get_text_config(), block_size=list(block),
+                                  activation_scheme="dynamic", has_bias=False, has_gate=True)
     return module.requires_grad_(False)  # frozen, as a load as shipped leaves them
 
 

@@ -15,7 +15,7 @@ from transformers.activations import ACT2FN
 from ...kernels.fp8_blocks import Fp8BlockWeight
 from ...kernels.norms import fused_add_rms_norm
 from ...kernels.router import router_topk
-from ...moe.mlp import expert_mlp, glu_activation
+from ...moe.mlp import FusedSwiGLU, expert_mlp, glu_activation
 from .adapter import Dims, LayerAttention, PipelineAdapter, linear_weight
 from .rows import Rows
 
@@ -104,8 +104,9 @@ class LlamaStylePipelineAdapter(PipelineAdapter):
         return tensors
 
     def read_expert_format(self, model) -> str:
+        # transformers' FP8Experts (a block-scaled checkpoint loaded as shipped) hold their weights' scales
         experts = next((m for m in model.modules() if getattr(m, "down_proj_scale_inv", None) is not None), None)
-        if experts is None:  # transformers' FP8Experts hold the scales
+        if experts is None:
             return ""
         if not self.shard.whole:
             raise NotImplementedError("offloading FP8 experts over several GPUs is not built; offload them on one "
@@ -116,11 +117,9 @@ class LlamaStylePipelineAdapter(PipelineAdapter):
             raise NotImplementedError(f"offloading FP8 experts needs each of gate and up to hold whole scale blocks; "
                                       f"this model's {inter} intermediate columns have {gate_rows} scale rows")
         # a column range holds whole blocks of both projections' scales
-        self._fp8_units = {"gate_up_scale": inter // (gate_rows // 2), "down_scale": inter // down_cols}
+        self.column_units = {**self.column_units, "gate_up_scale": inter // (gate_rows // 2),
+                             "down_scale": inter // down_cols}
         return "fp8"
-
-    def column_unit(self, name: str) -> int:
-        return getattr(self, "_fp8_units", {}).get(name) or super().column_unit(name)
 
     def other_tensors(self):
         base = self.model.model
@@ -155,6 +154,8 @@ class LlamaStylePipelineAdapter(PipelineAdapter):
         if "gate_up_scale" in part:  # FP8 as shipped, read by the kernels as [E, d_in, d_out]
             w_in = Fp8BlockWeight(part["gate_up"].view(E, 2 * c, H), part["gate_up_scale"].flatten(1, 2))
             w_out = Fp8BlockWeight(part["down"], part["down_scale"])
+            if not isinstance(self.constants.glu, FusedSwiGLU):  # a gate only torch ops compute: the part's values
+                w_in, w_out = w_in.dequantize(x.dtype), w_out.dequantize(x.dtype)
         else:
             w_in, w_out = part["gate_up"].view(E, 2 * c, H).transpose(1, 2), part["down"].transpose(1, 2)
         return expert_mlp(x, (w_in,), w_out, experts, gates, self.constants.glu, validate=False, routing=routing)
