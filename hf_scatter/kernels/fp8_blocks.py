@@ -17,6 +17,7 @@ rounding is the product's (float32) and its cast, the same as transformers'.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -68,7 +69,7 @@ if kernels_enabled():
     def fp8_column_scales(s_ptr, expert, k0, cols, col_mask, stride_se, stride_sn, BLOCK_K: tl.constexpr,
                           W_BLOCK_N: tl.constexpr, W_BLOCK_K: tl.constexpr):
         """The scales [BLOCK_N] of K step ``k0``'s columns, where the step lies within one block along K
-        (W_BLOCK_K a multiple of BLOCK_K): the product of the step can be scaled instead of its weights."""
+        (W_BLOCK_K a multiple of BLOCK_K): one load per column, not per weight."""
         return tl.load(s_ptr + expert * stride_se + (cols // W_BLOCK_N) * stride_sn + (k0 * BLOCK_K) // W_BLOCK_K,
                        mask=col_mask, other=0.0)
 
@@ -97,6 +98,12 @@ if kernels_enabled():
         scale = tl.load(s_ptr + scale_row[:, None] * SK + (cols // block_k)[None, :], mask=mask, other=0.0)
         tl.store(out_ptr + r64[:, None] * K + cols[None, :], (e4m3_bits(byte) * scale).to(out_ptr.dtype.element_ty),
                  mask=mask)
+
+
+@functools.cache
+def converts_e4m3(device_index: int) -> bool:
+    """Whether the GPU converts e4m3 in hardware (compute capability 8.9 and later); older ones decode the bits."""
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
 
 
 def block_of(op: str, weight_shape, scale_shape, block: tuple[int, int] | None = None) -> tuple[int, int]:

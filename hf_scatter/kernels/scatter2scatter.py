@@ -18,7 +18,7 @@ import torch
 from .backend import cdiv, fit_shared_memory, fitted_block, fitting_configs, kernels_enabled, launch, next_power_of_2, triton_interpreted, triton_runs, use_triton
 from .checks import check_float, check_index, check_like, check_out, fail
 from .custom_ops import mutating_op, run_op, tf32_allowed
-from .fp8_blocks import Fp8BlockWeight
+from .fp8_blocks import Fp8BlockWeight, converts_e4m3
 from .mxfp4 import Mxfp4Weight, scaled_dot_enabled
 from .swiglu import SILU, GateForm, swiglu_reference
 from .weight_formats import is_quantized, operands, weight_of
@@ -349,7 +349,8 @@ def scatter2scatter_triton(x, weight, sorted_expert_idxs, sorted_scattered_idxs,
                 GLU_CONCAT=glu is not None and not glu.interleaved, STORE_Y=out is not None,
                 SKIP_BIN=int(expert_offsets.numel() > E), W_MXFP4=mxfp4,
                 SCALED_DOT=mxfp4 and x.dtype == torch.bfloat16 and scaled_dot_enabled(), W_FP8=fp8,
-                W_BLOCK_N=w_block[0], W_BLOCK_K=w_block[1], CONVERT=not interpreted, BLOCK_M=block_m)
+                W_BLOCK_N=w_block[0], W_BLOCK_K=w_block[1],
+                CONVERT=fp8 and not interpreted and converts_e4m3(x.device.index or 0), BLOCK_M=block_m)
     grid = lambda cfg: (num_tiles * cdiv(N, cfg["BLOCK_N"]),)  # noqa: E731
     interpreter_blocks = dict(BLOCK_N=min(128, max(16, next_power_of_2(N))),
                               BLOCK_K=min(128, max(16, next_power_of_2(K))), GROUP_M=4)
