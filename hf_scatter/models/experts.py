@@ -101,7 +101,24 @@ def fp8_expert_weight(experts: nn.Module, name: str):
                          "quantization_config=FineGrainedFP8Config(dequantize=True) to get bf16 weights")
     if scale.dtype != torch.float32:
         scale = scale.to(torch.float32)  # power-of-two (ue8m0) scales hold exact float32 values
-    return Fp8BlockWeight(weight, scale)
+    stored = Fp8BlockWeight(weight, scale)  # the block derived from the shapes, as transformers dequantizes
+    check_fp8_blocks(f"{type(experts).__name__}.{name}", stored, getattr(experts, "block_size", None),
+                     fused_halves=name == "gate_up_proj")
+    return stored
+
+
+def check_fp8_blocks(where: str, stored, block, fused_halves: bool = False) -> None:
+    """Refuses FP8 experts whose blocks the shapes do not give: a dimension of several blocks that ends in a
+    partial one (its derived block differs from the config's). One block along a dimension, or one per half
+    of a fused [gate; up] projection (transformers' grid for halves narrower than a block), reads right."""
+    if not block:
+        return
+    (E, K, N), (SN, SK) = stored.shape, stored.scale_inv.shape[-2:]
+    bn, bk = stored.block
+    if not (bn == block[0] or SN == 1 or (fused_halves and SN == 2)) or not (bk == block[1] or SK == 1):
+        raise NotImplementedError(f"hf_scatter: {where} is [{N}, {K}] in {tuple(block)} blocks and ends in a partial "
+                                  "block, which the expert kernels do not read; load the checkpoint with "
+                                  "quantization_config=FineGrainedFP8Config(dequantize=True)")
 
 
 def _uses_default_gate(experts: torch.nn.Module) -> bool:
@@ -178,7 +195,6 @@ def _local_routes(num_local: int, top_k_index: torch.Tensor, top_k_weights: torc
 
 def scattermoe_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                                top_k_weights: torch.Tensor) -> torch.Tensor:
-    from ..kernels.weight_formats import is_quantized
     from ..moe.mlp import FusedSwiGLU, expert_mlp, glu_activation  # the kernels load on first use
 
     routing = None
@@ -207,9 +223,7 @@ def scattermoe_experts_forward(self: torch.nn.Module, hidden_states: torch.Tenso
     else:
         w_in, b_in = kernel_layout("up_proj"), (self.up_proj_bias if has_bias else None)
         activation = self.act_fn
-    w_out = kernel_layout("down_proj")
-    if not isinstance(activation, FusedSwiGLU) and is_quantized(w_out):  # a gate only torch ops compute
-        w_in, w_out = w_in.dequantize(hidden_states.dtype), w_out.dequantize(hidden_states.dtype)
+    w_out = kernel_layout("down_proj")  # quantized weights: decoded by expert_mlp where its fused path cannot run
     post_norm = self.post_expert_norm if getattr(self, "has_post_expert_norm", False) else None
     x = hidden_states.reshape(-1, hidden_states.shape[-1])
     # Router top-k ids are in range by construction: skip the validating host sync on the hot path.

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.swiglu import SILU, GateForm, swiglu, swiglu_pair, swiglu_reference
+from ..kernels.weight_formats import is_quantized
 from .parallel_linear import parallel_linear
 from .routing import flatten_sort_count
 from .swiglu_experts import swiglu_experts
@@ -44,6 +45,9 @@ def expert_mlp(x: torch.Tensor, w_in: Sequence[torch.Tensor], w_out: torch.Tenso
     if isinstance(activation, FusedSwiGLU) and len(w_in) == 1 and post_norm is None \
             and not torch.compiler.is_compiling():  # one autograd node: lower backward peak
         return swiglu_experts(x, w_in[0], w_out, gates, routing, b_in[0], b_out, activation.form)
+    # the ParallelLinear chain reads float weights: quantized ones (frozen) are decoded for this call
+    w_in = [w.dequantize(x.dtype) if is_quantized(w) else w for w in w_in]
+    w_out = w_out.dequantize(x.dtype) if is_quantized(w_out) else w_out
     hs = [parallel_linear(x, w, k, *routing, bias=b, grouped_out=True) for w, b in zip(w_in, b_in)]
     h = activation(*hs)
     if post_norm is None:

@@ -203,3 +203,32 @@ def test_partial_last_blocks_of_a_configured_block_size(device):
     x.requires_grad_()  # a gradient to the input: the weight decoded for that call
     layer(x).sum().backward()
     assert relative_error(x.grad.cpu().reshape(15, 40), want.double().sum(0).expand(15, 40)) < TOL[torch.float32]
+
+
+def test_experts_the_kernels_cannot_read_are_refused_and_other_gates_decode_their_weights():
+    """A dimension of several 128-blocks that ends in a partial one ([H, 192] in 128 x 128 blocks: derived
+    blocks of 96 would misplace 32 columns' scales) is refused with the load that works; a fused [gate; up] of
+    halves narrower than a block (transformers' two scale rows) reads right. A gate the fused kernel does not
+    know runs the ParallelLinear chain on the weights' values."""
+    from hf_scatter.models.experts import fp8_expert_weight
+    from hf_scatter.moe.mlp import expert_mlp
+
+    experts = torch.nn.Module()
+    experts.block_size = [128, 128]
+    experts.down_proj = _weight(2, 64, 192, 1, 2, "cpu", seed=3).weight
+    experts.down_proj_scale_inv = torch.ones(2, 1, 2)
+    with pytest.raises(NotImplementedError, match=r"down_proj is \[64, 192\] in \(128, 128\) blocks.*dequantize=True"):
+        fp8_expert_weight(experts, "down_proj")
+    experts.gate_up_proj = _weight(2, 192, 64, 2, 1, "cpu", seed=4).weight  # I = 96: one block per half
+    experts.gate_up_proj_scale_inv = torch.ones(2, 2, 1)
+    assert fp8_expert_weight(experts, "gate_up_proj").block == (96, 64)
+    w_in, w_out = _weight(2, 64, 32, 2, 1, "cpu", seed=5), _weight(2, 32, 32, 1, 1, "cpu", seed=6)
+    x, idx, gates = torch.randn(7, 32), routing_case(7, 2, 2, "cpu", empty_expert=False)[0], torch.rand(7, 2)
+
+    def gelu_gate(h):
+        gate, up = h.chunk(2, dim=-1)
+        return torch.nn.functional.gelu(gate) * up
+
+    got = expert_mlp(x, (w_in,), w_out, idx, gates, gelu_gate)
+    want = expert_mlp(x, (w_in.dequantize(x.dtype),), w_out.dequantize(x.dtype), idx, gates, gelu_gate)
+    assert relative_error(got, want.double()) < TOL[torch.float32]

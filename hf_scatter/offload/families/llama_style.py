@@ -15,7 +15,8 @@ from transformers.activations import ACT2FN
 from ...kernels.fp8_blocks import Fp8BlockWeight
 from ...kernels.norms import fused_add_rms_norm
 from ...kernels.router import router_topk
-from ...moe.mlp import FusedSwiGLU, expert_mlp, glu_activation
+from ...models.experts import fp8_expert_weight
+from ...moe.mlp import expert_mlp, glu_activation
 from .adapter import Dims, LayerAttention, PipelineAdapter, linear_weight
 from .rows import Rows
 
@@ -116,6 +117,8 @@ class LlamaStylePipelineAdapter(PipelineAdapter):
         if gate_rows % 2 or inter % (gate_rows // 2) or inter % down_cols:
             raise NotImplementedError(f"offloading FP8 experts needs each of gate and up to hold whole scale blocks; "
                                       f"this model's {inter} intermediate columns have {gate_rows} scale rows")
+        for name in ("gate_up_proj", "down_proj"):  # a partial last block: refused as the patched model does
+            fp8_expert_weight(experts, name)
         # a column range holds whole blocks of both projections' scales
         self.column_units = {**self.column_units, "gate_up_scale": inter // (gate_rows // 2),
                              "down_scale": inter // down_cols}
@@ -154,8 +157,6 @@ class LlamaStylePipelineAdapter(PipelineAdapter):
         if "gate_up_scale" in part:  # FP8 as shipped, read by the kernels as [E, d_in, d_out]
             w_in = Fp8BlockWeight(part["gate_up"].view(E, 2 * c, H), part["gate_up_scale"].flatten(1, 2))
             w_out = Fp8BlockWeight(part["down"], part["down_scale"])
-            if not isinstance(self.constants.glu, FusedSwiGLU):  # a gate only torch ops compute: the part's values
-                w_in, w_out = w_in.dequantize(x.dtype), w_out.dequantize(x.dtype)
         else:
             w_in, w_out = part["gate_up"].view(E, 2 * c, H).transpose(1, 2), part["down"].transpose(1, 2)
         return expert_mlp(x, (w_in,), w_out, experts, gates, self.constants.glu, validate=False, routing=routing)
