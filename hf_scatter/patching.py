@@ -181,7 +181,7 @@ def patch_transformers(**options) -> None:
     opts = PatchOptions.from_kwargs("patch_transformers", **options)
     unpatch_transformers()
     for switch in _as_shipped_switches():
-        switch.enable(True)
+        switch.enable(True, pin=True)
     for family in families().values():
         cls = _family_base(family)
         attrs = {"post_init": _patching_post_init(opts, family, cls.post_init), **family.class_hooks(opts)}
@@ -194,7 +194,7 @@ def unpatch_transformers() -> None:
     """Restore every class :func:`patch_transformers` touched; models built while it was on stay patched
     (use :func:`unpatch_model` on those)."""
     for switch in _as_shipped_switches():
-        switch.enable(False)
+        switch.enable(False, pin=False)
     while _CLASS_PATCHES:
         cls, attr, saved = _CLASS_PATCHES.pop()
         if saved is _ABSENT:

@@ -19,14 +19,18 @@ class QuantizerSwitch:
     def __init__(self, method: str, choose: Callable):
         self.method, self.choose = method, choose
         self._stock: list = []  # the table's own entry while ours is in place
+        self.pinned = False  # switched on for the process (patch_transformers): a block's exit leaves it on
 
     @property
     def on(self) -> bool:
         return bool(self._stock)
 
-    def enable(self, on: bool = True) -> None:
+    def enable(self, on: bool = True, pin: bool | None = None) -> None:
+        """Our entry in (``on``) or the stock one back; ``pin``: whether a block's exit may switch it off."""
         from transformers.quantizers import auto
 
+        if pin is not None:
+            self.pinned = pin
         if on and not self._stock:
             self._stock.append(auto.AUTO_QUANTIZER_MAPPING[self.method])
             auto.AUTO_QUANTIZER_MAPPING[self.method] = self.choose
@@ -35,11 +39,11 @@ class QuantizerSwitch:
 
     @contextlib.contextmanager
     def enabled(self):
-        """On inside the block; as it was after it."""
+        """On inside the block; as it was after it, unless it was pinned on meanwhile."""
         already = self.on
         self.enable(True)
         try:
             yield
         finally:
-            if not already:
+            if not already and not self.pinned:
                 self.enable(False)

@@ -125,7 +125,7 @@ def test_save_pretrained_writes_the_shipped_keys_back(checkpoint, tmp_path):
 def test_dequantize_asks_for_transformers_own_path_and_the_table_is_given_back(checkpoint):
     from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
 
-    stock_entry = AUTO_QUANTIZER_MAPPING["fp8"]
+    stock_entry, stock_mxfp4 = AUTO_QUANTIZER_MAPPING["fp8"], AUTO_QUANTIZER_MAPPING["mxfp4"]
     floats = hf_scatter.from_pretrained(checkpoint, dtype=torch.float32,
                                         quantization_config=FineGrainedFP8Config(dequantize=True))
     assert not _fp8_experts(floats) and not any(p.dtype == FP8_DTYPE for p in floats.parameters())
@@ -137,6 +137,13 @@ def test_dequantize_asks_for_transformers_own_path_and_the_table_is_given_back(c
     finally:
         hf_scatter.unpatch_transformers()
     assert AUTO_QUANTIZER_MAPPING["fp8"] is stock_entry
+    with hf_scatter.load_as_shipped():  # switched on for the process inside a block: the block's exit keeps it
+        hf_scatter.patch_transformers()
+    try:
+        assert AUTO_QUANTIZER_MAPPING["fp8"] is not stock_entry and AUTO_QUANTIZER_MAPPING["mxfp4"] is not stock_mxfp4
+    finally:
+        hf_scatter.unpatch_transformers()
+    assert AUTO_QUANTIZER_MAPPING["fp8"] is stock_entry and AUTO_QUANTIZER_MAPPING["mxfp4"] is stock_mxfp4
 
 
 def test_trainer_trains_a_lora_adapter_on_fp8_attention(checkpoint, tmp_path):
