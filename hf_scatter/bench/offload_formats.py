@@ -80,7 +80,7 @@ def run_formats(formats: list[str], *, model: str, layers: int, published_layers
               "gpu_budget": budget, "cpu_budget": host, "profile": prof.to_dict(), "profile_s": profile_s,
               "workload": {"requests": requests, "prompt_lens": PROMPT_LENS, "new_tokens": new_tokens},
               "by_weights": rows}
-    for fmt in ("mxfp4", "fp8"):
+    for fmt in SHIPPED_FAMILIES:
         if all("tokens_per_s" in rows.get(w, {}) for w in (fmt, "bf16")):
             a, b = rows[fmt], rows["bf16"]
             report[f"{fmt}_over_bf16"] = {
@@ -164,7 +164,7 @@ def to_markdown(report: dict) -> str:
              f"{report['gpu_budget'] / gib:.0f} GiB GPU, {report['cpu_budget'] / gib:.0f} GiB host, "
              f"{report['workload']['requests']} requests, {report['workload']['new_tokens']} new tokens, "
              f"{report['device']}", "", markdown_table(header, rows)]
-    for fmt in ("mxfp4", "fp8"):
+    for fmt in SHIPPED_FAMILIES:
         ratio = report.get(f"{fmt}_over_bf16")
         if ratio:
             lines += ["", f"{fmt.upper()} over bf16: {ratio['measured_tokens_per_s']:.2f}x tokens/s measured "

@@ -24,15 +24,6 @@ def is_quantized(weight) -> bool:
     return isinstance(weight, QUANTIZED_WEIGHTS)
 
 
-def format_name(weight) -> str:
-    """How ``weight`` is stored: ``"mxfp4"``, ``"fp8"`` or its dtype's name."""
-    if isinstance(weight, Mxfp4Weight):
-        return "mxfp4"
-    if isinstance(weight, Fp8BlockWeight):
-        return "fp8"
-    return str(weight.dtype).removeprefix("torch.")
-
-
 def operands(weight: ExpertWeight) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[list[int]]]:
     """A weight as the ops take it: (tensor, None, None), (MXFP4 blocks, exponents, None) or (FP8 bytes,
     scale_inv, the block size it was given or None)."""

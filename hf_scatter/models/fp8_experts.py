@@ -146,13 +146,13 @@ class Fp8AsShippedQuantizer(_stock_quantizer()):
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         model = super()._process_model_after_weight_loading(model, **kwargs)
-        for module in model.modules():  # power-of-two (ue8m0) scales as the float32 values they are, exactly
+        for module in model.modules():
             for name, param in module.named_parameters(recurse=False):
-                if name.endswith("scale_inv") and param.dtype != torch.float32:
-                    setattr(module, name, nn.Parameter(param.data.to(torch.float32), requires_grad=False))
-        for name, param in model.named_parameters():  # frozen: training stays in float, around the checkpoint
-            if param.dtype == FP8_DTYPE or name.endswith("scale_inv"):
-                param.requires_grad_(False)
+                if name.endswith("scale_inv") and param.dtype != torch.float32:  # power-of-two (ue8m0) scales
+                    param = nn.Parameter(param.data.to(torch.float32))  # as the float32 values they are, exactly
+                    setattr(module, name, param)
+                if param.dtype == FP8_DTYPE or name.endswith("scale_inv"):  # frozen: training stays in float
+                    param.requires_grad_(False)
         return model
 
 

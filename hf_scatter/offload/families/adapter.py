@@ -113,10 +113,10 @@ class PipelineAdapter:
         self.dims = shard.dims(self.full_dims)  # what this rank computes: the maths and the runtime read these
         self.constants = self.read_constants(model)
         layers = self.layers()  # the getters refuse what the runtime cannot run: asked once here, before any work
-        self.other_tensors()
+        other = self.other_tensors()
         if layers:
             self.shard_expert_tensors(layers[0])
-            dense = {**self.shard_pre_tensors(layers[0]), **self.shard_post_tensors(layers[0]), **self.other_tensors()}
+            dense = {**self.shard_pre_tensors(layers[0]), **self.shard_post_tensors(layers[0]), **other}
             stored = [name for name, t in dense.items() if t.dtype == torch.float8_e4m3fn]
             if stored:
                 raise NotImplementedError(f"offloading {self.model_type} reads its {', '.join(stored)} weights as "

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..families.spec import ModelSpec, OpCost
+from ..families.spec import EXPERT_FORMATS, ModelSpec, OpCost
 from .profile import HardwareProfile
 from .tensor_parallel import TensorParallel, group_profile
 
@@ -133,7 +133,7 @@ class HierarchicalRoofline:
         if self._moe is None:
             self.uncalibrated.append("moe_efficiency (expert GEMMs at the dense GEMM efficiency)")
         # each quantized format's expert kernels (None: at bf16's curve)
-        self._moe_by_format = {f: _efficiency_curve(p, f"{f}_moe_efficiency") for f in ("mxfp4", "fp8")}
+        self._moe_by_format = {f: _efficiency_curve(p, f"{f}_moe_efficiency") for f in EXPERT_FORMATS if f}
         # CPU attention: the profile's standard shape (its first points), and any model shapes measured besides
         by_shape: dict[tuple, list] = {}
         for pt in p.cpu_attention or []:
