@@ -9,21 +9,14 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
 import hf_scatter
+from shipped_cases import assert_adapter_trains, assert_generates_like, assert_trains_like, training_case
 from hf_scatter.kernels.fp8_blocks import FP8_DTYPE
 from hf_scatter.models.fp8_experts import Fp8BlockLinear, save_fp8_checkpoint
 from hf_scatter.tiny import tiny_decoder
 
 pytestmark = pytest.mark.kernel_bodies("reference")  # the kernels' FP8 arithmetic: tests/kernels/test_fp8_blocks.py
-# Both models compute with the same float32 values in different orders (grouped products against
-# transformers' per-expert loop): float32 rounding over sums of ~100 products, ~1e-6 relative per layer; one
-# decoded value wrong moves the result by about 1e-2.
-FP32_REL = 1e-5
 # the tiny models' dimensions are multiples of these blocks (releases use 128 x 128 on their own dimensions)
 FAMILIES = {"qwen3_moe": (32, 32), "deepseek_v3": (8, 8)}
-
-
-def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want.double()).norm() / want.double().norm()).item()
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -78,26 +71,14 @@ def test_greedy_tokens_equal_transformers_own_load_in_fp32(checkpoint):
     stock = _transformers_own(checkpoint)
     assert not _fp8_experts(stock) and not any(p.dtype == FP8_DTYPE for p in stock.parameters())
     ours = hf_scatter.from_pretrained(checkpoint, dtype=torch.float32)
-    prompt = torch.tensor([[5, 17, 101, 42, 7, 250, 3]])
-    with torch.no_grad():
-        assert _rel_err(ours(prompt).logits, stock(prompt).logits) < FP32_REL
-        want = stock.generate(prompt, max_new_tokens=8, do_sample=False)
-        got = ours.generate(prompt, max_new_tokens=8, do_sample=False)
-    assert torch.equal(got, want)
+    assert_generates_like(ours, stock)
 
 
 def test_frozen_fp8_weights_pass_gradients_to_what_trains(checkpoint):
     """The FP8 weights get no gradient; the norms around them get the gradients of the dequantized model."""
     stock = _transformers_own(checkpoint)
     ours = hf_scatter.from_pretrained(checkpoint, dtype=torch.float32)
-    ids = torch.tensor([[9, 8, 30, 200, 11, 6]])
-    for model in (stock, ours):
-        model.requires_grad_(False)
-        for layer in model.model.layers:
-            layer.input_layernorm.weight.requires_grad_(True)
-        model(ids, labels=ids).loss.backward()
-    for a, b in zip(ours.model.layers, stock.model.layers):
-        assert _rel_err(a.input_layernorm.weight.grad, b.input_layernorm.weight.grad) < FP32_REL
+    assert_trains_like(ours, stock, lambda layer: layer.input_layernorm.weight)
     stored = [p for p in ours.parameters() if p.dtype == FP8_DTYPE]
     assert stored and all(p.grad is None for p in stored)
 
@@ -149,20 +130,9 @@ def test_dequantize_asks_for_transformers_own_path_and_the_table_is_given_back(c
 def test_trainer_trains_a_lora_adapter_on_fp8_attention(checkpoint, tmp_path):
     """PEFT wraps the FP8 attention projections with a LoRA adapter; the adapter trains (its loss falls) and the
     FP8 bytes stay the checkpoint's."""
-    peft = pytest.importorskip("peft")
-    from transformers import Trainer, TrainingArguments
-
     model = hf_scatter.from_pretrained(checkpoint, dtype=torch.float32)
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=2, learning_rate=3e-2,
-                             save_strategy="no", report_to=[], logging_steps=1, disable_tqdm=True, use_cpu=True)
-    rows = [{"input_ids": torch.arange(i, i + 10) % 300 + 1, "labels": torch.arange(i, i + 10) % 300 + 1}
-            for i in range(4)]
     target = ["q_proj", "v_proj"] if "qwen" in checkpoint.name else ["q_b_proj", "kv_b_proj"]
-    adapted = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=target))
-    trainer = Trainer(model=adapted, args=args, train_dataset=rows)
-    trainer.train()
-    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
-    assert losses[-1] < losses[0], losses
+    adapted = assert_adapter_trains(model, *training_case(tmp_path), target)
     shipped = load_file(checkpoint / "model.safetensors")
     base = adapted.base_model.model.model.layers[-1].self_attn.o_proj
     key = f"model.layers.{len(adapted.base_model.model.model.layers) - 1}.self_attn.o_proj.weight"

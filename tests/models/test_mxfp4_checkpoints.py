@@ -8,18 +8,11 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Mxfp4Config
 
 import hf_scatter
+from shipped_cases import assert_adapter_trains, assert_generates_like, assert_trains_like, training_case
 from hf_scatter.models.mxfp4_experts import Mxfp4GptOssExperts, save_mxfp4_checkpoint
 from hf_scatter.tiny import tiny_decoder
 
 pytestmark = pytest.mark.kernel_bodies("reference")  # the kernels' MXFP4 arithmetic: tests/kernels/test_mxfp4.py
-# Both models compute with the same values in float32, in different orders (grouped products against
-# transformers' per-expert loop): what differs is float32 rounding over sums of ~100 products, ~1e-6 relative
-# per layer; one decoded value wrong moves the result by about 1e-2.
-FP32_REL = 1e-5
-
-
-def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want.double()).norm() / want.double().norm()).item()
 
 
 @pytest.fixture(scope="module")
@@ -60,26 +53,14 @@ def test_greedy_tokens_equal_transformers_own_load_in_fp32(checkpoint):
     stock = _transformers_own(checkpoint)
     assert not any(isinstance(m, Mxfp4GptOssExperts) for m in stock.modules())  # the stock quantizer ran
     ours = hf_scatter.from_pretrained(checkpoint, dtype=torch.float32)
-    prompt = torch.tensor([[5, 17, 101, 42, 7, 250, 3]])
-    with torch.no_grad():
-        assert _rel_err(ours(prompt).logits, stock(prompt).logits) < FP32_REL
-        want = stock.generate(prompt, max_new_tokens=8, do_sample=False)
-        got = ours.generate(prompt, max_new_tokens=8, do_sample=False)
-    assert torch.equal(got, want)
+    assert_generates_like(ours, stock)
 
 
 def test_frozen_mxfp4_experts_pass_gradients_to_what_trains(checkpoint):
     """The experts get no gradient, the layers around them get the gradients of the dequantized model."""
     stock = _transformers_own(checkpoint)
     ours = hf_scatter.from_pretrained(checkpoint, dtype=torch.float32)
-    ids = torch.tensor([[9, 8, 30, 200, 11, 6]])
-    for model in (stock, ours):
-        model.requires_grad_(False)
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.requires_grad_(True)
-        model(ids, labels=ids).loss.backward()
-    for a, b in zip(ours.model.layers, stock.model.layers):
-        assert _rel_err(a.self_attn.q_proj.weight.grad, b.self_attn.q_proj.weight.grad) < FP32_REL
+    assert_trains_like(ours, stock, lambda layer: layer.self_attn.q_proj.weight)
     assert not any(p.requires_grad for m in ours.modules() if isinstance(m, Mxfp4GptOssExperts)
                    for p in (m.gate_up_proj_blocks, m.down_proj_blocks))
 
@@ -113,21 +94,14 @@ def test_dequantize_asks_for_transformers_own_path_and_the_table_is_given_back(c
 def test_trainer_trains_a_lora_adapter_around_the_frozen_mxfp4_experts(checkpoint, tmp_path):
     """transformers' Trainer accepts the quantized model with a PEFT adapter (not without one) and trains the
     adapter: its loss falls, the MXFP4 bytes stay the checkpoint's."""
-    peft = pytest.importorskip("peft")
-    from transformers import Trainer, TrainingArguments
+    pytest.importorskip("peft")
+    from transformers import Trainer
 
     model = hf_scatter.from_pretrained(checkpoint, dtype=torch.float32)
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=2, learning_rate=3e-2,
-                             save_strategy="no", report_to=[], logging_steps=1, disable_tqdm=True, use_cpu=True)
-    rows = [{"input_ids": torch.arange(i, i + 10) % 300 + 1, "labels": torch.arange(i, i + 10) % 300 + 1}
-            for i in range(4)]
+    args, rows = training_case(tmp_path)
     with pytest.raises(ValueError, match="adapter"):
         Trainer(model=model, args=args, train_dataset=rows)
-    adapted = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-    trainer = Trainer(model=adapted, args=args, train_dataset=rows)
-    trainer.train()
-    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
-    assert losses[-1] < losses[0], losses
+    adapted = assert_adapter_trains(model, args, rows, ["q_proj", "v_proj"])
     shipped = load_file(checkpoint / "model.safetensors")
     experts = adapted.base_model.model.model.layers[0].mlp.experts
     assert torch.equal(experts.gate_up_proj_blocks, shipped["model.layers.0.mlp.experts.gate_up_proj_blocks"])
