@@ -40,7 +40,7 @@ def _check(h, w, y, tol, use_liger, grad_tol=None, **kw):
         assert err < (grad_tol or tol * 10), (name, err)
 
 
-@pytest.mark.parametrize("N,H,V", [(2, 8, 5), (37, 24, 101), (300, 16, 64)])
+@pytest.mark.parametrize("N,H,V", [(2, 8, 5), (37, 24, 101), (150, 16, 64)])
 @pytest.mark.parametrize("kw", [{}, {"num_items_in_batch": torch.tensor(23)}, {"scale": 0.5}],
                          ids=["mean", "items", "scale"])
 def test_chunked_loss_matches_unfused_float64(monkeypatch, N, H, V, kw):
@@ -113,7 +113,7 @@ def _rows_reference(z, y, scale):
     return loss, grad * valid[:, None] * scale
 
 
-@pytest.mark.parametrize("n,V", [(0, 9), (1, 1), (7, 203), (33, 257), (12, 100)])
+@pytest.mark.parametrize("n,V", [(0, 9), (1, 1), (7, 203), (4, 257), (12, 100)])
 @pytest.mark.parametrize("scale", [1.0, 0.37])
 def test_row_kernel_matches_float64(monkeypatch, n, V, scale):
     """The per-row kernel (the Triton interpreter on the CPU) on fresh logits, some rows ignored, a

@@ -32,7 +32,7 @@ def _engine_only_on_the_cpu(monkeypatch) -> None:
     kernels meet FSDP2's gathered parameters on the GPU, in the GPU tests below)."""
     monkeypatch.setenv("HF_SCATTER_KERNELS", "torch")
 ENGINE_FAMILIES = ("mixtral", "qwen3_moe")  # each engine trains both in one pair of processes
-ZERO3_FAMILIES = ("dbrx",) + DECODER_FAMILIES  # loaded partitioned in one process (Mixtral: the 2-process test)
+ZERO3_FAMILIES = ("dbrx",) + DECODER_FAMILIES  # also loaded partitioned under ZeRO-3, at their tiny sizes
 TOL = dict(rtol=1e-5, atol=1e-6)  # fp32: the ranks' gradients are averaged in another order than one process sums them
 
 
@@ -200,69 +200,68 @@ def _train_under_zero3(path: str, ids: torch.Tensor) -> dict:
 
 
 def _zero3_worker(rank: int, root: str, init_file: str, out: str) -> None:
+    """Each family in turn, loaded partitioned over the two ranks, each rank training on its half of the rows:
+    the engine families at the odd sizes (their state dicts kept), then every other family (losses only)."""
     _as_zero3_rank(rank, WORLD, init_file)
     try:
         per_rank = ROWS // WORLD
+        ids = _batch()[rank * per_rank:(rank + 1) * per_rank]
         found = {}
-        for family in ENGINE_FAMILIES:
-            found[family] = _train_under_zero3(f"{root}/{family}", _batch()[rank * per_rank:(rank + 1) * per_rank])
-            dist.all_reduce(found[family]["losses"])  # equal token counts per rank: the mean of the ranks' means
-            found[family]["losses"] /= WORLD
+        for kind, families in (("engine", ENGINE_FAMILIES), ("families", ZERO3_FAMILIES)):
+            for family in families:
+                got = _train_under_zero3(f"{root}/{kind}/{family}", ids)
+                dist.all_reduce(got["losses"])  # equal token counts per rank: the mean of the ranks' means
+                got["losses"] /= WORLD
+                found[kind, family] = got if kind == "engine" else {k: got[k] for k in ("losses", "engine")}
         if rank == 0:
             torch.save(found, out)
     finally:
         dist.destroy_process_group()
 
 
-def test_deepspeed_zero3_training_equals_one_process_and_saves_a_vanilla_checkpoint(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def zero3_run(tmp_path_factory) -> tuple[dict, dict]:
+    """One pair of ZeRO-3 processes for every family (starting them and DeepSpeed is most of a test's cost),
+    and the one-process losses of the families trained for their losses only."""
     pytest.importorskip("deepspeed")
-    _engine_only_on_the_cpu(monkeypatch)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # DeepSpeed's CPU accelerator, also on a GPU machine
+    tmp = tmp_path_factory.mktemp("zero3")
+    want = {}
     for family in ENGINE_FAMILIES:
         torch.manual_seed(0)
-        TINY_BUILDERS[family](**SIZES).save_pretrained(tmp_path / family)  # the weights _model starts from
-    out = str(tmp_path / "zero3.pt")
-    mp.start_processes(_zero3_worker, args=(str(tmp_path), str(tmp_path / "init"), out), nprocs=WORLD,
-                       start_method="spawn", join=True)
-    got = torch.load(out)
-    for family in ENGINE_FAMILIES:
-        assert got[family]["engine"] == ZERO3, family
-        assert any(how.startswith("scattermoe") for how in got[family]["report"].values()), family
-        _assert_trained_like_one_process(family, got[family])
-
-
-def _zero3_families_worker(rank: int, root: str, init_file: str, out: str) -> None:
-    """Each family in turn, loaded partitioned under ZeRO-3 in one process, trained on the whole batch."""
-    _as_zero3_rank(0, 1, init_file)
-    try:
-        found = {family: _train_under_zero3(f"{root}/{family}", _batch()) for family in ZERO3_FAMILIES}
-        torch.save({family: {"losses": r["losses"], "engine": r["engine"]} for family, r in found.items()}, out)
-    finally:
-        dist.destroy_process_group()
-
-
-def test_every_family_loaded_partitioned_by_zero3_trains_like_one_unpartitioned_process(tmp_path, monkeypatch):
-    """Patching reads modules, not parameter data: every family patched after ZeRO-3 partitioned it at load
-    trains 3 steps to the losses of the same patched model without DeepSpeed (float32, 1e-5). What is at stake
-    is which parameters the patched forwards reach, not the kernels (the interpreter is tested elsewhere):
-    both sides take the torch reference path."""
-    pytest.importorskip("deepspeed")
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    _engine_only_on_the_cpu(monkeypatch)
-    want = {}
+        TINY_BUILDERS[family](**SIZES).save_pretrained(tmp / "engine" / family)  # the weights _model starts from
     for family in ZERO3_FAMILIES:
         torch.manual_seed(0)
         model = TINY_BUILDERS[family]()
-        model.save_pretrained(tmp_path / family)
+        model.save_pretrained(tmp / "families" / family)
         model.config.use_cache = False
-        want[family] = torch.stack(_train(hf_scatter.patch_model(model.train()), slice(None)))
-    out = str(tmp_path / "losses.pt")
-    mp.start_processes(_zero3_families_worker, args=(str(tmp_path), str(tmp_path / "init"), out), nprocs=1,
-                       start_method="spawn", join=True)
-    got = torch.load(out)
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            _engine_only_on_the_cpu(monkeypatch)
+            want[family] = torch.stack(_train(hf_scatter.patch_model(model.train()), slice(None)))
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _engine_only_on_the_cpu(monkeypatch)
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # DeepSpeed's CPU accelerator, also on a GPU machine
+        mp.start_processes(_zero3_worker, args=(str(tmp), str(tmp / "init"), str(tmp / "zero3.pt")), nprocs=WORLD,
+                           start_method="spawn", join=True)
+    return torch.load(tmp / "zero3.pt"), want
+
+
+def test_deepspeed_zero3_training_equals_one_process_and_saves_a_vanilla_checkpoint(zero3_run):
+    got, _ = zero3_run
+    for family in ENGINE_FAMILIES:
+        assert got["engine", family]["engine"] == ZERO3, family
+        assert any(how.startswith("scattermoe") for how in got["engine", family]["report"].values()), family
+        _assert_trained_like_one_process(family, got["engine", family])
+
+
+def test_every_family_loaded_partitioned_by_zero3_trains_like_one_unpartitioned_process(zero3_run):
+    """Patching reads modules, not parameter data: every family patched after ZeRO-3 partitioned it at load over
+    two ranks trains 3 steps to the losses of the same patched model in one process without DeepSpeed (float32,
+    1e-5). What is at stake is which parameters the patched forwards reach, not the kernels (the interpreter is
+    tested elsewhere): both sides take the torch reference path."""
+    got, want = zero3_run
     for family in ZERO3_FAMILIES:
-        assert got[family]["engine"] == ZERO3, family
-        torch.testing.assert_close(got[family]["losses"], want[family], **TOL, msg=family)
+        assert got["families", family]["engine"] == ZERO3, family
+        torch.testing.assert_close(got["families", family]["losses"], want[family], **TOL, msg=family)
 
 
 def test_graphs_over_parameters_partitioned_by_zero3_are_refused():

@@ -96,21 +96,17 @@ def test_dbrx_parity_fp32(tmp_path, tokenizer, capsys):
     assert report["backends"][1]["patch_report"], "the patched backend must run hf-scatter's modules"
 
 
-# The harness is under test in this file: the kernels run their torch reference, except in one fine-grained
-# family's parity; the kernels' own tests and the family suite of test_models.py hold the kernels to float64
-# references, and every offloaded family's greedy tokens are held to generate's in tests/offload.
-INTERPRETED_EVAL_FAMILY = "qwen3_moe"
-
-
+# The harness is under test in this file: the kernels run their torch reference; the kernels' own tests and the
+# family suite of test_models.py hold the interpreted kernels to float64 references and to vanilla generate, and
+# every offloaded family's greedy tokens (interpreted) are held to generate's in tests/offload.
 # One family per kind of layer the harness's three backends meet: Llama-style softmax routing (also OLMoE's,
 # Qwen2-MoE's and Granite's), latent attention with group-limited routing and a dense first layer (also
 # DeepSeek-V2's), biases, sinks and sliding windows (GPT-OSS).
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
-def test_fine_grained_families_parity_fp32(family, tmp_path, capsys, kernel_bodies):
+@pytest.mark.kernel_bodies("reference")
+def test_fine_grained_families_parity_fp32(family, tmp_path, capsys):
     """Each family's random checkpoint: patched (its router, norms, RoPE and experts) and offloaded (CGOPipe on
-    the CPU stand-in) equal vanilla request by request, log-likelihoods and greedy generations alike. One
-    family runs the Triton kernels under the interpreter, the others their torch reference (half the time)."""
-    kernel_bodies(family == INTERPRETED_EVAL_FAMILY)
+    the CPU stand-in) equal vanilla request by request, log-likelihoods and greedy generations alike."""
     rc, report, out = _eval(["--random", f"tiny-{family}", *FP32, "--limit", "2", *LL,
                              "--tasks", "hfs_facts,hfs_generation", "--backends", "vanilla,patched,offloaded"],
                             tmp_path, capsys)
