@@ -70,7 +70,9 @@ CONFIGS = {
     "gpt-oss-120b-prefill": MoEConfig(**moe_block("gpt-oss-120b"), tokens=8192, backward=False, family="gpt_oss"),
 }
 IMPLS = ("hf-eager", "hf-grouped_mm", "hf-batched_mm", "liger", "sonicmoe", "hf-scatter", "hf-scatter-mxfp4",
-         "hf-scatter-fp8", "dense")
+         "hf-scatter-fp8", "hf-scatter-fp8-w8a16", "dense")
+_NO_FP8 = ("n/a: 128 x 128 block-scaled FP8 weights as DeepSeek-V3 and Qwen3-FP8 ship them, for SwiGLU layers "
+           "(dimensions multiples of 128) in inference (the quantized experts are frozen)")
 
 
 def hf_experts(cfg: MoEConfig, device, dtype):
@@ -201,6 +203,10 @@ def _implementations(cfg: MoEConfig, experts, device, dtype, liger_autotune: boo
 
         return expert_mlp(x, (experts.fp8[0],), experts.fp8[1], idx, gates, FusedSwiGLU(), validate=False)
 
+    def ours_fp8_w8a16(x, idx, gates):
+        with _fp8_products_off():
+            return ours_fp8(x, idx, gates)
+
     expert_params = list(experts.parameters())
     routed: dict[str, Callable | str] = {
         "hf-eager": hf("eager"), "hf-grouped_mm": hf("grouped_mm"), "hf-batched_mm": hf("batched_mm"),
@@ -211,10 +217,8 @@ def _implementations(cfg: MoEConfig, experts, device, dtype, liger_autotune: boo
         "hf-scatter-mxfp4": (ours_mxfp4 if experts.mxfp4 is not None and not cfg.backward else
                              "n/a: MXFP4 weights as GPT-OSS ships them, for GPT-OSS layers (dimensions multiples of "
                              "32) in inference (the quantized experts are frozen)"),
-        "hf-scatter-fp8": (ours_fp8 if experts.fp8 is not None else
-                           "n/a: 128 x 128 block-scaled FP8 weights as DeepSeek-V3 and Qwen3-FP8 ship them, for "
-                           "SwiGLU layers (dimensions multiples of 128) in inference (the quantized experts are "
-                           "frozen)"),
+        "hf-scatter-fp8": ours_fp8 if experts.fp8 is not None else _NO_FP8,
+        "hf-scatter-fp8-w8a16": ours_fp8_w8a16 if experts.fp8 is not None else _NO_FP8,
     }
     dense, dense_params = _dense_swiglu((cfg.top_k + cfg.shared_experts) * cfg.intermediate, cfg.hidden, device,
                                         dtype)
@@ -229,6 +233,21 @@ def _implementations(cfg: MoEConfig, experts, device, dtype, liger_autotune: boo
         else:
             table[name] = (lambda x, idx, gates, fn=fn: fn(x, idx, gates) + shared(x), expert_params + shared_params)
     return table
+
+
+@contextlib.contextmanager
+def _fp8_products_off():
+    """``HF_SCATTER_FP8_PRODUCTS=0`` for the calls inside (FP8 weights converted in registers at every size: the
+    W8A16 row beside the default's FP8 products), the user's setting restored after."""
+    saved = os.environ.get("HF_SCATTER_FP8_PRODUCTS")
+    os.environ["HF_SCATTER_FP8_PRODUCTS"] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("HF_SCATTER_FP8_PRODUCTS")
+        else:
+            os.environ["HF_SCATTER_FP8_PRODUCTS"] = saved
 
 
 @contextlib.contextmanager
@@ -284,7 +303,8 @@ def _first_call_s(fn, params, x, idx, gates, dy, backward: bool) -> float:
 
 
 # Implementations whose forward records into a CUDA graph (no host syncs): their GPU time alone is measurable.
-_GRAPHABLE = ("hf-grouped_mm", "liger", "sonicmoe", "hf-scatter", "hf-scatter-mxfp4", "hf-scatter-fp8", "dense")
+_GRAPHABLE = ("hf-grouped_mm", "liger", "sonicmoe", "hf-scatter", "hf-scatter-mxfp4", "hf-scatter-fp8",
+              "hf-scatter-fp8-w8a16", "dense")
 
 
 def _call_costs(impl: str, fn, x, idx, gates, calls: int = 100) -> dict:

@@ -35,6 +35,7 @@ FLOAT_OUT = (torch.float32, torch.bfloat16, torch.float16)
 # weight_scale_inv of random blocks that look trained: |values| up to 448 * 2**-13 ~ 0.05, as in std-0.02
 # weights (benchmarks and profiles time the format, not the values)
 RANDOM_SCALE = 2.0**-13
+ACTIVATION_EPS = 1e-10  # the least max |x| a group of activations is scaled by (an all-zero group stays zero)
 
 if kernels_enabled():
     import triton
@@ -53,14 +54,32 @@ if kernels_enabled():
         return (magnitude.to(tl.int32, bitcast=True) | ((byte & 0x80) << 24)).to(tl.float32, bitcast=True)  # -0 too
 
     @triton.jit
+    def e4m3_code(v):
+        """The e4m3fn byte (int32) nearest a float32 ``v`` with |v| <= 448, ties to even, as the GPU's
+        ``cvt.rn.satfinite`` rounds (the interpreter's own cast truncates). Normal values round their float32
+        mantissa to 3 bits (a carry moves the exponent, as it should); below 2**-6 the subnormals m * 2**-9
+        come from rounding |v| * 512 with the float32 add-and-subtract of 2**23."""
+        magnitude = tl.abs(v)
+        bits = magnitude.to(tl.int32, bitcast=True)
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - (120 << 3)  # exponent bias 127 -> 7
+        subnormal = ((magnitude * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)  # 0..8 (8: the least normal)
+        code = tl.where(magnitude < 0.015625, subnormal, normal)
+        return code | ((v.to(tl.int32, bitcast=True) >> 24) & 0x80)
+
+    @triton.jit
+    def e4m3_bytes(w_ptr, expert, k0, K, cols, col_mask, stride_we, stride_wn, BLOCK_K: tl.constexpr):
+        """The bytes [BLOCK_K, BLOCK_N] at K step ``k0`` of one expert's weight [K, N] stored as [N, K]."""
+        ks = k0 * BLOCK_K + tl.arange(0, BLOCK_K)
+        return tl.load(w_ptr + expert * stride_we + cols[None, :] * stride_wn + ks[:, None],
+                       mask=(ks < K)[:, None] & col_mask[None, :], other=0)
+
+    @triton.jit
     def e4m3_tile(w_ptr, expert, k0, K, cols, col_mask, stride_we, stride_wn, BLOCK_K: tl.constexpr,
                   CONVERT: tl.constexpr):
         """The e4m3 values [BLOCK_K, BLOCK_N] (float32, unscaled) at K step ``k0`` of one expert's weight [K, N]
         stored as bytes [N, K] (rows contiguous). CONVERT: the GPU's own conversion (sm89+); else from the
         bits (the interpreter has no 8-bit floats)."""
-        ks = k0 * BLOCK_K + tl.arange(0, BLOCK_K)
-        byte = tl.load(w_ptr + expert * stride_we + cols[None, :] * stride_wn + ks[:, None],
-                       mask=(ks < K)[:, None] & col_mask[None, :], other=0)
+        byte = e4m3_bytes(w_ptr, expert, k0, K, cols, col_mask, stride_we, stride_wn, BLOCK_K)
         if CONVERT:
             return byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         return e4m3_bits(byte.to(tl.int32))
@@ -98,6 +117,26 @@ if kernels_enabled():
         scale = tl.load(s_ptr + scale_row[:, None] * SK + (cols // block_k)[None, :], mask=mask, other=0.0)
         tl.store(out_ptr + r64[:, None] * K + cols[None, :], (e4m3_bits(byte) * scale).to(out_ptr.dtype.element_ty),
                  mask=mask)
+
+
+    @triton.jit
+    def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, R, K, stride_xr, SK, CONVERT: tl.constexpr,
+                              BLOCK_R: tl.constexpr, GROUP: tl.constexpr):
+        # x [R, K] (rows of stride_xr), q [R, K] e4m3 bytes, s [R, SK] float32: one group of GROUP columns
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
+        mask = (rows < R)[:, None] & (cols < K)[None, :]
+        r64 = rows.to(tl.int64)[:, None]
+        x = tl.load(x_ptr + r64 * stride_xr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        # correctly rounded divisions, as torch divides (the GPU's default float32 division is approximate)
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 1), 1e-10), 448.0)  # [BLOCK_R]; 1e-10: ACTIVATION_EPS
+        y = tl.clamp(tl.math.div_rn(x, scale[:, None]), -448.0, 448.0)
+        if CONVERT:
+            code = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        else:
+            code = e4m3_code(y).to(tl.uint8)
+        tl.store(q_ptr + r64 * K + cols[None, :], code, mask=mask)
+        tl.store(s_ptr + rows.to(tl.int64) * SK + tl.program_id(1), scale, mask=rows < R)
 
 
 @functools.cache
@@ -281,3 +320,58 @@ def quantize_experts(weight: torch.Tensor, block: tuple[int, int] = BLOCK) -> Fp
     checkpoints ship it (each expert's [d_out, d_in] quantized in blocks), one expert at a time."""
     parts = [quantize_fp8_blocks(w.detach().transpose(0, 1), block) for w in weight]
     return Fp8BlockWeight(torch.stack([q for q, _ in parts]), torch.stack([s for _, s in parts]))
+
+
+def quantize_fp8_rows_reference(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch definition of :func:`quantize_fp8_rows`."""
+    R, K = x.shape
+    groups = cdiv(K, group)
+    padded = torch.nn.functional.pad(x.to(torch.float32), (0, groups * group - K)).view(R, groups, group)
+    scale = padded.abs().amax(-1).clamp_min(ACTIVATION_EPS) / FP8_MAX  # [R, K / group]
+    values = (padded / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return values.view(R, groups * group)[:, :K].contiguous(), scale
+
+
+def dequantize_fp8_rows(values: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
+    """:func:`quantize_fp8_rows`'s output as the float32 values it stands for, [R, K]."""
+    return values.to(torch.float32) * scales.repeat_interleave(group, dim=1)[:, :values.shape[1]]
+
+
+def quantize_fp8_rows_triton(x: torch.Tensor, group: int, values: torch.Tensor, scales: torch.Tensor) -> None:
+    """Launch the kernel into ``values`` and ``scales``; inputs are assumed validated (rows contiguous)."""
+    R, K = x.shape
+    if R and K:
+        convert = not triton_interpreted() and converts_e4m3(x.device.index or 0)
+        _quantize_rows_kernel[(cdiv(R, 16), cdiv(K, group))](x, values.view(torch.uint8), scales, R, K, x.stride(0),
+                                                             scales.shape[1], CONVERT=convert, BLOCK_R=16,
+                                                             GROUP=group)
+
+
+def _quantize_rows_impl(x: torch.Tensor, group: int, values: torch.Tensor, scales: torch.Tensor) -> None:
+    if triton_runs(x, "quantize_fp8_rows"):
+        quantize_fp8_rows_triton(x, group, values, scales)
+    else:
+        want_values, want_scales = quantize_fp8_rows_reference(x, group)
+        values.copy_(want_values)
+        scales.copy_(want_scales)
+
+
+_quantize_rows_op = mutating_op("quantize_fp8_rows", "values", "scales")(_quantize_rows_impl)
+
+
+def quantize_fp8_rows(x: torch.Tensor, group: int = BLOCK[1]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations ``x [R, K]`` as e4m3 values ``[R, K]`` and float32 scales ``[R, ceil(K / group)]``: each
+    row's group of ``group`` columns divided by ``max |x| / 448`` and rounded to nearest (ties to even), as
+    DeepSeek-V3's and vLLM's block-scaled FP8 inference quantize the activations before an FP8 product.
+    ``group`` is a power of two (the weights' block along K)."""
+    op = "quantize_fp8_rows"
+    if x.dim() != 2 or x.dtype not in FLOAT_OUT:
+        fail(op, f"x must be a float32, bfloat16 or float16 matrix [R, K], got {x.dtype} {tuple(x.shape)}")
+    if group < 1 or group & (group - 1):
+        fail(op, f"group must be a power of two, got {group}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    values = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    scales = torch.empty((x.shape[0], cdiv(x.shape[1], group)), dtype=torch.float32, device=x.device)
+    if x.numel():
+        run_op(_quantize_rows_op, _quantize_rows_impl, x, group, values, scales)
+    return values, scales

@@ -15,10 +15,12 @@ from typing import List, Optional
 
 import torch
 
-from .backend import cdiv, fit_shared_memory, fitted_block, fitting_configs, kernels_enabled, launch, next_power_of_2, triton_interpreted, triton_runs, use_triton
+from .backend import (cdiv, env_switch, fit_shared_memory, fitted_block, fitting_configs, kernels_enabled, launch,
+                      next_power_of_2, triton_interpreted, triton_runs, use_triton)
 from .checks import check_float, check_index, check_like, check_out, fail
 from .custom_ops import mutating_op, run_op, tf32_allowed
-from .fp8_blocks import Fp8BlockWeight, converts_e4m3
+from .fp8_blocks import (FP8_DTYPE, Fp8BlockWeight, converts_e4m3, dequantize_fp8_rows, quantize_fp8_rows_reference,
+                         quantize_fp8_rows_triton)
 from .mxfp4 import Mxfp4Weight, scaled_dot_enabled
 from .swiglu import SILU, GateForm, swiglu_reference
 from .weight_formats import is_quantized, operands, weight_of
@@ -27,7 +29,7 @@ if kernels_enabled():
     import triton
     import triton.language as tl
 
-    from .fp8_blocks import e4m3_tile, fp8_block_tile, fp8_column_scales
+    from .fp8_blocks import e4m3_bits, e4m3_tile, fp8_block_tile, fp8_column_scales
     from .mxfp4 import mxfp4_operands, mxfp4_tile
     from .swiglu import swiglu_tile
     from .tiling import dot_accumulate, grouped_tile
@@ -38,12 +40,12 @@ if kernels_enabled():
         tile_expert_ptr, tile_row_ptr, expert_end_ptr, scattered_ptr,
         NUM_TILES, K, N, E,
         stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_be, stride_bn, stride_ym, stride_yn,
-        stride_hm, alpha, limit, up_shift, scales_ptr, stride_se, stride_sn,
+        stride_hm, alpha, limit, up_shift, scales_ptr, stride_se, stride_sn, x_scales_ptr, stride_xsm,
         FAN_OUT: tl.constexpr, X_GROUPED: tl.constexpr, Y_GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr,
         ALLOW_TF32: tl.constexpr, UPCAST: tl.constexpr, GLU: tl.constexpr, GLU_CONCAT: tl.constexpr,
         STORE_Y: tl.constexpr, SKIP_BIN: tl.constexpr, W_MXFP4: tl.constexpr, SCALED_DOT: tl.constexpr,
         W_FP8: tl.constexpr, W_BLOCK_N: tl.constexpr, W_BLOCK_K: tl.constexpr, CONVERT: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        A_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ):
         # W_MXFP4: w_ptr holds the weight as MXFP4 bytes [E, N, K / 2] (two values of row n per byte, low nibble
         # first) and scales_ptr its exponents [E, N, K / 32]; each [BLOCK_K, BLOCK_N] tile is decoded in
@@ -53,6 +55,10 @@ if kernels_enabled():
         # [E, N / W_BLOCK_N, K / W_BLOCK_K]; each tile is converted and scaled in registers (the float32 product
         # rounded once, as transformers dequantizes), so HBM serves 1 byte per weight. A K step within one block
         # along K loads one scale per column; a step across blocks one per weight.
+        # A_FP8 (with W_FP8, a K step within one block): x_ptr holds the activations as e4m3 bytes and
+        # x_scales_ptr one float32 scale per row and W_BLOCK_K columns; each step is an FP8 tensor-core product
+        # (exact products, float32 sums) times the row's and the column's scales. The interpreter has no 8-bit
+        # floats: it multiplies the decoded values in float32, the same products.
         # GLU: the N = 2I columns are [gate, up] pairs and the epilogue also writes h = act(gate) * up [M, I]
         # (``y``, the pre-activation, only with STORE_Y). A tile holds BLOCK_N / 2 pairs side by side, so one
         # split in registers separates them: interleaved weights ([g0, u0, g1, u1, ...]) are read as they lie;
@@ -103,6 +109,20 @@ if kernels_enabled():
                     x_odd = tl.load(x_even_ptr + stride_xk, mask=x_mask, other=0.0)
                     acc = dot_accumulate(acc, x_even, w_even.to(x_even.dtype), UPCAST, ALLOW_TF32)
                     acc = dot_accumulate(acc, x_odd, w_odd.to(x_odd.dtype), UPCAST, ALLOW_TF32)
+                elif A_FP8:
+                    e64 = tl.minimum(expert, E - 1).to(tl.int64)
+                    x_tile = tl.load(x_tile_ptr, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                    w_tile = tl.load(w_tile_ptr, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+                    if CONVERT:  # e4m3 pointers: the tiles go to the tensor cores as loaded
+                        part = tl.dot(x_tile, w_tile)
+                    else:  # bytes: their values in float32
+                        part = tl.dot(e4m3_bits(x_tile.to(tl.int32)), e4m3_bits(w_tile.to(tl.int32)),
+                                      input_precision="ieee")
+                    x_scale = tl.load(x_scales_ptr + x_rows.to(tl.int64) * stride_xsm + (k0 * BLOCK_K) // W_BLOCK_K,
+                                      mask=row_mask, other=0.0)
+                    w_scale = fp8_column_scales(scales_ptr, e64, k0, cols, col_mask, stride_se, stride_sn, BLOCK_K,
+                                                W_BLOCK_N, W_BLOCK_K)
+                    acc += part * x_scale[:, None] * w_scale[None, :]
                 elif W_FP8:
                     x = tl.load(x_tile_ptr, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
                     e64 = tl.minimum(expert, E - 1).to(tl.int64)
@@ -163,6 +183,8 @@ if kernels_enabled():
         return configs
 
     def _prune_s2s(configs, named_args, **kwargs):
+        if kwargs.get("A_FP8"):  # a K step within one block of the scales
+            configs = [c for c in configs if kwargs["W_BLOCK_K"] % c.kwargs["BLOCK_K"] == 0] or configs
         if kwargs.get("BLOCK_M", 128) > 64:
             streaming = {(bn, bk, w, st) for bn, bk, w, st in _STREAMING}
             configs = [c for c in configs if (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps,
@@ -207,18 +229,47 @@ if kernels_enabled():
 
 
 @functools.lru_cache(maxsize=None)
-def _table_config(K: int, N: int, block_m: int, itemsize: int):
+def _table_config(K: int, N: int, block_m: int, itemsize: int, fp8_step: int = 0):
     """The launch config without a sweep, from Triton's autotuner over 49 launch keys (every projection, forward
     and backward, of the bench moe shapes from Mixtral-8x7B to Qwen3-30B-A3B, H100): 128-row tiles run
     256-wide, 64-deep, 8 warps, 4 stages (the best config, or within 1.9% of it on average and 7.4% at worst);
     decode-sized tiles stream weights 128 x 128 with 4 warps (within 0.7% of the best)."""
-    if block_m >= 128:
+    if fp8_step:  # FP8 products: K steps within the weight's blocks of fp8_step columns
+        bn, bk, warps, stages = FP8_PRODUCTS_CONFIG
+        bk = min(bk, fp8_step)
+    elif block_m >= 128:
         bn, bk, warps, stages = 256, 64, 8, 4
     else:
         bn, bk, warps, stages = 128, 128, 4, 4
     bn, bk = fitted_block(bn, N), fitted_block(bk, K)
     bk, stages = fit_shared_memory(bk, stages, (block_m + bn) * itemsize)  # fp32 operands: half as deep
     return triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=warps, num_stages=stages)
+
+
+# FP8 tensor-core products (BLOCK_N, BLOCK_K, warps, stages), measured on an H200 over 12 configs on Qwen3-30B-A3B's
+# experts at 2048 and 8192 tokens: narrow tiles a whole block deep. Every K step ends in a float32 rescale of the
+# step's product, which waits for it; wide tiles spilled registers (a 128 x 256 tile: 74 spills, 2x slower).
+FP8_PRODUCTS_CONFIG = (64, 128, 4, 4)
+FP8_PRODUCTS_ROWS = 64  # mean routed rows per expert above which FP8 products run (128-row tiles: prefill)
+
+
+def fp8_products_apply(x: torch.Tensor, weight, num_rows: int) -> bool:
+    """Whether a GEMM with block-scaled FP8 ``weight`` quantizes its input rows to FP8 and runs FP8 tensor-core
+    products (W8A8, as DeepSeek-V3's inference and transformers' own FP8 kernels do) instead of converting the
+    weight to the activations' dtype in registers (W8A16). ``HF_SCATTER_FP8_PRODUCTS``: 1 always (where the
+    weight's block along K is a power of two of at least 32), 0 never; unset: on GPUs that convert e4m3
+    (compute capability 8.9+) for prefill-sized GEMMs, where the products bound the time; decode-sized GEMMs
+    are bound by reading the weights, and quantizing the input would only add a pass."""
+    if not isinstance(weight, Fp8BlockWeight):
+        return False
+    bk = weight.block[1]
+    if bk < 32 or bk & (bk - 1):
+        return False
+    setting = env_switch("HF_SCATTER_FP8_PRODUCTS")
+    if setting is not None:
+        return setting
+    return (x.is_cuda and x.dtype != torch.float32 and converts_e4m3(x.device.index or 0)
+            and num_rows / max(1, weight.shape[0]) > FP8_PRODUCTS_ROWS)
 
 
 def num_tile_programs(num_rows: int, num_experts: int, block_m: int) -> int:
@@ -315,14 +366,22 @@ def scatter2scatter_reference(x, weight, sorted_expert_idxs, sorted_scattered_id
 
 def scatter2scatter_triton(x, weight, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, fan_out,
                            x_grouped, y_grouped, bias, out, allow_tf32=False, glu: GateForm | None = None,
-                           h_out=None):
+                           h_out=None, fp8_products=False):
     """Launch the Triton kernel into ``out`` ([M, N]); inputs are assumed validated. With a gate form ``glu``,
     also ``h_out`` [M, N/2] = act(gate) * up of the [gate, up] columns (``out`` None: h alone). ``weight``: a
-    tensor, or an :class:`Mxfp4Weight` or :class:`Fp8BlockWeight` read as it is stored."""
+    tensor, or an :class:`Mxfp4Weight` or :class:`Fp8BlockWeight` read as it is stored. ``fp8_products`` (FP8
+    weights, see :func:`fp8_products_apply`): ``x`` is quantized to e4m3 rows first and every product is FP8."""
     M, K, N, E = sorted_scattered_idxs.numel(), weight.shape[1], weight.shape[2], weight.shape[0]
     if M == 0 or N == 0:
         return out
     interpreted = triton_interpreted()
+    convert = not interpreted and converts_e4m3(x.device.index or 0)
+    x_scales = None
+    if fp8_products:  # [R, K] e4m3 values (bytes for the interpreter) and [R, K / bk] float32 scales
+        x_scales = x.new_empty((x.shape[0], cdiv(K, weight.block[1])), dtype=torch.float32)
+        values = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+        quantize_fp8_rows_triton(x, weight.block[1], values, x_scales)
+        x = values.view(FP8_DTYPE) if convert else values
     # per routing bin (a skip bin included), as the routing sort's own tile table is made: one table per routing
     block_m = tile_rows(M, expert_offsets.numel())
     tile_expert, tile_row = _tiles_of(expert_offsets, block_m, M)
@@ -336,29 +395,36 @@ def scatter2scatter_triton(x, weight, sorted_expert_idxs, sorted_scattered_idxs,
         w, scales = weight.blocks, weight.scales
         w_strides, s_strides = (w.stride(0), 1, w.stride(1)), (scales.stride(0), scales.stride(1))
     elif fp8:  # bytes [E, N, K] and float32 scales [E, N / bn, K / bk]
-        w, scales, w_block = weight.weight.view(torch.uint8), weight.scale_inv, weight.block
+        # 8-bit float pointers where the products are FP8 (the tensor cores read the tiles as loaded)
+        w = weight.weight if fp8_products and convert else weight.weight.view(torch.uint8)
+        scales, w_block = weight.scale_inv, weight.block
         w_strides, s_strides = (w.stride(0), 1, w.stride(1)), (scales.stride(0), scales.stride(1))
     else:
         w, scales = weight, weight
         w_strides, s_strides = (weight.stride(0), weight.stride(1), weight.stride(2)), (0, 0)
     args = (x, w, b, y, h, tile_expert, tile_row, expert_offsets, sorted_scattered_idxs, num_tiles, K, N, E,
             x.stride(0), x.stride(1), *w_strides,
-            b.stride(0), b.stride(-1), y.stride(0), y.stride(1), h.stride(0), *(glu or SILU).numbers, scales, *s_strides)
+            b.stride(0), b.stride(-1), y.stride(0), y.stride(1), h.stride(0), *(glu or SILU).numbers, scales, *s_strides,
+            x_scales if fp8_products else scales, x_scales.stride(0) if fp8_products else 0)
     meta = dict(FAN_OUT=fan_out, X_GROUPED=x_grouped, Y_GROUPED=y_grouped, HAS_BIAS=bias is not None,
                 ALLOW_TF32=allow_tf32, UPCAST=interpreted and x.dtype == torch.bfloat16, GLU=glu is not None,
                 GLU_CONCAT=glu is not None and not glu.interleaved, STORE_Y=out is not None,
                 SKIP_BIN=int(expert_offsets.numel() > E), W_MXFP4=mxfp4,
                 SCALED_DOT=mxfp4 and x.dtype == torch.bfloat16 and scaled_dot_enabled(), W_FP8=fp8,
                 W_BLOCK_N=w_block[0], W_BLOCK_K=w_block[1],
-                CONVERT=fp8 and not interpreted and converts_e4m3(x.device.index or 0), BLOCK_M=block_m)
+                CONVERT=fp8 and convert, A_FP8=fp8_products,
+                BLOCK_M=block_m)
     grid = lambda cfg: (num_tiles * cdiv(N, cfg["BLOCK_N"]),)  # noqa: E731
+    # FP8 products: a K step never leaves a block of the weight (nor of the activations' scales)
+    deepest = min(128, w_block[1]) if fp8_products else 128
     interpreter_blocks = dict(BLOCK_N=min(128, max(16, next_power_of_2(N))),
-                              BLOCK_K=min(128, max(16, next_power_of_2(K))), GROUP_M=4)
+                              BLOCK_K=min(deepest, max(16, next_power_of_2(K))), GROUP_M=4)
     tune_key = (K, N, block_m, x_grouped, y_grouped, fan_out, bias is not None, allow_tf32, x.dtype, w.dtype,
                 y.dtype, meta["GLU"], meta["GLU_CONCAT"], meta["STORE_Y"], meta["SKIP_BIN"], meta["W_MXFP4"], fp8,
-                w_block)
-    launch(_scatter2scatter_kernel, _scatter2scatter_tuned, _S2S_CONFIGS, {"BLOCK_N": N, "BLOCK_K": K}, grid,
-           args, meta, interpreter_blocks, tune_key, None if interpreted else _table_config(K, N, block_m, x.element_size()))
+                w_block, fp8_products)
+    table = None if interpreted else _table_config(K, N, block_m, x.element_size(), deepest if fp8_products else 0)
+    launch(_scatter2scatter_kernel, _scatter2scatter_tuned, _S2S_CONFIGS, {"BLOCK_N": N, "BLOCK_K": min(K, deepest)},
+           grid, args, meta, interpreter_blocks, tune_key, table)
     return out
 
 
@@ -367,14 +433,24 @@ def _scatter2scatter_impl(x: torch.Tensor, weight: torch.Tensor, sorted_expert_i
                           sorted_scattered_idxs: torch.Tensor, expert_offsets: torch.Tensor, fan_out: int,
                           x_grouped: bool, y_grouped: bool, bias: Optional[torch.Tensor], out: torch.Tensor,
                           allow_tf32: bool, weight_scales: Optional[torch.Tensor] = None,
-                          weight_block: Optional[List[int]] = None) -> None:
+                          weight_block: Optional[List[int]] = None, fp8_products: bool = False) -> None:
     weight = weight_of(weight, weight_scales, weight_block)
     if triton_runs(x, "scatter2scatter"):
         scatter2scatter_triton(x, weight, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, fan_out,
-                               x_grouped, y_grouped, bias, out, allow_tf32)
+                               x_grouped, y_grouped, bias, out, allow_tf32, fp8_products=fp8_products)
+    elif fp8_products:
+        out.copy_(scatter2scatter_reference(_fp8_rows_values(x, weight), weight, sorted_expert_idxs,
+                                            sorted_scattered_idxs, expert_offsets, fan_out, x_grouped, y_grouped,
+                                            bias))
     else:
         scatter2scatter_reference(x, weight, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, fan_out,
                                   x_grouped, y_grouped, bias, out)
+
+
+def _fp8_rows_values(x: torch.Tensor, weight: Fp8BlockWeight) -> torch.Tensor:
+    """The float32 values the FP8 products multiply: ``x`` quantized to e4m3 rows, times their scales (the
+    weight's, by :func:`scatter2scatter_reference`, also in float32)."""
+    return dequantize_fp8_rows(*quantize_fp8_rows_reference(x, weight.block[1]), weight.block[1])
 
 
 _scatter2scatter_op = mutating_op("scatter2scatter", "out")(_scatter2scatter_impl)
@@ -385,15 +461,18 @@ def _scatter2scatter_swiglu_impl(x: torch.Tensor, weight: torch.Tensor, sorted_e
                                  bias: Optional[torch.Tensor], alpha: float, limit: float, up_shift: float,
                                  interleaved: bool, out: Optional[torch.Tensor], h_out: torch.Tensor,
                                  allow_tf32: bool, weight_scales: Optional[torch.Tensor] = None,
-                                 weight_block: Optional[List[int]] = None) -> None:
+                                 weight_block: Optional[List[int]] = None, fp8_products: bool = False) -> None:
     weight = weight_of(weight, weight_scales, weight_block)
     form = GateForm(alpha, limit, up_shift, interleaved)
     if triton_runs(x, "scatter2scatter"):
         scatter2scatter_triton(x, weight, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets, fan_out,
-                               False, True, bias, out, allow_tf32, glu=form, h_out=h_out)
+                               False, True, bias, out, allow_tf32, glu=form, h_out=h_out, fp8_products=fp8_products)
     else:
-        pre = scatter2scatter_reference(x, weight, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets,
-                                        fan_out, False, True, bias, out)
+        rows = _fp8_rows_values(x, weight) if fp8_products else x
+        pre = scatter2scatter_reference(rows, weight, sorted_expert_idxs, sorted_scattered_idxs, expert_offsets,
+                                        fan_out, False, True, bias).to(h_out.dtype)  # rounded as the kernel's
+        if out is not None:
+            out.copy_(pre)
         h_out.copy_(swiglu_reference(*form.halves(pre), *form.numbers))
 
 
@@ -468,10 +547,11 @@ def scatter2scatter_swiglu(x: torch.Tensor, weight: torch.Tensor, sorted_expert_
     M, N = sorted_scattered_idxs.shape[0], weight.shape[2]
     pre = x.new_empty((M, N)) if keep_pre_activation else None
     h = x.new_empty((M, N // 2))
+    fp8 = fp8_products_apply(x, weight, M)
     weight, scales, block = operands(weight)
     run_op(_scatter2scatter_swiglu_op, _scatter2scatter_swiglu_impl, x, weight, sorted_expert_idxs,
            sorted_scattered_idxs, expert_offsets, fan_out, bias, *form.numbers, form.interleaved, pre, h,
-           tf32_allowed(), scales, block)
+           tf32_allowed(), scales, block, fp8)
     return pre, h
 
 
@@ -480,7 +560,8 @@ def scatter2scatter_unchecked(x, weight, sorted_expert_idxs, sorted_scattered_id
     """:func:`scatter2scatter` without the checks (see ``custom_ops``: for callers that validated already)."""
     if out is None:
         out = x.new_empty((sorted_scattered_idxs.shape[0], weight.shape[2]))
+    fp8 = fp8_products_apply(x, weight, sorted_scattered_idxs.shape[0])
     weight, scales, block = operands(weight)
     run_op(_scatter2scatter_op, _scatter2scatter_impl, x, weight, sorted_expert_idxs, sorted_scattered_idxs,
-           expert_offsets, fan_out, x_grouped, y_grouped, bias, out, tf32_allowed(), scales, block)
+           expert_offsets, fan_out, x_grouped, y_grouped, bias, out, tf32_allowed(), scales, block, fp8)
     return out

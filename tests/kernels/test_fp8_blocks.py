@@ -1,6 +1,7 @@
 """Block-scaled FP8 as DeepSeek-V3 and the Qwen3 FP8 releases ship it: our dequantization and quantization equal
 transformers' own bit for bit, the kernel equals the reference for every byte, and the expert GEMMs read FP8
-weights in place with the result of their values in float64."""
+weights in place with the result of their values in float64; with FP8 products (W8A8) the activations are
+quantized as torch rounds and the products equal the float64 product of both quantized operands."""
 
 from types import SimpleNamespace
 
@@ -9,7 +10,8 @@ import torch
 from moe_reference import relative_error, routing_case, scatter2scatter_error
 
 from hf_scatter.kernels.fp8_blocks import (FP8_DTYPE, FP8_MAX, Fp8BlockWeight, dequantize_fp8_blocks,
-                                           dequantize_fp8_blocks_reference, quantize_fp8_blocks)
+                                           dequantize_fp8_blocks_reference, dequantize_fp8_rows, quantize_fp8_blocks,
+                                           quantize_fp8_rows, quantize_fp8_rows_reference)
 
 # (experts, rows, columns, scale rows, scale columns): odd blocks, a fused gate_up of two half-block matrices
 # (two scale rows of 24 rows each), a single block, and several 128 x 128 blocks
@@ -232,3 +234,134 @@ def test_experts_the_kernels_cannot_read_are_refused_and_other_gates_decode_thei
     got = expert_mlp(x, (w_in,), w_out, idx, gates, gelu_gate)
     want = expert_mlp(x, (w_in.dequantize(x.dtype),), w_out.dequantize(x.dtype), idx, gates, gelu_gate)
     assert relative_error(got, want.double()) < TOL[torch.float32]
+
+
+# ------------------------------------------------------------------------ FP8 products (W8A8)
+def test_activations_round_to_the_nearest_e4m3_ties_to_even_as_torch_casts(device):
+    """Each row [448, c] has the unit scale, so ``c`` itself is rounded: every finite e4m3 value, every midpoint
+    between neighbours (a tie, to the even code), a float32 step to either side of each midpoint, both signs.
+    The GPU uses its own conversion, the interpreter the kernel's bit arithmetic: both give torch's byte."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8_DTYPE).float()
+    values = codes[codes.isfinite() & (codes >= 0)].unique()  # 0 .. 448, the subnormals included
+    mids = (values[:-1] + values[1:]) / 2
+    c = torch.cat([values, mids, torch.nextafter(mids, mids + 1), torch.nextafter(mids, mids - 1)])
+    c = torch.cat([c, -c])
+    rows = torch.stack([torch.full_like(c, FP8_MAX), c], 1).to(device)  # [R, 2]
+    got, scales = quantize_fp8_rows(rows, group=2)
+    assert torch.equal(scales.cpu(), torch.ones(len(c), 1))
+    want = c.to(FP8_DTYPE)
+    assert torch.equal(got[:, 1].cpu().view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("R,K,group", [(5, 300, 128), (17, 64, 32), (3, 40, 64), (0, 128, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_quantizer_equals_its_reference_and_writes_every_value(device, R, K, group, dtype):
+    """Rows of values from 1e-8 to 1e3, an all-zero row, a last group that is partial; outputs poisoned (NaN
+    codes and scales): values and scales equal the reference's bit for bit, and each value times its scale is
+    within e4m3's rounding of the input (half a unit in the last of 3 bits, or of the subnormal step)."""
+    from hf_scatter.kernels.fp8_blocks import _quantize_rows_impl
+
+    g = torch.Generator().manual_seed(R * K + group)
+    x = (torch.randn(R, K, generator=g) * torch.logspace(-8, 3, K)).to(dtype)
+    if R > 2:
+        x[2] = 0
+    values = torch.full((R, K), 0x7F, dtype=torch.uint8).view(FP8_DTYPE).to(device)
+    scales = torch.full((R, -(-K // group)), float("nan")).to(device)
+    _quantize_rows_impl(x.to(device), group, values, scales)
+    want_values, want_scales = quantize_fp8_rows_reference(x, group)
+    assert torch.equal(values.cpu().view(torch.uint8), want_values.view(torch.uint8))
+    assert torch.equal(scales.cpu(), want_scales)
+    step = scales.cpu().repeat_interleave(group, 1)[:, :K]
+    error = (dequantize_fp8_rows(values.cpu(), scales.cpu(), group) - x.float()).abs()
+    assert (error <= 2.0**-4 * x.float().abs() + 2.0**-10 * step).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("x_grouped,y_grouped,with_bias,empty_expert", [
+    (False, False, False, True), (True, True, True, False)])
+def test_fp8_products_equal_the_float64_product_of_both_quantized_operands(monkeypatch, device, dtype, x_grouped,
+                                                                          y_grouped, with_bias, empty_expert):
+    """HF_SCATTER_FP8_PRODUCTS=1: the input rows quantized per 128 columns, d_in of two 128-wide blocks, odd
+    d_out, an expert no token chose, output poisoned: every slot equals the float64 product of the quantized
+    rows with the weight's values (exact products, float32 sums, one rounding of the output). It is not the
+    W8A16 result: the rows really were quantized."""
+    from hf_scatter.kernels.scatter2scatter import scatter2scatter
+
+    monkeypatch.setenv("HF_SCATTER_FP8_PRODUCTS", "1")
+    (E, N, K), T, k = (5, 37, 256), 29, 3
+    weight = _weight(E, N, K, 1, 2, device, seed=5)
+    values = dequantize_fp8_blocks_reference(weight.weight.cpu(), weight.scale_inv.cpu(), torch.float32)
+    values = values.double().transpose(1, 2)  # [E, K, N]
+    _, (se, ss, off) = routing_case(T, k, E, device, empty_expert)
+    bias = torch.randn(E, N, device=device, dtype=dtype) if with_bias else None
+    x_tok = torch.randn(T, K, device=device, dtype=dtype)
+    out = torch.full((T * k, N), float("nan"), device=device, dtype=dtype)
+    scatter2scatter(x_tok[ss // k] if x_grouped else x_tok, weight, se, ss, off, fan_out=1 if x_grouped else k,
+                    x_grouped=x_grouped, y_grouped=y_grouped, bias=bias, out=out)
+    quantized = dequantize_fp8_rows(*quantize_fp8_rows_reference(x_tok.cpu(), 128), 128).double()
+
+    def product(rows):
+        want = torch.einsum("sk,skn->sn", rows[ss.cpu() // k], values[se.cpu()])
+        if bias is not None:
+            want += bias.double().cpu()[se.cpu()]
+        return want if y_grouped else torch.empty_like(want).index_copy_(0, ss.cpu(), want)
+
+    # the H100's tensor cores add FP8 products in fewer bits than float32 (DeepSeek-V3's report: about 14), within
+    # the K step of 128 between two float32 scalings: 2.4e-4 measured on an H200
+    tol = TOL[dtype] if device.type == "cpu" else max(TOL[dtype], 1e-3)
+    assert relative_error(out.cpu(), product(quantized)) < tol
+    assert relative_error(out.cpu(), product(x_tok.cpu().double())) > 1e-3
+
+
+def test_fp8_products_run_for_prefill_on_gpus_that_convert_e4m3_unless_turned_off(monkeypatch):
+    """The default: FP8 products where the GEMM is bound by its products (more than 64 routed rows per expert,
+    16- or 8-bit activations, a GPU of compute capability 8.9+), W8A16 elsewhere; the setting forces either,
+    but never where the weight's block along K is not a power of two of at least 32."""
+    from hf_scatter.kernels import scatter2scatter as s2s
+
+    weight = _weight(4, 128, 256, 1, 2, "cpu", seed=0)
+    x = torch.empty(1, 256, dtype=torch.bfloat16)
+    monkeypatch.delenv("HF_SCATTER_FP8_PRODUCTS", raising=False)
+    assert not s2s.fp8_products_apply(x, weight, 4096)  # a CPU tensor
+    assert not s2s.fp8_products_apply(x, weight.dequantize(), 4096)  # not FP8
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(s2s, "converts_e4m3", lambda index: True)
+    assert s2s.fp8_products_apply(x, weight, 4 * 65) and not s2s.fp8_products_apply(x, weight, 4 * 64)
+    assert not s2s.fp8_products_apply(x.float(), weight, 4096)
+    monkeypatch.setattr(s2s, "converts_e4m3", lambda index: False)
+    assert not s2s.fp8_products_apply(x, weight, 4096)
+    monkeypatch.setenv("HF_SCATTER_FP8_PRODUCTS", "1")
+    assert s2s.fp8_products_apply(x, weight, 1)
+    assert s2s.fp8_products_apply(x, _weight(4, 128, 96, 1, 3, "cpu", seed=0), 1)  # 32-column blocks
+    for columns in (2, 6):  # blocks of 48 and of 16 columns
+        assert not s2s.fp8_products_apply(x, _weight(4, 128, 96, 1, columns, "cpu", seed=0), 1)
+    monkeypatch.setenv("HF_SCATTER_FP8_PRODUCTS", "0")
+    assert not s2s.fp8_products_apply(x, weight, 4096)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_experts_with_fp8_products_equal_their_reference(monkeypatch, device, dtype):
+    """The SiLU experts' forward with FP8 products in both projections (the first one's SwiGLU epilogue, the
+    second quantizing h): the kernels equal the torch reference of the same arithmetic, within the roundings of
+    h and of the output in the activations' dtype, and differ from the W8A16 layer by the quantization. (Each
+    GEMM is held to float64 above.)"""
+    from hf_scatter.moe.swiglu_experts import swiglu_experts
+
+    monkeypatch.setenv("HF_SCATTER_FP8_PRODUCTS", "1")
+    T, k, E, d, inter = 23, 2, 4, 128, 192
+    _, routing = routing_case(T, k, E, device, empty_expert=True)
+    w_in, w_out = _weight(E, 2 * inter, d, 3, 1, device, seed=1), _weight(E, d, inter, 1, 3, device, seed=2)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(T, d, generator=g).to(device, dtype)
+    gates = torch.rand(T, k, generator=g).to(device, dtype)
+    with torch.no_grad():
+        got = swiglu_experts(x, w_in, w_out, gates, routing)
+        monkeypatch.setenv("HF_SCATTER_KERNELS", "torch")
+        want = swiglu_experts(x, w_in, w_out, gates, routing)
+        monkeypatch.setenv("HF_SCATTER_FP8_PRODUCTS", "0")
+        w8a16 = swiglu_experts(x, w_in, w_out, gates, routing)
+    # bf16: h is rounded to bf16 before it is quantized, by another summation order on each side, and a code
+    # that moves moves by a whole e4m3 step (2**-4 relative)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 4e-2}[dtype]
+    assert relative_error(got.cpu(), want.double().cpu()) < tol
+    assert relative_error(got.cpu(), w8a16.double().cpu()) > 1e-3
