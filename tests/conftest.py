@@ -41,10 +41,10 @@ def pytest_configure(config):
 # finished. These files go first, heaviest first (worker-seconds of a clean run on the 2-core CI kind), so the
 # many small files fill the tail; a stale order costs time, never a result.
 HEAVIEST_FILES = (
-    "tests/models/test_models.py", "tests/tools/test_eval.py", "tests/models/test_distributed.py",
-    "tests/tools/test_packaging.py", "tests/tools/test_examples.py", "tests/tools/test_conversion.py",
-    "tests/offload/plan/test_hrm.py", "tests/kernels/test_scattermoe.py", "tests/tools/test_bench.py",
-    "tests/kernels/test_linear_cross_entropy.py",
+    "tests/models/test_models.py", "tests/models/test_distributed.py", "tests/tools/test_examples.py",
+    "tests/offload/plan/test_hrm.py", "tests/tools/test_conversion.py", "tests/tools/test_packaging.py",
+    "tests/kernels/test_scattermoe.py", "tests/tools/test_bench.py", "tests/tools/test_eval.py",
+    "tests/offload/runtime/test_offload_tensor_parallel.py", "tests/tools/test_cli.py",
 )
 
 

@@ -342,9 +342,10 @@ def quantize_fp8_rows_triton(x: torch.Tensor, group: int, values: torch.Tensor, 
     R, K = x.shape
     if R and K:
         convert = not triton_interpreted() and converts_e4m3(x.device.index or 0)
-        _quantize_rows_kernel[(cdiv(R, 16), cdiv(K, group))](x, values.view(torch.uint8), scales, R, K, x.stride(0),
-                                                             scales.shape[1], CONVERT=convert, BLOCK_R=16,
-                                                             GROUP=group)
+        rows = 16 if triton_interpreted() else max(1, 8192 // group)  # 64 rows of a 128-column group
+        _quantize_rows_kernel[(cdiv(R, rows), cdiv(K, group))](x, values.view(torch.uint8), scales, R, K,
+                                                               x.stride(0), scales.shape[1], CONVERT=convert,
+                                                               BLOCK_R=rows, GROUP=group)
 
 
 def _quantize_rows_impl(x: torch.Tensor, group: int, values: torch.Tensor, scales: torch.Tensor) -> None:
