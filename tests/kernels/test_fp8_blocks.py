@@ -324,10 +324,11 @@ def test_fp8_products_run_for_prefill_on_gpus_that_convert_e4m3_unless_turned_of
     monkeypatch.delenv("HF_SCATTER_FP8_PRODUCTS", raising=False)
     assert not s2s.fp8_products_apply(x, weight, 4096)  # a CPU tensor
     assert not s2s.fp8_products_apply(x, weight.dequantize(), 4096)  # not FP8
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    on_gpu = SimpleNamespace(dtype=torch.bfloat16, is_cuda=True, device=torch.device("cuda", 0))  # what is read
     monkeypatch.setattr(s2s, "converts_e4m3", lambda index: True)
-    assert s2s.fp8_products_apply(x, weight, 4 * 65) and not s2s.fp8_products_apply(x, weight, 4 * 64)
-    assert not s2s.fp8_products_apply(x.float(), weight, 4096)
+    assert s2s.fp8_products_apply(on_gpu, weight, 4 * 65) and not s2s.fp8_products_apply(on_gpu, weight, 4 * 64)
+    assert not s2s.fp8_products_apply(SimpleNamespace(**{**vars(on_gpu), "dtype": torch.float32}), weight, 4096)
+    x = on_gpu
     monkeypatch.setattr(s2s, "converts_e4m3", lambda index: False)
     assert not s2s.fp8_products_apply(x, weight, 4096)
     monkeypatch.setenv("HF_SCATTER_FP8_PRODUCTS", "1")
