@@ -17,6 +17,7 @@ import torch
 
 from .layout import (CONFIG_KEY, EXPERT_COUNT_KEYS, FORMAT_VERSION, Correspondence, correspondences, detect_scheme,
                      expert_index, scheme_name)
+from .quantized import BLOCK, QUANT_METHOD, with_scales
 from .safetensors_io import ConversionError, TensorInfo, TensorSpec, read_header
 
 TO_SCATTER, TO_HF = "hf-scatter", "hf"
@@ -375,12 +376,17 @@ def build_plan(src: str, dst: str, to: str = TO_SCATTER, dtype: str | torch.dtyp
         raise ConversionError(f"{config_path}: unknown architecture model_type={model_type!r} "
                               f"(architectures={config.get('architectures')}); hf-scatter convert supports "
                               f"{', '.join(supported_model_types())}")
-    quantized = (config.get("quantization_config") or {}).get("quant_method")
-    if quantized:  # before any tensor is read: the layouts below are those of float tensors
-        raise ConversionError(f"{config_path}: the weights are quantized ({quantized}); hf-scatter convert rewrites "
-                              f"float checkpoints and never dequantizes. A quantized checkpoint loads as it ships "
-                              f"(GPT-OSS's MXFP4 experts are fused already: hf_scatter.from_pretrained keeps them "
-                              f"MXFP4); to convert a float copy, load it dequantized and save_pretrained it first")
+    quantization = config.get("quantization_config") or {}
+    quantized = quantization.get("quant_method")
+    if quantized and quantized != QUANT_METHOD:  # before any tensor is read
+        raise ConversionError(f"{config_path}: the weights are quantized ({quantized}); hf-scatter convert keeps "
+                              f"block-scaled FP8 as shipped and never dequantizes. A {quantized} checkpoint loads as "
+                              f"it ships (GPT-OSS's MXFP4 experts are fused already: hf_scatter.from_pretrained keeps "
+                              f"them MXFP4); to convert a float copy, load it dequantized and save_pretrained it first")
+    if quantized and dtype is not None:
+        raise ConversionError(f"{config_path}: --dtype {str(dtype).removeprefix('torch.')} would cast FP8 weights "
+                              f"(quant_method {quantized!r}), which hf-scatter convert keeps as shipped: leave "
+                              f"--dtype out")
     marker = config.get(CONFIG_KEY)
     tensors, _ = read_tensors(src)
     if to == TO_SCATTER and marker is not None:
@@ -407,6 +413,8 @@ def build_plan(src: str, dst: str, to: str = TO_SCATTER, dtype: str | torch.dtyp
                                   f"{' or '.join(found)}")
 
     corr = found[scheme]
+    if quantized:  # each FP8 weight's scales move with its rows
+        corr = with_scales(corr, to == TO_SCATTER, tensors, tuple(quantization.get("weight_block_size") or BLOCK))
     expected = corr.hf_shapes if to == TO_SCATTER else corr.scatter_shapes
     _check_inputs(tensors, expected, corr.optional, config, src)
     if to == TO_SCATTER:

@@ -139,13 +139,31 @@ def test_trainer_trains_a_lora_adapter_on_fp8_attention(checkpoint, tmp_path):
     assert torch.equal(base.weight.view(torch.uint8), shipped[key].view(torch.uint8))
 
 
-def test_the_converter_refuses_a_quantized_checkpoint_before_writing(checkpoint, tmp_path, capsys):
+def test_the_converter_keeps_fp8_as_shipped_both_ways(checkpoint, tmp_path, capsys):
+    """Per-expert FP8 weights and their scales are stacked into the fused experts (scales moving with their blocks
+    of rows), never dequantized: --verify passes, the converted model reads FP8 experts and generates the
+    original's tokens, and converting back gives the original tensors bit for bit. --dtype is refused."""
     from hf_scatter.cli import main
 
-    assert main(["convert", str(checkpoint), str(tmp_path / "out")]) != 0
+    fused, back = tmp_path / "fused", tmp_path / "back"
+    assert main(["convert", str(checkpoint), str(fused), "--verify", "--no-progress"]) == 0, capsys.readouterr().err
+    stacked = load_file(fused / "model.safetensors")
+    experts = [k for k in stacked if ".experts." in k and not k.endswith("_scale_inv")]
+    assert experts and all(stacked[k].dtype == FP8_DTYPE and stacked[f"{k}_scale_inv"].dim() == 3 for k in experts)
+    model = hf_scatter.from_pretrained(fused, dtype=torch.float32)
+    assert _fp8_experts(model) and "as shipped" in " ".join(hf_scatter.patch_report(model).values())
+    prompt = torch.tensor([[5, 17, 101, 42, 7]])
+    want = hf_scatter.from_pretrained(checkpoint, dtype=torch.float32).generate(prompt, max_new_tokens=6,
+                                                                                do_sample=False)
+    assert torch.equal(model.generate(prompt, max_new_tokens=6, do_sample=False), want)
+    assert main(["convert", str(fused), str(back), "--to", "hf", "--no-progress"]) == 0, capsys.readouterr().err
+    shipped, again = load_file(checkpoint / "model.safetensors"), load_file(back / "model.safetensors")
+    assert shipped.keys() == again.keys()
+    assert all(torch.equal(shipped[k].view(torch.uint8), again[k].view(torch.uint8)) for k in shipped)
+    assert main(["convert", str(checkpoint), str(tmp_path / "cast"), "--dtype", "bfloat16"]) != 0
     said = capsys.readouterr().err
-    assert "quantized (fp8)" in said and "never dequantizes" in said
-    assert not (tmp_path / "out").exists()
+    assert "would cast FP8 weights" in said and "leave --dtype out" in said
+    assert not (tmp_path / "cast").exists()
 
 
 def test_offloading_streams_the_shipped_fp8_bytes_and_generates_transformers_own_tokens(checkpoint):

@@ -925,3 +925,27 @@ def test_a_mapping_that_moves_the_last_dimension_is_refused_up_front(tmp_path, m
                                               r"\.down_proj\.weight'.*save_pretrained\) instead"):
         build_plan(str(src), str(dst))
     assert not dst.exists()
+
+
+def test_fp8_scales_that_a_run_of_rows_would_split_are_refused():
+    """A weight whose rows go to the output in runs that start or end inside one of its scale blocks cannot keep
+    the FP8 layout: the plan names the tensor and the block instead of writing scales that read wrong."""
+    from hf_scatter.conversion.layout import Correspondence, Link
+    from hf_scatter.conversion.quantized import with_scales
+    from hf_scatter.conversion.safetensors_io import TensorInfo
+
+    def info(name, shape, dtype=torch.float8_e4m3fn):
+        return TensorInfo(name, "model.safetensors", dtype, shape, 0, 0)
+
+    tensors = {"a.weight": info("a.weight", (96, 64)), "a.weight_scale_inv": info("a.weight_scale_inv", (3, 2),
+                                                                                    torch.float32)}
+    whole = Correspondence({"a.weight": (96, 64)}, {"b": (2, 48, 64)},
+                           [Link("a.weight", 0, "b", 0, 48 * 64), Link("a.weight", 48 * 64, "b", 48 * 64, 48 * 64)])
+    with pytest.raises(ConversionError, match=r"'a.weight': rows 0..48 go to 'b', but its scales cover blocks of "
+                                              r"32 rows"):
+        with_scales(whole, True, tensors, (32, 32))
+    aligned = Correspondence({"a.weight": (96, 64)}, {"b": (3, 32, 64)},
+                             [Link("a.weight", i * 32 * 64, "b", i * 32 * 64, 32 * 64) for i in range(3)])
+    scaled = with_scales(aligned, True, tensors, (32, 32))
+    assert scaled.scatter_shapes["b_scale_inv"] == (3, 1, 2)
+    assert [link.count for link in scaled.links[3:]] == [2, 2, 2]
