@@ -252,7 +252,7 @@ def _table_config(K: int, N: int, block_m: int, itemsize: int, fp8_step: int = 0
 # step ends in a float32 rescale that waits for the step's product; 128 x 256 tiles spilled registers.
 FP8_PRODUCTS_CONFIG = (128, 128, 4, 3)
 FP8_PRODUCTS_TILE_ROWS = 64
-FP8_PRODUCTS_ROWS = 64  # mean routed rows per expert above which FP8 products run (128-row tiles: prefill)
+FP8_PRODUCTS_ROWS = 64  # mean routed rows per expert above which FP8 products run (prefill-sized GEMMs)
 
 
 def fp8_products_apply(x: torch.Tensor, weight, num_rows: int) -> bool:
