@@ -382,7 +382,7 @@ def scatter2scatter_triton(x, weight, sorted_expert_idxs, sorted_scattered_idxs,
     if fp8_products:  # [R, K] e4m3 values (bytes for the interpreter) and [R, K / bk] float32 scales
         x_scales = x.new_empty((x.shape[0], cdiv(K, weight.block[1])), dtype=torch.float32)
         values = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
-        quantize_fp8_rows_triton(x, weight.block[1], values, x_scales)
+        quantize_fp8_rows_triton(x if x.stride(1) == 1 else x.contiguous(), weight.block[1], values, x_scales)
         x = values.view(FP8_DTYPE) if convert else values
     # per routing bin (a skip bin included), as the routing sort's own tile table is made: one table per routing
     block_m = tile_rows(M, expert_offsets.numel())
