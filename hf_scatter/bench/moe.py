@@ -19,6 +19,7 @@ import json
 import os
 import time
 from typing import Callable
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -204,7 +205,8 @@ def _implementations(cfg: MoEConfig, experts, device, dtype, liger_autotune: boo
         return expert_mlp(x, (experts.fp8[0],), experts.fp8[1], idx, gates, FusedSwiGLU(), validate=False)
 
     def ours_fp8_w8a16(x, idx, gates):
-        with _fp8_products_off():
+        # FP8 weights converted in registers at every size (W8A16), beside the default's FP8 products
+        with mock.patch.dict(os.environ, HF_SCATTER_FP8_PRODUCTS="0"):
             return ours_fp8(x, idx, gates)
 
     expert_params = list(experts.parameters())
@@ -233,21 +235,6 @@ def _implementations(cfg: MoEConfig, experts, device, dtype, liger_autotune: boo
         else:
             table[name] = (lambda x, idx, gates, fn=fn: fn(x, idx, gates) + shared(x), expert_params + shared_params)
     return table
-
-
-@contextlib.contextmanager
-def _fp8_products_off():
-    """``HF_SCATTER_FP8_PRODUCTS=0`` for the calls inside (FP8 weights converted in registers at every size: the
-    W8A16 row beside the default's FP8 products), the user's setting restored after."""
-    saved = os.environ.get("HF_SCATTER_FP8_PRODUCTS")
-    os.environ["HF_SCATTER_FP8_PRODUCTS"] = "0"
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("HF_SCATTER_FP8_PRODUCTS")
-        else:
-            os.environ["HF_SCATTER_FP8_PRODUCTS"] = saved
 
 
 @contextlib.contextmanager
