@@ -148,9 +148,8 @@ class KVCache:
             # (rows of one length see exactly keys [first, length))
             mask = self._this_step(step, ("mask", mb, i, window), lambda: visible_keys(pos, first, length, window)) \
                 if b.min_prompt != b.max_prompt else None
-            o = decode_attention(qkv[a:e, :qd].view(n, H, d), k_cache[:, :, first:length],
-                                 v_cache[:, :, first:length], mask, sinks, setting.scale)
-            out[a:e].view(n, H, d).copy_(o)
+            decode_attention(qkv[a:e, :qd].view(n, H, d), k_cache[:, :, first:length], v_cache[:, :, first:length],
+                             mask, sinks, setting.scale, out=out[a:e].view(n, H, d))
 
     def _this_step(self, step: int, key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
         """``make()``, made once for decode step ``step`` (the tensors of earlier steps are dropped: every micro-batch

@@ -39,6 +39,12 @@ def test_fused_decode_with_sinks_matches_the_unfused_softmax(dtype, tol):
                                          v_cache[:, :, 1:S + 1].to(dtype), m, sinks)
         assert out.dtype == dtype and out.shape == (n, H, d)
         torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+        rows = torch.full((n + 2, H * d + 3), float("nan"), dtype=dtype)  # the pipeline's [rows, q] output buffer
+        dest = rows[1:n + 1, :H * d].view(n, H, d)
+        into = attention.decode_attention(q.to(dtype), k_cache[:, :, 1:S + 1].to(dtype),
+                                          v_cache[:, :, 1:S + 1].to(dtype), m, sinks, out=dest)
+        assert into.data_ptr() == rows[1].data_ptr() and torch.equal(into, out)  # the same values, written in place
+        assert rows[0].isnan().all() and rows[n + 1].isnan().all() and rows[:, H * d:].isnan().all()
 
 
 @pytest.mark.parametrize("lens", [
