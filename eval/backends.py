@@ -65,12 +65,56 @@ def _causal(settings: LoadSettings, patched: bool):
         from .lm_model import HFScatterLM as cls
     else:
         from lm_eval.models.huggingface import HFLM as cls
+    pretrained, loaded_as = settings.model, None
+    if not patched and (why := _fp8_kernel_missing(settings)) is not None:
+        pretrained, loaded_as = _dequantized_fp8(settings), f"FP8 dequantized by transformers ({why})"
     # log-softmax in fp32: lm-eval's default (the model's dtype) rounds every log-probability to bf16, which
     # would bury kernel differences under quantisation steps of up to 0.5 on a sum of -100
-    lm = cls(pretrained=settings.model, tokenizer=settings.tokenizer, dtype=settings.dtype, device=settings.device,
+    lm = cls(pretrained=pretrained, tokenizer=settings.tokenizer, dtype=settings.dtype, device=settings.device,
              batch_size=settings.batch_size, max_length=settings.max_length, softmax_dtype=settings.scoring_dtype)
     _float32_throughout(lm.model, settings.dtype)
+    lm.loaded_as = loaded_as
     return lm
+
+
+def _fp8_kernel_missing(settings: LoadSettings) -> str | None:
+    """Why transformers cannot run this block-scaled FP8 checkpoint as FP8 here, or None (it can, or the checkpoint
+    is not FP8). On CUDA its FP8 layers call a kernel it fetches from the Hub (``kernels-community/finegrained-fp8``
+    through the ``kernels`` package); offline, or without ``kernels``, the first forward would fail. On the CPU it
+    dequantizes by itself."""
+    import json
+    import os
+
+    if not str(settings.device).startswith("cuda"):
+        return None
+    with open(os.path.join(settings.model, "config.json")) as f:
+        quantization = json.load(f).get("quantization_config") or {}
+    if quantization.get("quant_method") != "fp8" or quantization.get("dequantize"):
+        return None
+    try:
+        from transformers.integrations.finegrained_fp8 import load_finegrained_fp8_kernel
+
+        load_finegrained_fp8_kernel()
+    except Exception as e:  # noqa: BLE001 (ImportError, or the Hub unreachable: either way it cannot run FP8)
+        return f"its FP8 kernel did not load: {str(e).splitlines()[0][:120]}"
+    return None
+
+
+def _dequantized_fp8(settings: LoadSettings):
+    """The checkpoint through transformers' own FP8 loader with ``dequantize=True``: the weights' values in the
+    model's dtype, computed by transformers' own layers (what it does on the CPU)."""
+    import json
+    import os
+
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.quantizers import AutoQuantizationConfig
+
+    with open(os.path.join(settings.model, "config.json")) as f:
+        quantization = AutoQuantizationConfig.from_dict({**json.load(f)["quantization_config"], "dequantize": True})
+    dtype = "auto" if settings.dtype == "auto" else getattr(torch, settings.dtype)
+    model = AutoModelForCausalLM.from_pretrained(settings.model, dtype=dtype, quantization_config=quantization)
+    return model.to(settings.device).eval()
 
 
 def _float32_throughout(model, dtype) -> None:

@@ -62,6 +62,7 @@ def to_markdown(report: dict) -> str:
     out = [f"{report['model']} ({report['model_type']}, {report['dtype']}, {report['device']}); "
            f"{report['scoring']}; lm-eval {report['lm_eval']}, limit {report['limit']}", "",
            metric_table(report), "", request_table(report)]
+    out += [f"{b['label']} loaded as: {b['loaded_as']}" for b in report["backends"] if b.get("loaded_as")]
 
     out.append("")
     for c in cands:

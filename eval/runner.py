@@ -202,7 +202,8 @@ def _run_backend(backend, settings: LoadSettings, tasks: list[str], manager, lim
     counter = (lambda output_type, arguments: scored_tokens(lm, output_type, arguments)) if count_tokens else None
     run = from_lm_eval(backend.name, backend.label, seconds, results, tasks, scored_tokens=counter)
     run.extra = {"load_s": loaded - start, "eval_s": seconds,
-                 "patch_report": sorted(set(getattr(lm, "patch_report", {}).values()))}
+                 "patch_report": sorted(set(getattr(lm, "patch_report", {}).values())),
+                 "loaded_as": getattr(lm, "loaded_as", None)}
     log(f"[{backend.name}] evaluated in {seconds:.1f} s")
     del lm, results
     _free_memory()
