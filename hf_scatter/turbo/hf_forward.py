@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
 
-from .packing import PackedBatch, pack_padded
+from .packing import PackedBatch, pack_padded, pack_with_layout, padded_layout
 from .runtime import UnpaddedRuntime
 
 
@@ -34,30 +34,44 @@ def packed_outputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     return batch, hidden[:batch.num_tokens].clone(), None if pooled is None else pooled.clone()
 
 
-def _parameter_blocker(params) -> str | None:
-    grad = torch.is_grad_enabled()
-    dtype = params[0].dtype
-    for p in params:
-        if grad and p.requires_grad:
-            return "gradients enabled (use torch.no_grad() or torch.inference_mode())"
-        if p.dtype != dtype:
-            return "parameters of several dtypes"
+def _parameter_blocker(runtime: UnpaddedRuntime) -> str | None:
+    runtime.check_params()  # the dtypes are worked out once per set of parameters
+    if torch.is_grad_enabled() and any(p.requires_grad for p in runtime.params):
+        return "gradients enabled (use torch.no_grad() or torch.inference_mode())"
+    if runtime.mixed_dtypes:
+        return "parameters of several dtypes"
     return None
+
+
+def unpack_rows(packed: torch.Tensor, index: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """[T, ...] packed rows -> a new [B, S, ...] tensor with zeros at padded positions (``index``: each row's flat
+    position in B*S); one copy where nothing is padded."""
+    B, S = shape
+    T = index.shape[0]
+    if T == B * S:
+        return packed[:T].clone().view(B, S, *packed.shape[1:])
+    return packed.new_zeros((B * S, *packed.shape[1:])).index_copy_(0, index, packed[:T]).view(B, S, *packed.shape[1:])
 
 
 def packed_bert_forward(model, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds=None):
     """HF outputs of an inference call, or None where the padded forward must answer instead: gradients
     wanted, mixed parameter dtypes, ``inputs_embeds`` of another dtype, an empty batch, or a row whose first
     column is padding while the model pools (vanilla pools that padded position, which packing never
-    computes)."""
+    computes). Token ids with CUDA graphs are packed straight into the graph's inputs (``run_padded``)."""
     runtime = runtime_of(model)
-    if _parameter_blocker(runtime.params) is not None:
+    if _parameter_blocker(runtime) is not None:
         return None
     if inputs_embeds is not None and inputs_embeds.dtype != runtime.params[0].dtype:
         return None
-    batch = pack_padded(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
-    if batch.num_tokens == 0 or (batch.first_column_padded and model.pooler is not None):
+    layout = padded_layout(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
+    if layout.num_tokens == 0 or (layout.first_column_padded and model.pooler is not None):
         return None
-    hidden, pooled = runtime.run(batch)
+    if inputs_embeds is None and runtime.graphs_enabled() and input_ids.device == runtime.device:
+        hidden, pooled, index = runtime.run_padded(input_ids, layout, token_type_ids, position_ids)
+        last = unpack_rows(hidden, index, layout.shape)
+    else:
+        batch = pack_with_layout(layout, input_ids, token_type_ids, position_ids, inputs_embeds)
+        hidden, pooled = runtime.run(batch)
+        last = batch.unpack(hidden)
     return BaseModelOutputWithPoolingAndCrossAttentions(
-        last_hidden_state=batch.unpack(hidden), pooler_output=None if pooled is None else pooled.clone())
+        last_hidden_state=last, pooler_output=None if pooled is None else pooled.clone())

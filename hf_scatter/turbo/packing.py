@@ -93,15 +93,33 @@ def _check_ids(name: str, t, shape=None) -> None:
         raise ValueError(f"pack_padded: {name} has shape {tuple(t.shape)} but the batch is {tuple(shape)}")
 
 
-def pack_padded(input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None,
-                token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                inputs_embeds: torch.Tensor | None = None) -> PackedBatch:
-    """Pack a padded HF batch: tokens with ``attention_mask`` 1 (left, right or any padding), in row order.
-    Exactly one of ``input_ids`` [B, S] and ``inputs_embeds`` [B, S, H] gives the tokens.
+@dataclass(frozen=True)
+class PaddedLayout:
+    """Where the real tokens of a padded [B, S] batch sit, worked out on the host from its mask (the packed shapes
+    need the lengths there anyway): ``lengths`` per row, ``index`` each real token's flat index in B*S (int64, row
+    order), ``first_column_padded``: some row starts with padding (left padding)."""
 
-    Costs one device-to-host copy of the mask (the packed shapes need the lengths on the host anyway); the
-    rest is worked out there and sent back as one index.
-    """
+    shape: tuple[int, int]
+    lengths: list[int]
+    index: np.ndarray
+    first_column_padded: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.index)
+
+    @property
+    def unpadded(self) -> bool:
+        """Every position is a real token: packed rows are the padded ones in order."""
+        return self.num_tokens == self.shape[0] * self.shape[1]
+
+
+def padded_layout(input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None,
+                  token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                  inputs_embeds: torch.Tensor | None = None) -> PaddedLayout:
+    """The :class:`PaddedLayout` of a padded HF batch (tokens with ``attention_mask`` 1, in row order: left, right or
+    any padding), after checking every input's shape; exactly one of ``input_ids`` [B, S] and ``inputs_embeds``
+    [B, S, H] gives the tokens. Costs one device-to-host copy of the mask."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("pack_padded: pass exactly one of input_ids and inputs_embeds")
     if input_ids is not None:
@@ -112,34 +130,46 @@ def pack_padded(input_ids: torch.Tensor | None, attention_mask: torch.Tensor | N
         raise ValueError(f"pack_padded: inputs_embeds must be a [batch, seq, hidden] tensor, got {got}")
     else:
         B, S = inputs_embeds.shape[:2]
-    device = (input_ids if input_ids is not None else inputs_embeds).device
-    first_column_padded = False
-    if attention_mask is None:
-        lengths = [S] * B
-        index = torch.arange(B * S, device=device)
-    else:
-        if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (B, S):
-            got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
-            raise ValueError(f"pack_padded: attention_mask must be a [batch, seq] = {(B, S)} tensor of 0/1, got {got} "
-                             "(4-D or float masks: pass the 2-D padding mask)")
-        keep = attention_mask.detach().cpu().numpy() != 0
-        lengths = keep.sum(1).tolist()
-        first_column_padded = bool(B and S and not keep[:, 0].all())
-        index = torch.from_numpy(np.flatnonzero(keep)).to(device)
-    columns = index % S
-    if position_ids is None:
-        positions = columns
-    else:
-        position_ids = position_ids.expand(B, S) if position_ids.dim() == 2 and position_ids.shape[0] == 1 else position_ids
-        _check_ids("position_ids", position_ids, (B, S))
-        positions = position_ids.reshape(-1)[index]
-    types = None
     if token_type_ids is not None:
         _check_ids("token_type_ids", token_type_ids, (B, S))
-        types = token_type_ids.reshape(-1)[index]
+    if position_ids is not None:
+        _check_ids("position_ids", positions_of(position_ids, B, S), (B, S))
+    if attention_mask is None:
+        return PaddedLayout((B, S), [S] * B, np.arange(B * S, dtype=np.int64), False)
+    if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (B, S):
+        got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
+        raise ValueError(f"pack_padded: attention_mask must be a [batch, seq] = {(B, S)} tensor of 0/1, got {got} "
+                         "(4-D or float masks: pass the 2-D padding mask)")
+    keep = attention_mask.detach().cpu().numpy() != 0
+    return PaddedLayout((B, S), keep.sum(1).tolist(), np.flatnonzero(keep), bool(B and S and not keep[:, 0].all()))
+
+
+def positions_of(position_ids: torch.Tensor, B: int, S: int) -> torch.Tensor:
+    """``position_ids`` as [B, S] (HF callers also pass one row [1, S] for the whole batch)."""
+    if isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2 and position_ids.shape[0] == 1:
+        return position_ids.expand(B, S)
+    return position_ids
+
+
+def pack_padded(input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> PackedBatch:
+    """Pack a padded HF batch: its :func:`padded_layout`, then :func:`pack_with_layout`."""
+    layout = padded_layout(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
+    return pack_with_layout(layout, input_ids, token_type_ids, position_ids, inputs_embeds)
+
+
+def pack_with_layout(layout: PaddedLayout, input_ids: torch.Tensor | None, token_type_ids: torch.Tensor | None = None,
+                     position_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None) -> PackedBatch:
+    """The packed tensors of a checked padded batch on its device: the layout goes there as one index, the tokens,
+    positions and types are gathered with it (a token's default position is its padded column)."""
+    (B, S), tokens = layout.shape, (input_ids if input_ids is not None else inputs_embeds)
+    index = torch.from_numpy(layout.index).to(tokens.device)
+    positions = index % S if position_ids is None else positions_of(position_ids, B, S).reshape(-1)[index]
+    types = None if token_type_ids is None else token_type_ids.reshape(-1)[index]
     ids = None if input_ids is None else input_ids.reshape(-1)[index]
     embeds = None if inputs_embeds is None else inputs_embeds.reshape(B * S, -1)[index]
-    return PackedBatch(ids, positions, types, lengths, (B, S), index, first_column_padded, embeds)
+    return PackedBatch(ids, positions, types, layout.lengths, (B, S), index, layout.first_column_padded, embeds)
 
 
 def pack_sequences(sequences: Sequence, device: torch.device | str = "cpu",

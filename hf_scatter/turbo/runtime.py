@@ -19,7 +19,10 @@ graphs share one arena and the footprint is that of the largest batch; a larger 
 the old chunks and re-captures graphs as they are used again (``warmup`` plans the largest size first).
 
 Inputs: batches packed on the host (``pack_sequences``) go to the device through pinned staging buffers
-with asynchronous copies, so the host packs the next batch while the GPU runs this one.
+with asynchronous copies, so the host packs the next batch while the GPU runs this one. A padded batch of
+token ids already on the device (the patched model's call) is packed straight into a graph's inputs
+(:meth:`UnpaddedRuntime.run_padded`): its layout and default positions through the same staging, its tokens
+gathered on the device.
 """
 
 from __future__ import annotations
@@ -30,11 +33,12 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
 from ..kernels.varlen_attention import block_m_for, block_table, max_blocks
-from .packing import PackedBatch, first_token_rows
+from .packing import PackedBatch, PaddedLayout, first_token_rows, pack_with_layout, positions_of
 from .planner import MemoryPlanner, MiB, UsageRecord, record_usage
 from . import unpadded
 from .unpadded import encode, fresh
@@ -61,19 +65,30 @@ def buckets_up_to(num_tokens: int) -> list[int]:
     return out
 
 
+# Rows of a graph's static int64 inputs (one device tensor, written from one pinned host tensor in one copy)
+IDS, POSITIONS, TYPES, FIRST, GATHER = range(5)
+
+
 @dataclass
 class _Captured:
-    """A bucket's graph with its static inputs (written before each replay), their pinned host staging and
-    the event of the last copy out of it, and its outputs (arena views)."""
+    """A bucket's graph with its static inputs (written before each replay): ``inputs`` [5, tokens] int64 (rows
+    IDS, POSITIONS, TYPES, FIRST: each sequence's first row, GATHER: a padded batch's flat index of each real
+    token) and the attention block table, their pinned host staging and the event of the last copy out of it,
+    and its outputs (arena views). ``batch`` views the first three rows."""
 
     graph: "torch.cuda.CUDAGraph | None"
     batch: PackedBatch
+    inputs: torch.Tensor
     blocks: torch.Tensor
-    first: torch.Tensor
-    staging: dict
+    staging: torch.Tensor
+    staging_blocks: torch.Tensor
     copied: "torch.cuda.Event"
     hidden: torch.Tensor | None = None
     pooled: torch.Tensor | None = None
+
+    @property
+    def first(self) -> torch.Tensor:
+        return self.inputs[FIRST]
 
 
 class UnpaddedRuntime:
@@ -97,6 +112,7 @@ class UnpaddedRuntime:
         self.exact_gelu = exact_gelu
         self.params = list(model.parameters())  # .to()/.half() swap their data in place: watched per call
         self._signature = None
+        self.mixed_dtypes = False
         self._reset()
 
     def _reset(self) -> None:
@@ -113,14 +129,18 @@ class UnpaddedRuntime:
         self.captures = 0
         self.capture_ms_total = 0.0
 
-    def _params_signature(self):
-        return [(p.data_ptr(), p.dtype) for p in self.params]
+    def _params_signature(self) -> list[int]:
+        """Where every parameter's data lives: a conversion (``.to``, ``.half``) gives each a new storage while the
+        old one is still alive, so any swap of a parameter's data changes its address."""
+        return list(map(torch.Tensor.data_ptr, self.params))
 
-    def _check_params(self) -> None:
+    def check_params(self) -> None:
+        """Notice parameters that moved (another device or dtype, new tensors): plan and capture afresh."""
         signature = self._params_signature()
         if signature != self._signature:
             self._reset()
             self._signature = signature
+            self.mixed_dtypes = len({p.dtype for p in self.params}) > 1
 
     def graphs_enabled(self) -> bool:
         wanted = self.device.type == "cuda" if self.cuda_graphs is None else self.cuda_graphs
@@ -137,7 +157,7 @@ class UnpaddedRuntime:
         With the planner the results are views of planned memory, valid until the next call: copy what
         you keep (``PackedBatch.unpack`` / ``split`` + ``clone`` do).
         """
-        self._check_params()
+        self.check_params()
         if batch.device != self.device and batch.device.type != "cpu":
             raise ValueError(f"UnpaddedRuntime: the batch is on {batch.device} but the model is on {self.device}; "
                              "pack it on the host or on the model's device")
@@ -158,7 +178,7 @@ class UnpaddedRuntime:
         returns the seconds it took."""
         from tqdm.auto import tqdm
 
-        self._check_params()
+        self.check_params()
         start = time.perf_counter()
         sizes = buckets_up_to(max_tokens)
         if len(sizes) > self.max_graphs:
@@ -219,53 +239,100 @@ class UnpaddedRuntime:
 
     # ---------------------------------------------------------------------------------------- graphs
     def _static_inputs(self, tokens: int) -> _Captured:
-        dev = self.device
         head_dim = self.model.encoder.layer[0].attention.self.attention_head_size
         nblocks = 1 + max_blocks(tokens, tokens, block_m_for(head_dim))  # header row + every possible block
-        zeros = lambda *shape, **kw: torch.zeros(shape, dtype=torch.int64, device=dev, **kw)  # noqa: E731
-        staging = {name: torch.zeros(tokens, dtype=torch.int64, pin_memory=True)
-                   for name in ("input_ids", "position_ids", "token_type_ids", "first")}
-        staging["blocks"] = torch.zeros((nblocks, 3), dtype=torch.int32, pin_memory=True)
-        batch = PackedBatch(zeros(tokens), zeros(tokens), zeros(tokens), [tokens])
-        return _Captured(None, batch, torch.zeros((nblocks, 3), dtype=torch.int32, device=dev), zeros(tokens),
-                         staging, torch.cuda.Event())
+        inputs = torch.zeros((5, tokens), dtype=torch.int64, device=self.device)
+        batch = PackedBatch(inputs[IDS], inputs[POSITIONS], inputs[TYPES], [tokens])
+        return _Captured(None, batch, inputs, torch.zeros((nblocks, 3), dtype=torch.int32, device=self.device),
+                         torch.zeros((5, tokens), dtype=torch.int64, pin_memory=True),
+                         torch.zeros((nblocks, 3), dtype=torch.int32, pin_memory=True), torch.cuda.Event())
+
+    def _stage_tables(self, captured: _Captured, lengths: list[int]) -> np.ndarray:
+        """Wait until the previous batch's copies have left the staging, write this batch's attention block table
+        and first rows there; returns the staging rows (host) for the caller to fill in."""
+        captured.copied.synchronize()
+        head_dim = self.model.encoder.layer[0].attention.self.attention_head_size
+        captured.staging_blocks.numpy()[:] = block_table(lengths, block_m_for(head_dim),
+                                                         capacity=captured.blocks.shape[0] - 1)
+        rows = captured.staging.numpy()
+        rows[FIRST, :len(lengths)] = first_token_rows(lengths)
+        rows[FIRST, len(lengths):] = 0
+        captured.batch.lengths = list(lengths)
+        return rows
+
+    def _send_staging(self, captured: _Captured) -> None:
+        """Both staging tensors to the device in two asynchronous copies, then mark them in flight."""
+        captured.blocks.copy_(captured.staging_blocks, non_blocking=True)
+        captured.inputs.copy_(captured.staging, non_blocking=True)
+        captured.copied.record()
 
     def _fill(self, captured: _Captured, batch: PackedBatch) -> None:
-        """Write a batch into a graph's static inputs: host data through the pinned staging (asynchronous),
-        device data by device copies."""
-        static, staging = captured.batch, captured.staging
+        """Write a packed batch into a graph's static inputs: host data through the pinned staging (asynchronous),
+        device data by device copies. Rows past the batch keep earlier batches' (valid) ids, read by no one."""
         T = batch.num_tokens
-        captured.copied.synchronize()  # the previous batch's copies have left the staging buffers
-        head_dim = self.model.encoder.layer[0].attention.self.attention_head_size
-        staging["blocks"].numpy()[:] = block_table(batch.lengths, block_m_for(head_dim),
-                                                   capacity=captured.blocks.shape[0] - 1)
-        first = staging["first"].numpy()
-        first[:] = 0
-        first[:batch.num_sequences] = first_token_rows(batch.lengths)
-        captured.blocks.copy_(staging["blocks"], non_blocking=True)
-        captured.first.copy_(staging["first"], non_blocking=True)
+        rows = self._stage_tables(captured, batch.lengths)
         on_host = batch.device.type == "cpu"
-        for name in ("input_ids", "position_ids", "token_type_ids"):
-            src, dst = getattr(batch, name), getattr(static, name)[:T]
+        for row, src in ((IDS, batch.input_ids), (POSITIONS, batch.position_ids), (TYPES, batch.token_type_ids)):
             if src is None:
-                dst.zero_()
+                rows[row, :T] = 0
             elif on_host:
-                staging[name][:T].copy_(src)
-                dst.copy_(staging[name][:T], non_blocking=True)
-            else:
-                dst.copy_(src)
-        captured.copied.record()
-        static.lengths = list(batch.lengths)
+                rows[row, :T] = src.numpy()
+        self._send_staging(captured)
+        if not on_host:
+            for row, src in ((IDS, batch.input_ids), (POSITIONS, batch.position_ids), (TYPES, batch.token_type_ids)):
+                if src is not None:
+                    captured.inputs[row, :T].copy_(src)
 
-    def _replay(self, tokens: int, batch: PackedBatch):
+    def _fill_padded(self, captured: _Captured, input_ids: torch.Tensor, layout: PaddedLayout,
+                     token_type_ids: torch.Tensor | None, position_ids: torch.Tensor | None) -> torch.Tensor:
+        """Pack a padded device batch straight into a graph's static inputs: the layout, default positions and
+        types go in the host staging (one copy), then the tokens (and given positions and types) are gathered on
+        the device from the padded tensors. Returns the device index of each real token in B*S."""
+        T, (B, S) = layout.num_tokens, layout.shape
+        rows = self._stage_tables(captured, layout.lengths)
+        rows[GATHER, :T] = layout.index
+        if position_ids is None:
+            np.remainder(layout.index, S, out=rows[POSITIONS, :T])
+        if token_type_ids is None:
+            rows[TYPES, :T] = 0
+        self._send_staging(captured)
+        index = captured.inputs[GATHER, :T]
+        for row, src in ((IDS, input_ids), (TYPES, token_type_ids),
+                         (POSITIONS, None if position_ids is None else positions_of(position_ids, B, S))):
+            if src is not None:
+                torch.index_select(src.reshape(-1).long(), 0, index, out=captured.inputs[row, :T])
+        return index
+
+    def _graph_for(self, tokens: int, batch_for_capture) -> _Captured:
         captured = self.graphs.get(tokens)
         if captured is None:
-            captured = self._capture(tokens, batch)
+            captured = self._capture(tokens, batch_for_capture())
         self.graphs.move_to_end(tokens)
+        return captured
+
+    def _replay(self, tokens: int, batch: PackedBatch):
+        captured = self._graph_for(tokens, lambda: batch)
         self._fill(captured, batch)
         captured.graph.replay()
         N = batch.num_sequences
         return captured.hidden, None if captured.pooled is None else captured.pooled[:N]
+
+    def run_padded(self, input_ids: torch.Tensor, layout: PaddedLayout, token_type_ids: torch.Tensor | None = None,
+                   position_ids: torch.Tensor | None = None):
+        """``(hidden [T, H], pooled [N, H] or None, index [T])`` of a padded batch of token ids on the model's
+        device (``layout`` from :func:`~.packing.padded_layout`), packed inside its bucket's graph inputs: a call
+        costs the mask's copy to the host, two copies to the device, the gathers and one graph launch. Needs
+        CUDA graphs (:meth:`graphs_enabled`); the results are views valid until the next call, as in :meth:`run`.
+        ``index``: each packed row's flat position in B*S (``unpack_rows`` puts them back)."""
+        self.check_params()
+        if layout.num_tokens == 0:
+            raise ValueError("UnpaddedRuntime: the batch has no tokens (every sequence is empty)")
+        tokens = token_bucket(layout.num_tokens)
+        captured = self._graph_for(tokens, lambda: pack_with_layout(layout, input_ids, token_type_ids, position_ids))
+        index = self._fill_padded(captured, input_ids, layout, token_type_ids, position_ids)
+        captured.graph.replay()
+        N = len(layout.lengths)
+        return captured.hidden, None if captured.pooled is None else captured.pooled[:N], index
 
     def _capture(self, tokens: int, batch: PackedBatch) -> _Captured:
         start = time.perf_counter()

@@ -328,10 +328,18 @@ def test_cuda_graph_replays_equal_vanilla_for_changing_batches():
     for rerun in range(3):  # the arena grows to the largest batch during the first pass (dropping graphs)
         for step, lengths in enumerate(batches):
             ids, mask, types = (t.cuda() for t in _batch(lengths, seed=step))
+            # the graphs' inputs are reused: types, then none (zeros), given positions, int32 ids, no padding
+            extra = [{"token_type_ids": types}, {}, {"position_ids": torch.arange(ids.shape[1], device="cuda")[None]
+                                                     .flip(1)}, {"token_type_ids": types.int()}][step % 4]
+            if step % 4 == 3:
+                ids = ids.int()
+            if step == 5:
+                mask = torch.ones_like(mask)
             with torch.inference_mode():
-                want = vanilla(ids, attention_mask=mask, token_type_ids=types)
-                got = patched(ids, attention_mask=mask, token_type_ids=types)
+                want = vanilla(ids, attention_mask=mask, **extra)
+                got = patched(ids, attention_mask=mask, **extra)
             keep = mask.bool()
+            assert (got.last_hidden_state[~keep] == 0).all()
             assert _rel(got.last_hidden_state[keep], want.last_hidden_state[keep]) < 1e-2, lengths
             assert _rel(got.pooler_output, want.pooler_output) < 1e-2, lengths
         runtime = patched.__dict__["_hf_scatter_runtime"]
@@ -339,9 +347,10 @@ def test_cuda_graph_replays_equal_vanilla_for_changing_batches():
             captures = runtime.stats()["captures"]
     assert runtime.stats()["graphs"] >= 1 and runtime.stats()["captures"] == captures, "third pass: replays only"
     with torch.inference_mode():  # inputs_embeds run eagerly on the graphs' arena: the same answer
+        from_ids = patched(ids, attention_mask=mask, token_type_ids=types)
         from_embeds = patched(inputs_embeds=patched.get_input_embeddings()(ids), attention_mask=mask,
                               token_type_ids=types)
-    assert _rel(from_embeds.last_hidden_state, got.last_hidden_state) < 1e-3
+    assert _rel(from_embeds.last_hidden_state, from_ids.last_hidden_state) < 1e-3
     assert runtime.stats()["captures"] == captures
     from hf_scatter.turbo import Encoder  # host-packed requests go through pinned staging, asynchronously
     reqs = [list(range(3, 3 + n)) for n in (5, 77, 130, 1, 64)]
