@@ -96,7 +96,7 @@ def _fp8_kernel_missing(settings: LoadSettings) -> str | None:
 
         load_finegrained_fp8_kernel()
     except Exception as e:  # noqa: BLE001 (ImportError, or the Hub unreachable: either way it cannot run FP8)
-        return f"its FP8 kernel did not load: {str(e).splitlines()[0][:120]}"
+        return f"its FP8 kernel did not load: {str(e).splitlines()[0].split('. ')[0]}"
     return None
 
 
