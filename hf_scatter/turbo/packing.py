@@ -108,11 +108,6 @@ class PaddedLayout:
     def num_tokens(self) -> int:
         return len(self.index)
 
-    @property
-    def unpadded(self) -> bool:
-        """Every position is a real token: packed rows are the padded ones in order."""
-        return self.num_tokens == self.shape[0] * self.shape[1]
-
 
 def padded_layout(input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None,
                   token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
