@@ -252,7 +252,12 @@ def _table_config(K: int, N: int, block_m: int, itemsize: int, fp8_step: int = 0
 # step ends in a float32 rescale that waits for the step's product; 128 x 256 tiles spilled registers.
 FP8_PRODUCTS_CONFIG = (128, 128, 4, 3)
 FP8_PRODUCTS_TILE_ROWS = 64
-FP8_PRODUCTS_ROWS = 64  # mean routed rows per expert above which FP8 products run (prefill-sized GEMMs)
+# Mean routed rows per expert above which FP8 products run. Qwen3-30B-A3B's expert layer on an H200, GPU time by
+# tokens (docs/results/history/moe-fp8-rows-sweep-h200.json): from 8 rows per expert (128 tokens) up, FP8 products
+# beat the weights' conversion in registers by 1.2x to 2x (0.29 against 0.35 ms at 128 tokens, 0.38 against 0.74
+# at 1,024). One-expert GEMMs (FP8 linear layers) keep the earlier bound, which no measurement has moved yet.
+FP8_PRODUCTS_ROWS = 4
+FP8_PRODUCTS_DENSE_ROWS = 64
 
 
 def fp8_products_apply(x: torch.Tensor, weight, num_rows: int) -> bool:
@@ -260,8 +265,8 @@ def fp8_products_apply(x: torch.Tensor, weight, num_rows: int) -> bool:
     products (W8A8, as DeepSeek-V3's inference and transformers' own FP8 kernels do) instead of converting the
     weight to the activations' dtype in registers (W8A16). ``HF_SCATTER_FP8_PRODUCTS``: 1 always (where the
     weight's block along K is a power of two of at least 32), 0 never; unset: on GPUs that convert e4m3
-    (compute capability 8.9+) for prefill-sized GEMMs, where the products bound the time; decode-sized GEMMs
-    are bound by reading the weights, and quantizing the input would only add a pass."""
+    (compute capability 8.9+) past a few rows per expert (:data:`FP8_PRODUCTS_ROWS`); the smallest GEMMs are
+    bound by reading the weights, and quantizing the input would only add a pass."""
     if not isinstance(weight, Fp8BlockWeight):
         return False
     bk = weight.block[1]
@@ -270,8 +275,10 @@ def fp8_products_apply(x: torch.Tensor, weight, num_rows: int) -> bool:
     setting = env_switch("HF_SCATTER_FP8_PRODUCTS")
     if setting is not None:
         return setting
+    experts = weight.shape[0]
+    bound = FP8_PRODUCTS_ROWS if experts > 1 else FP8_PRODUCTS_DENSE_ROWS
     return (x.is_cuda and x.dtype != torch.float32 and converts_e4m3(x.device.index or 0)
-            and num_rows / max(1, weight.shape[0]) > FP8_PRODUCTS_ROWS)
+            and num_rows / max(1, experts) > bound)
 
 
 def num_tile_programs(num_rows: int, num_experts: int, block_m: int) -> int:

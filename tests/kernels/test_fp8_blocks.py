@@ -13,6 +13,14 @@ from hf_scatter.kernels.fp8_blocks import (FP8_DTYPE, FP8_MAX, Fp8BlockWeight, d
                                            dequantize_fp8_blocks_reference, dequantize_fp8_rows, quantize_fp8_blocks,
                                            quantize_fp8_rows, quantize_fp8_rows_reference)
 
+
+@pytest.fixture(autouse=True)
+def weights_decoded_in_registers(monkeypatch):
+    """Every test here names the products it checks: the weights decoded in registers (W8A16) unless it turns FP8
+    products on (or, for the default policy, the setting off); on a GPU the default depends on rows per expert."""
+    monkeypatch.setenv("HF_SCATTER_FP8_PRODUCTS", "0")
+
+
 # (experts, rows, columns, scale rows, scale columns): odd blocks, a fused gate_up of two half-block matrices
 # (two scale rows of 24 rows each), a single block, and several 128 x 128 blocks
 SHAPES = [(3, 48, 96, 2, 3), (1, 37, 40, 1, 1), (2, 256, 384, 2, 3)]
@@ -314,9 +322,9 @@ def test_fp8_products_equal_the_float64_product_of_both_quantized_operands(monke
 
 
 def test_fp8_products_run_for_prefill_on_gpus_that_convert_e4m3_unless_turned_off(monkeypatch):
-    """The default: FP8 products where the GEMM is bound by its products (more than 64 routed rows per expert,
-    16- or 8-bit activations, a GPU of compute capability 8.9+), W8A16 elsewhere; the setting forces either,
-    but never where the weight's block along K is not a power of two of at least 32."""
+    """The default: FP8 products past a few routed rows per expert (64 rows for a one-expert GEMM), 16- or 8-bit
+    activations, a GPU of compute capability 8.9+; W8A16 elsewhere. The setting forces either, but never where
+    the weight's block along K is not a power of two of at least 32."""
     from hf_scatter.kernels import scatter2scatter as s2s
 
     weight = _weight(4, 128, 256, 1, 2, "cpu", seed=0)
@@ -326,7 +334,11 @@ def test_fp8_products_run_for_prefill_on_gpus_that_convert_e4m3_unless_turned_of
     assert not s2s.fp8_products_apply(x, weight.dequantize(), 4096)  # not FP8
     on_gpu = SimpleNamespace(dtype=torch.bfloat16, is_cuda=True, device=torch.device("cuda", 0))  # what is read
     monkeypatch.setattr(s2s, "converts_e4m3", lambda index: True)
-    assert s2s.fp8_products_apply(on_gpu, weight, 4 * 65) and not s2s.fp8_products_apply(on_gpu, weight, 4 * 64)
+    rows = s2s.FP8_PRODUCTS_ROWS
+    assert s2s.fp8_products_apply(on_gpu, weight, 4 * (rows + 1))
+    assert not s2s.fp8_products_apply(on_gpu, weight, 4 * rows)
+    dense = _weight(1, 128, 256, 1, 2, "cpu", seed=0)
+    assert s2s.fp8_products_apply(on_gpu, dense, 65) and not s2s.fp8_products_apply(on_gpu, dense, 64)
     assert not s2s.fp8_products_apply(SimpleNamespace(**{**vars(on_gpu), "dtype": torch.float32}), weight, 4096)
     x = on_gpu
     monkeypatch.setattr(s2s, "converts_e4m3", lambda index: False)
