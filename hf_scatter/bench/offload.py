@@ -60,6 +60,7 @@ def run_accelerate(model, requests: list[torch.Tensor], gpu_budget: int, new_tok
     on_gpu = sorted(k for k, v in device_map.items() if v != "cpu")
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()  # what this process held already is not the run's
     dispatch_model(model, device_map)
     try:
         torch.cuda.synchronize()
@@ -68,7 +69,7 @@ def run_accelerate(model, requests: list[torch.Tensor], gpu_budget: int, new_tok
                              pad_token_id=0)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-        peak = torch.cuda.max_memory_allocated()
+        peak = torch.cuda.max_memory_allocated() - before
     finally:
         remove_hook_from_module(model, recurse=True)
         for name in on_gpu:
@@ -252,6 +253,7 @@ def _run(layers, new_tokens, requests, gpu_memory, peer_batch, peer_new_tokens, 
     validation = validate_hrm(model, reqs, prof, spec, budget, validate_tokens) if validate_tokens else []
 
     torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
     start = time.perf_counter()
     offloaded = hf_scatter.offload_model(model, gpu_memory=budget, profile=prof, workload=workload, progress=progress)
     offload_s = time.perf_counter() - start
@@ -261,7 +263,7 @@ def _run(layers, new_tokens, requests, gpu_memory, peer_batch, peer_new_tokens, 
     offloaded.generate(ids[:warm], attention_mask=mask[:warm], max_new_tokens=3, progress=False)  # kernels
     result = offloaded.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, return_dict=True,
                                 progress=progress, trace=trace)
-    peak = torch.cuda.max_memory_allocated()
+    peak = torch.cuda.max_memory_allocated() - before
     stats = result.stats
     realised = dataclasses.replace(policy, weights_gpu_fraction=offloaded.store.layout.fraction, prediction=None)
     options = offloaded.cost_options

@@ -97,6 +97,7 @@ def _measure(lm, reqs, workload, prof, budget: int, host: int, progress: bool, t
     from ..offload import predict
 
     torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()  # what this process held already is not the run's
     offloaded = hf_scatter.offload_model(lm, gpu_memory=budget, cpu_memory=host, profile=prof, workload=workload,
                                          progress=progress)
     try:
@@ -106,7 +107,7 @@ def _measure(lm, reqs, workload, prof, budget: int, host: int, progress: bool, t
         offloaded.generate(ids[:warm], attention_mask=mask[:warm], max_new_tokens=3, progress=False)  # kernels
         stats = offloaded.generate(ids, attention_mask=mask, max_new_tokens=workload.gen_len, return_dict=True,
                                    progress=progress, trace=trace).stats
-        peak = torch.cuda.max_memory_allocated()
+        peak = torch.cuda.max_memory_allocated() - before
         realised = dataclasses.replace(policy, weights_gpu_fraction=layout.fraction, prediction=None)
         spec = offloaded.spec  # the experts priced in the format they stream in
         p = predict(realised, spec, prof, workload, budget, offloaded.cpu_budget, offloaded.cost_options)

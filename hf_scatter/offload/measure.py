@@ -279,12 +279,11 @@ ISSUE_ROWS, ISSUE_PROMPT = 64, 16
 
 def stage_issue_seconds(family: str = "mixtral", device: str = "cuda", new_tokens: int = 16) -> tuple[float, int]:
     """(host seconds to issue one micro-batch's decode stage, kernels the planner counts for it) for a tiny
-    ``family`` model run by the offloaded runtime: the driver's median "issue pre" + "issue post" spans. Python,
-    the dispatcher, custom ops and Triton's launcher dominate that time, far above one small module call. On a GPU
-    it is timed with CPU attention of the standard shape running meanwhile, as it runs beside the driver in the
-    pipeline (the attention thread takes the interpreter lock between its ops): a trace of GPT-OSS-120B's layers
-    (one H200, MXFP4, CPU-bound) showed 3.75 ms a stage, where the tiny model took 2.0 ms alone and 2.6 ms beside
-    the attention."""
+    ``family`` model run by the offloaded runtime: the driver's median "issue pre" + "issue post" spans. On a GPU
+    the stages replay CUDA graphs (:mod:`.runtime.stage_graphs`), so this is mostly two graph launches and the
+    pipeline's events; issued op by op, Python, custom ops and Triton's launcher took 2-4 ms a stage. It is timed
+    with CPU attention of the standard shape running meanwhile, as it runs beside the driver in the pipeline (the
+    attention thread takes the interpreter lock between its ops)."""
     from .runtime.offloaded import offload_model  # the runtime's whole stack, only when this step runs
 
     model = TINY_BUILDERS[family](dtype=torch.bfloat16, **ISSUE_MODEL)
@@ -308,8 +307,8 @@ def stage_issue_seconds(family: str = "mixtral", device: str = "cuda", new_token
 
 def _gpu_launch(p: HardwareProfile, quick: bool, family: str = "mixtral") -> None:
     """Host time per GPU kernel the planner counts (:data:`~.families.spec.KERNELS`), from the runtime's own issuing
-    of decode stages: one small module call took 17-18 us on the H100 and H200 hosts, the runtime's stages 10-14
-    times that per counted kernel (the tiny model's and GPT-OSS-120B's, H200, 2026-11)."""
+    of decode stages: 12 us per counted kernel as CUDA graphs (tiny GPT-OSS, H200, 2026-11); issued op by op,
+    10-14 times a small module call's 17-18 us (H100 and H200 hosts)."""
     seconds, kernels = stage_issue_seconds(family, "cuda", new_tokens=8 if quick else 16)
     p.gpu_launch_s = seconds / kernels
     p.notes["gpu_launch_s"] = (f"measured: host time of issuing one micro-batch's decode stage of a tiny {family} "

@@ -40,6 +40,7 @@ from .cpu_attention import AttentionWorker, KVCache, intra_op_threads
 from .memory import HEAD_ROWS
 from .paging import WeightStreamer
 from .sampling import History, Sampling
+from .stage_graphs import StageBuffers, StageGraphs
 from .stopping import Stopping
 from .streams import DONE, Streams
 from .trace import NullTracer
@@ -65,6 +66,7 @@ class _MicroBatch:
     pending: object = None  # Future of the CPU attention in flight
     out_free: object = DONE  # the upload that last read out_host
     post_done: object = DONE  # the post-attention that last read attn_in
+    buffers: StageBuffers | None = None  # where its decode stages read and write, when they run as CUDA graphs
 
     @property
     def rows(self) -> int:
@@ -103,6 +105,7 @@ class BatchResult:
     steps: int = 0
     routed: bool = False  # decode fetched only the chosen experts' streamed columns
     fetched_experts: int = 0  # expert blocks those fetches copied, over every stage and step
+    graph_replays: int = 0  # decode stage halves (post- or pre-attention of a micro-batch) run as CUDA graphs
 
 
 class StagingBuffers:
@@ -128,7 +131,7 @@ class CGOPipe:
 
     def __init__(self, adapter: PipelineAdapter, streamer: WeightStreamer, other: dict, rotary, streams: Streams,
                  worker: AttentionWorker, staging: StagingBuffers, chunk_tokens: int, group_tokens: int,
-                 bucket_costs: BucketCosts = BucketCosts()):
+                 bucket_costs: BucketCosts = BucketCosts(), graphs: bool = False):
         self.adapter, self.streamer, self.other, self.rotary = adapter, streamer, other, rotary
         self.bucket_costs = bucket_costs
         self.streams, self.worker, self.staging = streams, worker, staging
@@ -140,6 +143,7 @@ class CGOPipe:
         self.attention = adapter.layer_attention()  # each layer's window and sinks
         self.device_sinks = [None if a.sinks is None else a.sinks.to(self.device) for a in self.attention]
         self.flash_prompts = flash_varlen_runs(self.device, self.dtype, self.dims)  # prompt attention in one call
+        self.graphs = StageGraphs(graphs)  # decode stages as CUDA graphs (see stage_graphs.graphs_wanted)
 
     # ------------------------------------------------------------------ one batch
     def run(self, batch: Batch, prompts: list[torch.Tensor], max_new_tokens: int, sampling: Sampling,
@@ -162,16 +166,18 @@ class CGOPipe:
         qkv_host = self.staging.get("qkv", (n, d.qkv_dim), self.dtype)
         out_host = self.staging.get("out", (n, d.q_dim), self.dtype)
         token_host = self.staging.get("tokens", (max_new_tokens, n), torch.long)
+        graphed = self.graphs.enabled and not routed  # routed decode picks the experts to fetch on the host
         mbs, offset = [], 0
         for j, micro in enumerate(batch.micro_batches):
             m = len(micro)
             lens = [len(prompts[r]) for r in micro.requests]
+            buffers = self.graphs.buffers(j, m, lambda: self._stage_buffers(m)) if graphed else None
             mbs.append(_MicroBatch(
                 index=j, requests=micro.requests, offset=offset, prompt_lens=lens,
                 positions=torch.tensor(lens, dtype=torch.long).to(self.device),
                 tokens=torch.empty(m, dtype=torch.long, device=self.device),
-                attn_in=torch.empty(m, d.q_dim, dtype=self.dtype, device=self.device),
-                qkv_host=qkv_host[offset:offset + m], out_host=out_host[offset:offset + m]))
+                attn_in=buffers.attn_in if buffers else torch.empty(m, d.q_dim, dtype=self.dtype, device=self.device),
+                qkv_host=qkv_host[offset:offset + m], out_host=out_host[offset:offset + m], buffers=buffers))
             self.streams.keep_alive(mbs[-1].attn_in, "h2d")  # also written by the upload stream
             if sampling.uses_history:
                 mbs[-1].history = History.of([prompts[r] for r in micro.requests], max_new_tokens, self.device)
@@ -208,6 +214,7 @@ class CGOPipe:
             on_step()
         self.streamer.set_routed(routed)
         fetched, partial = self.streamer.fetched_experts, self.streamer.partial_loads
+        replays = self.graphs.replays
         start = time.perf_counter()
         produced = collected = 1
         for t in range(max_new_tokens - 1):
@@ -228,6 +235,7 @@ class CGOPipe:
         # routed only where some stage loaded without its experts (a one-layer model keeps its prefill's stages)
         result.routed = routed and self.streamer.partial_loads > partial
         result.fetched_experts = self.streamer.fetched_experts - fetched
+        result.graph_replays = self.graphs.replays - replays
         return result
 
     # ------------------------------------------------------------------ scoring
@@ -268,19 +276,17 @@ class CGOPipe:
                 label = f"step {t} stage {s} mb {mb.index}"
                 if s == 0:
                     with tracer.device_span("compute", f"embed {label}"):
-                        mb.x = adapter.embed(self.other, mb.tokens)
-                        cos, sin = self.rotary(mb.x, (mb.positions + t).unsqueeze(0))
-                        mb.cos, mb.sin = cos[0], sin[0]
+                        self._embed(mb, t)
                 else:
                     self._upload_attention(mb, label)
                     with tracer.host_span("Driver", f"issue post {label}"), \
                             tracer.device_span("compute", f"post L{s - 1} {label}"):
-                        mb.x = adapter.post(w.post, w.experts, mb.x, mb.attn_in, self.streamer.fetch_experts)
+                        self._post(s, w, mb)
                     mb.post_done = streams.record("compute")
                 if s < L:
                     with tracer.host_span("Driver", f"issue pre {label}"):
                         with tracer.device_span("compute", f"pre L{s} {label}"):
-                            qkv = adapter.qkv(w.pre, mb.x, mb.cos, mb.sin)
+                            qkv = self._pre(s, w, mb)
                         done = self._download(qkv, mb.qkv_host, f"qkv {label}")
                         mb.pending = self.worker.submit(self._attend, kv, s, mb, t, done, mb.out_free)
                 else:
@@ -292,6 +298,47 @@ class CGOPipe:
                     token_events[t + 1].append(
                         self._download(mb.tokens, token_host[t + 1, mb.offset:mb.offset + mb.rows], f"tokens {label}"))
             self.streamer.leave()
+
+    def _stage_buffers(self, rows: int) -> StageBuffers:
+        d, dev = self.dims, self.device
+        return StageBuffers(x=torch.zeros(rows, d.hidden, dtype=self.dtype, device=dev),
+                            attn_in=torch.zeros(rows, d.q_dim, dtype=self.dtype, device=dev),
+                            qkv=torch.zeros(rows, d.qkv_dim, dtype=self.dtype, device=dev))
+
+    def _embed(self, mb: _MicroBatch, t: int) -> None:
+        """Stage 0's start, on the host's side of the graphs (the positions move every step): the embedding of
+        the tokens fed at step ``t`` and their rotary tables."""
+        x = self.adapter.embed(self.other, mb.tokens)
+        cos, sin = self.rotary(x, (mb.positions + t).unsqueeze(0))
+        b = mb.buffers
+        if b is None:
+            mb.x, mb.cos, mb.sin = x, cos[0], sin[0]
+            return
+        if b.cos is None:
+            b.cos, b.sin = torch.empty_like(cos[0]), torch.empty_like(sin[0])
+        b.x.copy_(x)
+        b.cos.copy_(cos[0])
+        b.sin.copy_(sin[0])
+        mb.x, mb.cos, mb.sin = b.x, b.cos, b.sin
+
+    def _post(self, s: int, w, mb: _MicroBatch) -> None:
+        """Layer s-1's post-attention of ``mb``: its next residual stream into ``mb.x``."""
+        adapter, b = self.adapter, mb.buffers
+        if b is None:
+            mb.x = adapter.post(w.post, w.experts, mb.x, mb.attn_in, self.streamer.fetch_experts)
+            return
+        # w: the same tensors whenever stage s sits in this slot (the store caches them), so they key the graph
+        self.graphs.run(("post", s, mb.index, mb.rows), id(w),
+                        lambda: b.x.copy_(adapter.post(w.post, w.experts, b.x, b.attn_in)))
+
+    def _pre(self, s: int, w, mb: _MicroBatch) -> torch.Tensor:
+        """Layer s's pre-attention of ``mb``: [m, q + 2 kv] with the rotary embedding applied."""
+        adapter, b = self.adapter, mb.buffers
+        if b is None:
+            return adapter.qkv(w.pre, mb.x, mb.cos, mb.sin)
+        self.graphs.run(("pre", s, mb.index, mb.rows), id(w),
+                        lambda: b.qkv.copy_(adapter.qkv(w.pre, b.x, b.cos, b.sin)))
+        return b.qkv
 
     def _next_tokens(self, x: torch.Tensor, sampling: Sampling, generator,
                      history: History | None = None) -> torch.Tensor:

@@ -90,6 +90,12 @@ def decode_bytes(d: Dims, batch: int, micro: int, b: int) -> int:
     return batch * row_bytes(d, b) + workspace_bytes(d, micro, b)
 
 
+def graph_bytes(d: Dims, batch: int, micro: int, b: int) -> int:
+    """Device memory decode's CUDA graphs hold for the whole run (:mod:`.stage_graphs`): one stage's temporaries in
+    their pool, and every row's QKV buffer."""
+    return stage_bytes(d, micro, b) + batch * d.qkv_dim * b
+
+
 def prefill_bytes(d: Dims, batch: int, chunk: int, group: int, b: int) -> int:
     """A group of ``group`` prompt tokens in chunks of at most ``chunk``, with the batch's decode buffers."""
     return group * row_bytes(d, b) + workspace_bytes(d, chunk, b) + batch * (d.q_dim * b + 16)
@@ -103,41 +109,45 @@ class DevicePlan:
     chunk_tokens: int
     group_tokens: int
     reserved: int = 0  # the library's own buffers (cuBLAS workspace)
+    graphs: int = 0  # decode's CUDA graphs (graph_bytes), where the stages run as graphs
 
     @property
     def available(self) -> int:
         """Device memory left for activations after the weights."""
-        return self.budget - self.other - self.reserved - self.layout.device_bytes
+        return self.budget - self.other - self.reserved - self.graphs - self.layout.device_bytes
 
     def breakdown(self) -> dict:
-        return {"embedding, final norm, LM head": self.other, "resident layer weights": self.layout.resident_bytes,
-                "weight double buffer": 2 * self.layout.slot_bytes, "cuBLAS workspace": self.reserved,
-                "activations (at most)": self.available}
+        parts = {"embedding, final norm, LM head": self.other, "resident layer weights": self.layout.resident_bytes,
+                 "weight double buffer": 2 * self.layout.slot_bytes, "cuBLAS workspace": self.reserved}
+        if self.graphs:
+            parts["decode CUDA graphs"] = self.graphs
+        return {**parts, "activations (at most)": self.available}
 
 
 def plan_device(adapter: PipelineAdapter, fraction: float, budget: int, batch: int, micro: int, b: int,
-                reserved: int = 0) -> DevicePlan:
+                reserved: int = 0, graphs: bool = False) -> DevicePlan:
     """The largest resident fraction <= ``fraction`` whose weights leave room for decoding ``batch``
     requests in micro-batches of ``micro`` and for prefill chunks of at least MIN_CHUNK_TOKENS tokens
-    (``reserved``: device bytes taken besides weights and activations)."""
+    (``reserved``: device bytes taken besides weights and activations; ``graphs``: decode runs as CUDA graphs)."""
     d = adapter.dims
     other = other_bytes(adapter)
+    graphs_bytes = graph_bytes(d, batch, micro, b) if graphs else 0
+    reserved_all = reserved + graphs_bytes
     x = fraction
     while True:
         layout = Layout(adapter, x)
-        available = budget - other - reserved - layout.device_bytes
+        available = budget - other - reserved_all - layout.device_bytes
         chunk = _chunk_tokens(d, batch, available, b)
         if chunk >= MIN_CHUNK_TOKENS and decode_bytes(d, batch, micro, b) <= available:
             per_token = row_bytes(d, b)
             group = (available - workspace_bytes(d, chunk, b) - batch * (d.q_dim * b + 16)) // per_token
-            return DevicePlan(layout, budget, other, chunk, int(group), reserved)
+            return DevicePlan(layout, budget, other, chunk, int(group), reserved, graphs_bytes)
         if x <= 0:
             need = max(decode_bytes(d, batch, micro, b), prefill_bytes(d, batch, MIN_CHUNK_TOKENS, MIN_CHUNK_TOKENS, b))
             raise PlanError(
                 f"a GPU budget of {format_bytes(budget)} is too small: the embedding and LM head "
-                f"({format_bytes(other)}), cuBLAS's workspace ({format_bytes(reserved)}) and the double buffer for "
-                f"one streamed stage "
-                f"({format_bytes(2 * layout.slot_bytes)}) leave {format_bytes(max(available, 0))}, but batches of "
+                f"({format_bytes(other)}), cuBLAS's workspace and decode's graphs ({format_bytes(reserved_all)}) and "
+                f"the double buffer for one streamed stage ({format_bytes(2 * layout.slot_bytes)}) leave {format_bytes(max(available, 0))}, but batches of "
                 f"{batch} in micro-batches of {micro} need {format_bytes(need)} of activations: raise gpu_memory or "
                 "pass a policy with a smaller batch_size / micro_batch_size")
         x = max(0.0, x - max(0.0025, 0.02 * x))

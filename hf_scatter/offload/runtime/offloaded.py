@@ -37,6 +37,7 @@ from .cpu_attention import AttentionWorker, attention_threads
 from .memory import DevicePlan, cublas_workspace_bytes, decode_bytes, plan_device, prefill_bytes
 from .paging import WeightStore, WeightStreamer
 from .sampling import Sampling
+from .stage_graphs import graphs_wanted
 from .stopping import Stopping
 from .streams import Streams
 from .trace import NullTracer, Tracer
@@ -102,6 +103,7 @@ class _BatchesRun:
     routed_batches: int = 0  # batches whose decode streamed only the chosen experts
     routed_steps: int = 0  # their decode steps
     fetched_experts: int = 0  # expert blocks those steps fetched
+    graph_replays: int = 0  # decode stage halves run as CUDA graph replays
 
 
 def offload_model(model, gpu_memory: int | float | str = "16GiB", cpu_memory: int | float | str | None = None,
@@ -196,7 +198,8 @@ def _plan(model, shard: Shard, device: torch.device, gpu_memory, cpu_memory, pol
         raise ValueError(f"the offloaded runtime runs attention on the CPU and the experts on the GPU (CGOPipe); this "
                          f"policy asks for {policy.placement()}: pass attention_on_gpu=False, experts_on_gpu=True")
     plan = plan_device(adapter, policy.weights_gpu_fraction, gpu_budget, policy.batch_size,
-                       policy.micro_batch_size, dtype_bytes, reserved=cublas_workspace_bytes(device))
+                       policy.micro_batch_size, dtype_bytes, reserved=cublas_workspace_bytes(device),
+                       graphs=graphs_wanted(device, tensor_parallel=not shard.whole))
     cpu_budget //= shard.size  # each rank's share of the host: its weights' share and its heads' KV cache
     if plan.layout.host_bytes > cpu_budget:
         raise PlanError(f"the streamed weights take {format_bytes(plan.layout.host_bytes)} of pinned host memory"
@@ -228,7 +231,7 @@ class OffloadedModel:
         self.streamer = WeightStreamer(self.store, self.streams, NullTracer())
         self.pipe = CGOPipe(self.adapter, self.streamer, self.other, self.rotary, self.streams, self.worker,
                             StagingBuffers(pin=device.type == "cuda"), plan.chunk_tokens, plan.group_tokens,
-                            BucketCosts.from_profile(profile))
+                            BucketCosts.from_profile(profile), graphs=plan.graphs > 0)
         self.generation_config = getattr(model, "generation_config", None)
         self._released = release_weights
         self._expert_streaming = "auto"
@@ -325,7 +328,7 @@ class OffloadedModel:
                  "prefill_s": run.prefill_s, "decode_s": run.decode_s, "decode_steps": run.steps,
                  "batches": len(batches), "batch_size": batch_size, "micro_batch_size": micro,
                  "weights_gpu_fraction": self.store.layout.fraction, "routed_batches": run.routed_batches,
-                 "routed_experts_fetched": run.fetched_experts}
+                 "routed_experts_fetched": run.fetched_experts, "graph_replays": run.graph_replays}
         streaming_layers = sum(span is not None for span in self.store.expert_spans)
         if run.routed_steps and streaming_layers:  # chosen experts brought in per layer and decode step
             stats["routed_experts_per_layer_step"] = run.fetched_experts / (run.routed_steps * streaming_layers)
@@ -376,6 +379,7 @@ class OffloadedModel:
                     run.prefill_s += result.prefill_s
                     run.decode_s += result.decode_s
                     run.steps += result.steps
+                    run.graph_replays += result.graph_replays
                     if result.routed:
                         run.routed_batches += 1
                         run.routed_steps += result.steps
@@ -556,6 +560,7 @@ class OffloadedModel:
         self.worker.close()
         self.streamer.close()
         self.streams.synchronize()
+        self.pipe.graphs.clear()
         self.pipe = self.streamer = self.store = self.other = None
 
     def _check_open(self) -> None:

@@ -787,15 +787,15 @@ def test_plan_command_compares_gpu_counts(tmp_path, capsys):
 
 @pytest.mark.gpu
 def test_the_launch_cost_is_the_runtime_s_and_prices_its_stages():
-    """On the GPU, the runtime's decode stage costs the host far more than one small module call (Python, custom
-    ops, Triton's launcher: 13 times per counted kernel on the H100 and H200 hosts), and the profile's launch
-    cost prices a stage at what the driver measured."""
+    """On the GPU, the profile's launch cost prices a stage at what the driver measured issuing the runtime's
+    own decode stages (CUDA graph replays: about 12 us per counted kernel on an H200 host; issued op by op they took
+    10-14 times a small module call's 17-18 us)."""
     from hf_scatter.offload.measure import _gpu_launch, stage_issue_seconds
 
     p = HardwareProfile(name="here")
     _gpu_launch(p, quick=True, family="gpt_oss")
     seconds, kernels = stage_issue_seconds("gpt_oss", "cuda", new_tokens=8)
-    assert 20e-6 < p.gpu_launch_s < 2e-3 and "decode stage of a tiny gpt_oss" in p.notes["gpu_launch_s"]
+    assert 1e-6 < p.gpu_launch_s < 2e-3 and "decode stage of a tiny gpt_oss" in p.notes["gpu_launch_s"]
     assert p.gpu_launch_s * kernels == pytest.approx(seconds, rel=0.5)  # two runs of one host-bound measurement
 
 

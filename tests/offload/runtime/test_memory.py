@@ -1,5 +1,5 @@
 """Device and host memory of a run (runtime/memory.py): budgets checked before any work, refusals naming the
-request, prefill chunks, cuBLAS's workspace; on the GPU, the budget held."""
+request, prefill chunks, cuBLAS's workspace, decode's CUDA graphs; on the GPU, the budget held."""
 
 import pytest
 import torch
@@ -52,6 +52,27 @@ def test_cublas_workspace_is_reserved_as_pytorch_sizes_it():
     assert cublas_workspace_size("", 8) == (4096 * 2 + 16 * 8) * 1024
     assert cublas_workspace_size(":4096:8", 8) == 32 * 2**20 and cublas_workspace_size(":16:8:4096:1", 9) == 4224 * 1024
     assert cublas_workspace_bytes("cpu") == 0
+
+
+def test_decode_graphs_are_planned_where_they_run(monkeypatch):
+    """Decode's CUDA graphs hold a stage's temporaries and each row's QKV for the whole run: the device plan
+    reserves them, and only where the stages are graphed (a CUDA device, one GPU, not turned off)."""
+    from hf_scatter.offload.runtime.memory import graph_bytes, plan_device, stage_bytes
+    from hf_scatter.offload.runtime.stage_graphs import graphs_wanted
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert graphs_wanted(cuda, tensor_parallel=False)
+    assert not graphs_wanted(cpu, tensor_parallel=False) and not graphs_wanted(cuda, tensor_parallel=True)
+    monkeypatch.setenv("HF_SCATTER_OFFLOAD_GRAPHS", "0")
+    assert not graphs_wanted(cuda, tensor_parallel=False)
+    adapter = adapter_for(tiny_mixtral())
+    d = adapter.dims
+    plain = plan_device(adapter, 0.0, 2**30, 8, 4, 4)
+    graphed = plan_device(adapter, 0.0, 2**30, 8, 4, 4, graphs=True)
+    assert graph_bytes(d, 8, 4, 4) == stage_bytes(d, 4, 4) + 8 * d.qkv_dim * 4
+    assert graphed.breakdown()["decode CUDA graphs"] == graph_bytes(d, 8, 4, 4)
+    assert plain.available - graphed.available == graph_bytes(d, 8, 4, 4)
+    assert "decode CUDA graphs" not in plain.breakdown()
     off = hf_scatter.offload_model(tiny_mixtral(), gpu_memory="1GiB", device="cpu", policy=Policy(2, 1), progress=False)
     assert off.memory()["device"]["cuBLAS workspace"] == 0
 
@@ -78,6 +99,7 @@ def test_gpu_memory_stays_within_the_budget_and_transfers_overlap(tmp_path):
     peak = torch.cuda.max_memory_allocated() - base
     assert peak <= budget, f"peak {peak / 2**20:.1f} MiB > budget {budget / 2**20:.0f} MiB"
     assert result.stats["batches"] == 2 and len(result.tokens) == 48
+    assert result.stats["graph_replays"] > 0  # decode stages ran as CUDA graphs, within the budget
     trace = result.stats["trace"]
     assert trace["weight_transfer_overlap"] > 0.3, trace  # copies run while the GPU or the CPU computes
     off.close()

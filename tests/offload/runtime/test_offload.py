@@ -222,8 +222,10 @@ def test_greedy_tokens_equal_vanilla_generate_on_gpu(family):
     off = hf_scatter.offload_model(model, gpu_memory="256MiB", device="cuda",
                                    policy=Policy(4, 2, weights_gpu_fraction=0.5), progress=False)
     assert off.store.host.pinned and off.store.host.tensor.is_pinned()
-    out = off.generate(ids, attention_mask=mask, max_new_tokens=10, progress=False)
-    assert torch.equal(out, batched)
+    out = off.generate(ids, attention_mask=mask, max_new_tokens=10, return_dict=True, progress=False)
+    assert torch.equal(out.sequences, batched)
+    # from the third step on, every decode stage of both micro-batches replays a CUDA graph
+    assert out.stats["graph_replays"] >= 2 * 2 * model.config.num_hidden_layers * (10 - 3)
     assert torch.equal(off.generate(ids, attention_mask=mask, max_new_tokens=10, eos_token_id=eos, min_new_tokens=4,
                                     progress=False), held)
     assert off.generate(ids, attention_mask=mask, max_new_tokens=6, eos_token_id=[], repetition_penalty=1.5,
