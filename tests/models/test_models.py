@@ -26,12 +26,13 @@ NO_ROPE = {"dbrx", "deepseek_v3", "deepseek_v2"} | LINEAR_ATTENTION  # RoPE stay
 DENSE_MLP = {"deepseek_v3", "deepseek_v2", "qwen2_moe"} | LINEAR_ATTENTION
 
 
-# Tests whose subject is how a patched model fits transformers (routing outputs, generate, gradient checkpointing,
-# pickling, patch switching, accelerate hooks, the fused loss's wiring, autocast, torch.compile's tracing), not the
-# kernels' arithmetic: on the CPU Mixtral keeps the Triton interpreter in the loop and the others run the kernels'
-# torch reference (the kernels, and every family's logits and gradients, are held to references under the
-# interpreter by the kernel tests and test_logits_and_every_gradient_match_vanilla_with_padding). On a GPU every
-# family runs Triton.
+# Tests whose subject is how a patched model fits transformers, not the kernels' arithmetic, run the kernels' torch
+# reference on the CPU (the same custom ops and autograd functions; only their bodies differ): routing outputs,
+# gradient checkpointing, pickling, patch switching, accelerate hooks, autocast, torch.compile's tracing, what is
+# saved for backward. Where the integration feeds the kernels shapes of its own (generate's one-token decode rows
+# over a KV cache, the fused loss), Mixtral keeps the Triton interpreter in the loop. The kernels, and every
+# family's logits and gradients, are held to references under the interpreter by the kernel tests and
+# test_logits_and_every_gradient_match_vanilla_with_padding. On a GPU every family runs Triton.
 INTERPRETED_FAMILIES = {"mixtral"}
 
 
@@ -113,9 +114,9 @@ def _seeded_forward(model, ids, **kwargs):
         return error
 
 
+@pytest.mark.kernel_bodies("reference")
 @pytest.mark.parametrize("family", FAMILIES)
-def test_routing_router_logits_aux_loss_and_jitter_are_the_familys(family, device, integration_kernels):
-    integration_kernels(family)  # the family's routing semantics; the router kernel has its own tests
+def test_routing_router_logits_aux_loss_and_jitter_are_the_familys(family, device):
     jitter = {"mixtral": {"router_jitter_noise": 0.1}, "dbrx": {"jitter_eps": 0.1}}.get(family, {})
     vanilla, patched = vanilla_and_patched(family, device, output_router_logits=True, **jitter)
     vanilla.train()
@@ -192,9 +193,9 @@ def test_save_pretrained_round_trips_both_ways_bitwise(family, device, tmp_path)
     assert all(torch.equal(sd_loaded[k], sd_vanilla[k].cpu()) for k in sd_loaded)
 
 
+@pytest.mark.kernel_bodies("reference")
 @pytest.mark.parametrize("family", FAMILIES)
-def test_patch_is_idempotent_switchable_and_reversible(family, device, integration_kernels):
-    integration_kernels(family)
+def test_patch_is_idempotent_switchable_and_reversible(family, device):
     vanilla, patched = vanilla_and_patched(family, device)
     ids = _ids(device)
     first = patched(ids).logits
@@ -221,11 +222,11 @@ def test_patch_is_idempotent_switchable_and_reversible(family, device, integrati
     assert torch.equal(patched(ids).logits, vanilla(ids).logits)
 
 
+@pytest.mark.kernel_bodies("reference")
 @pytest.mark.parametrize("family", FAMILIES)
-def test_patched_model_pickles_whole_and_is_freed_by_del(family, pickled_copy, freed_by_del, integration_kernels):
+def test_patched_model_pickles_whole_and_is_freed_by_del(family, pickled_copy, freed_by_del):
     """torch.save of the whole patched model loads back patched, with the same logits; ``del model`` frees it
     without the garbage collector, as it frees a vanilla model (GPU memory comes back at once)."""
-    integration_kernels(family)
     _, patched = vanilla_and_patched(family, "cpu")
     loaded = pickled_copy(patched)
     ids = _ids("cpu")
@@ -319,9 +320,9 @@ def test_training_loss_is_fused_and_equals_vanilla(family, items, device, integr
     assert patched(ids, labels=labels).logits is not None and "" not in hf_scatter.patch_report(patched)
 
 
+@pytest.mark.kernel_bodies("reference")
 @pytest.mark.parametrize("family", FAMILIES)
-def test_gradient_checkpointing_gives_the_same_gradients(family, device, integration_kernels):
-    integration_kernels(family)
+def test_gradient_checkpointing_gives_the_same_gradients(family, device):
     vanilla, patched = vanilla_and_patched(family, device)
     for model in (vanilla, patched):
         enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
@@ -341,9 +342,9 @@ _COMPILE_FAMILIES = [pytest.param(f, marks=pytest.mark.xfail(
     if f in LINEAR_ATTENTION else f for f in FAMILIES]
 
 
+@pytest.mark.kernel_bodies("reference")
 @pytest.mark.parametrize("family", _COMPILE_FAMILIES)
-def test_torch_compile_fullgraph_forward_and_backward(family, device, integration_kernels):
-    integration_kernels(family)
+def test_torch_compile_fullgraph_forward_and_backward(family, device):
     # one MoE layer: the compiled graph repeats each layer's code (the hybrid stacks keep a layer of each kind)
     _, patched = vanilla_and_patched(family, device, **({} if family in LINEAR_ATTENTION else {"layers": 1}))
     reference = copy.deepcopy(patched)
@@ -359,10 +360,10 @@ def test_torch_compile_fullgraph_forward_and_backward(family, device, integratio
     torch._dynamo.reset()
 
 
+@pytest.mark.kernel_bodies("reference")
 @pytest.mark.parametrize("family", FAMILIES)
-def test_bf16_autocast_runs_in_bf16_and_stays_close(family, device, integration_kernels):
+def test_bf16_autocast_runs_in_bf16_and_stays_close(family, device):
     """Vanilla DBRX cannot run under autocast (its index_add_ mixes dtypes); the patched one can."""
-    integration_kernels(family)
     vanilla, patched = vanilla_and_patched(family, device)
     ids = _ids(device)
     want = vanilla(ids).logits
@@ -374,11 +375,11 @@ def test_bf16_autocast_runs_in_bf16_and_stays_close(family, device, integration_
     assert grads and all(g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads.values())
 
 
+@pytest.mark.kernel_bodies("reference")
 @pytest.mark.parametrize("family", FAMILIES)
-def test_patching_a_model_under_accelerate_hooks(family, device, integration_kernels):
+def test_patching_a_model_under_accelerate_hooks(family, device):
     """``device_map`` / offloaded models run through accelerate hooks; patching afterwards must keep them.
     (Vanilla DBRX cannot run offloaded: its experts read ``mlp.w1`` outside the hooked ``mlp`` call.)"""
-    integration_kernels(family)
     from accelerate import cpu_offload
 
     vanilla, _ = vanilla_and_patched(family, device)
@@ -642,8 +643,9 @@ class _LinearSavingItsWeight(torch.autograd.Function):
                 None if bias is None else rows.sum(0))
 
 
+@pytest.mark.kernel_bodies("reference")
 @pytest.mark.parametrize("family", ["mixtral", "dbrx", "gpt_oss", "deepseek_v3"])
-def test_nothing_saved_for_backward_holds_a_view_of_a_parameter(family, integration_kernels, monkeypatch):
+def test_nothing_saved_for_backward_holds_a_view_of_a_parameter(family, monkeypatch):
     """ZeRO-3 frees each gathered parameter after forward by giving it new, empty data: a tensor saved for
     backward that is a view of a parameter (a transposed or reshaped expert weight) keeps the whole gathered
     weight alive until backward instead (Mixtral, 4 layers on 4 H100s: 11 GiB more per GPU). With F.linear
@@ -651,7 +653,6 @@ def test_nothing_saved_for_backward_holds_a_view_of_a_parameter(family, integrat
     without being that parameter (the experts save the parameter and rebuild their view in backward)."""
     import torch.nn.functional as F
 
-    integration_kernels(family)
     monkeypatch.setattr(F, "linear", lambda x, w, b=None: _LinearSavingItsWeight.apply(x, w, b))
     _, patched = vanilla_and_patched(family, "cpu")
     params = {}
