@@ -13,9 +13,12 @@ PY_RUN := env -u PYTHONDONTWRITEBYTECODE
 demo: $(STAMP)
 	$(PY_RUN) $(VENV)/bin/hf-scatter demo
 
-# Two workers (the CI machine has 2 cores); a test file stays in one worker (its fixtures and temp files).
+# Three workers on the CI kind's 2 cores: a third of the suite's time is in processes its tests start (ranks, CLI
+# runs, the wheel's venv), whose imports, rendezvous and waits leave a core idle now and then, and the third worker
+# fills it (clean runs on a 2-core machine, 2026-11: 11:54 and 12:02 with two workers, 10:33 and 10:52 with three,
+# 11:36 with four). A test file stays in one worker (its fixtures and temp files).
 test: $(STAMP)
-	$(PY_RUN) $(VENV)/bin/python -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
+	$(PY_RUN) $(VENV)/bin/python -m pytest -n 3 --dist loadfile $(PYTEST_ARGS)
 
 # transformers' own Mixtral, DBRX and BERT test suites, unpatched then patched; fails if a test that passes
 # unpatched does not pass patched. Slow, so not part of `test` (docs/development.md). Sources: TRANSFORMERS_SRC,
