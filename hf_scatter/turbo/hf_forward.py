@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
 
-from .packing import PackedBatch, pack_padded, pack_with_layout, padded_layout
+from .packing import PackedBatch, pack_padded, pack_with_layout, padded_layout, unpack_rows
 from .runtime import UnpaddedRuntime
 
 
@@ -41,16 +41,6 @@ def _parameter_blocker(runtime: UnpaddedRuntime) -> str | None:
     if runtime.mixed_dtypes:
         return "parameters of several dtypes"
     return None
-
-
-def unpack_rows(packed: torch.Tensor, index: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-    """[T, ...] packed rows -> a new [B, S, ...] tensor with zeros at padded positions (``index``: each row's flat
-    position in B*S); one copy where nothing is padded."""
-    B, S = shape
-    T = index.shape[0]
-    if T == B * S:
-        return packed[:T].clone().view(B, S, *packed.shape[1:])
-    return packed.new_zeros((B * S, *packed.shape[1:])).index_copy_(0, index, packed[:T]).view(B, S, *packed.shape[1:])
 
 
 def packed_bert_forward(model, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds=None):

@@ -68,14 +68,22 @@ class PackedBatch:
         if self.padded_index is None:
             raise ValueError("unpack: this batch was packed from a list of sequences, not a padded tensor; "
                              "use split() for per-sequence outputs")
-        B, S = self.padded_shape
-        out = packed.new_full((B * S, *packed.shape[1:]), fill)
-        out.index_copy_(0, self.padded_index, packed[:self.num_tokens])
-        return out.view(B, S, *packed.shape[1:])
+        return unpack_rows(packed, self.padded_index, self.padded_shape, fill)
 
     def split(self, packed: torch.Tensor) -> list[torch.Tensor]:
         """[T, ...] packed rows -> one [length, ...] view per sequence, in order."""
         return list(torch.split(packed[:self.num_tokens], self.lengths))
+
+
+def unpack_rows(packed: torch.Tensor, index: torch.Tensor, shape: tuple[int, int], fill: float = 0.0) -> torch.Tensor:
+    """[T, ...] packed rows -> a new [B, S, ...] tensor with ``fill`` at padded positions (``index``: each row's flat
+    position in B*S); one copy where nothing is padded."""
+    B, S = shape
+    T = index.shape[0]
+    if T == B * S:
+        return packed[:T].clone().view(B, S, *packed.shape[1:])
+    out = packed.new_full((B * S, *packed.shape[1:]), fill)
+    return out.index_copy_(0, index, packed[:T]).view(B, S, *packed.shape[1:])
 
 
 def first_token_rows(lengths) -> np.ndarray:
