@@ -547,6 +547,13 @@ class WeightStreamer:
         self.current = k
         return self.store.stage_weights(stage, k)
 
+    def resident(self, stage: int) -> StageWeights | None:
+        """``stage``'s weights where none of them stream (usable outside :meth:`enter` / :meth:`leave`: they never
+        move), else None."""
+        if self.store.slot_bytes and stage in self._streamed:
+            return None
+        return self.store.stage_weights(stage, None)
+
     def leave(self) -> None:
         if self.current is not None:  # the slots alternate over the stages that stream
             self.slot_free[self.current] = self.streams.record("compute")

@@ -43,6 +43,36 @@ def test_greedy_tokens_equal_vanilla_generate_on_cpu(family, fraction):
     assert all(p.device.type == "meta" for p in model.parameters())
 
 
+@pytest.mark.parametrize("fraction", [0.0, 0.5])
+def test_a_micro_batch_starts_its_next_step_while_the_others_finish_their_last_layer(tmp_path, fraction):
+    """Where the first stage's weights stay resident, a micro-batch's layer 0 of the next step is issued right after
+    its token is chosen, before the next micro-batch's last layer (so the CPU attends it meanwhile); where they
+    stream, that stage waits for the others. Either way the tokens are vanilla's, also when every row stops early
+    with a step already issued."""
+    model = tiny_mixtral(seed=5)
+    reqs = requests()[:4]
+    ids, mask = padded(reqs)
+    off = hf_scatter.offload_model(model, gpu_memory="1GiB", device="cpu", release_weights=False,
+                                   policy=Policy(4, 2, weights_gpu_fraction=fraction), progress=False)
+    resident = off.pipe.streamer.resident(0) is not None
+    assert resident == (fraction > 0)
+    trace = tmp_path / "trace.json"
+    out = off.generate(ids, attention_mask=mask, max_new_tokens=4, eos_token_id=[], progress=False, trace=str(trace))
+    assert torch.equal(out, model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                                           pad_token_id=0, eos_token_id=None))
+    start = {e["name"]: e["ts"] for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"}
+    last = model.config.num_hidden_layers
+    next_first = start["pre L0 step 1 stage 0 mb 0"]
+    other_last = start[f"post L{last - 1} step 0 stage {last} mb 1"]
+    assert (next_first < other_last) == resident
+    # every row stops at its second token: the loop ends with step 2's first stage already issued
+    second = {row[1] for row in out[:, ids.shape[1]:].tolist()}
+    stopped = off.generate(ids, attention_mask=mask, max_new_tokens=6, eos_token_id=sorted(second), progress=False)
+    assert torch.equal(stopped, model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                               pad_token_id=0, eos_token_id=sorted(second)))
+    off.close()
+
+
 def test_padding_side_and_prompts_with_a_tokenizer(tokenizer):
     model = tiny_mixtral(seed=3)
     texts = ["hello world", "The quick brown fox jumps over the lazy dog.", "tokens and layers, training"]
