@@ -110,6 +110,7 @@ class HierarchicalRoofline:
         p = group_profile(profile, self.tensor_parallel)
         self.roofs = Roofs.from_profile(p)
         self.uncalibrated: list[str] = list(assumed)
+        self._gpu_seconds: dict[OpCost, float] = {}
 
         def term(name, value, fallback, why):
             if value is None:
@@ -183,7 +184,14 @@ class HierarchicalRoofline:
     # ----- op times -----
     def gpu_seconds(self, op: OpCost) -> float:
         """Roofline time of ``op`` on the GPU divided by the GEMM efficiency at its row count (attention:
-        at the measured decode-attention bandwidth). Launch costs are separate (:attr:`launch_s`)."""
+        at the measured decode-attention bandwidth). Launch costs are separate (:attr:`launch_s`). Remembered per
+        op: a policy search asks for the same ops about fifty times each."""
+        seconds = self._gpu_seconds.get(op)
+        if seconds is None:
+            seconds = self._gpu_seconds[op] = self._gpu_roofline_seconds(op)
+        return seconds
+
+    def _gpu_roofline_seconds(self, op: OpCost) -> float:
         if op.flops == 0 and op.bytes == 0:
             return 0.0
         if op.name == "attention" and op.kv_bytes > 0 and op.weight_bytes == 0:

@@ -9,12 +9,22 @@ replaces a general LP solver for the few dozen lines the policy search produces.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from .cost_model import Lin
 
 _EPS = 1e-12
 _FEASIBLE = 1e-9  # constraints are normalised (memory / limit - 1), so this is relative
+
+
+@functools.lru_cache(maxsize=256)
+def _pairs(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Indices (i, j), i < j, of every pair of ``n`` lines (numpy builds them anew per call: a tenth of a search)."""
+    i, j = np.triu_indices(n, k=1)
+    i.flags.writeable = j.flags.writeable = False  # shared between calls
+    return i, j
 
 
 def _coefficients(lins: list[Lin]) -> np.ndarray:
@@ -43,7 +53,7 @@ def minimize(groups: list[tuple[float, list[Lin]]], constraints: list[Lin], fix_
     cons = _coefficients(constraints)
     lines = [cons]
     for p in pieces:  # creases: p_i - p_j = 0
-        i, j = np.triu_indices(len(p), k=1)
+        i, j = _pairs(len(p))
         lines.append(p[i] - p[j])
     lines.append(np.array([[0, 1, 0], [-1, 1, 0], [0, 0, 1], [-y_hi, 0, 1]], dtype=float))  # x=0, x=1, y=0, y=y_hi
     lines = np.concatenate(lines)
@@ -55,7 +65,7 @@ def minimize(groups: list[tuple[float, list[Lin]]], constraints: list[Lin], fix_
         xs = np.concatenate([-lines[usable, 0] / lines[usable, 1], [0.0, 1.0]])
         points = np.stack([xs, np.zeros_like(xs)], axis=1)
     else:
-        i, j = np.triu_indices(len(lines), k=1)
+        i, j = _pairs(len(lines))
         c1, a1, b1 = lines[i].T
         c2, a2, b2 = lines[j].T
         det = a1 * b2 - a2 * b1
