@@ -432,7 +432,8 @@ def _multi_gpu(p: HardwareProfile, quick: bool) -> None:
 GROUP_ATTENTION_ROWS, GROUP_ATTENTION_CONTEXT = 256, 512  # one micro-batch of a decode step
 
 
-def _group_attention_rank(rank: int, ranks: int, calls: int, store: str, results) -> None:
+def _group_attention_rank(rank: int, ranks: int, calls: int, store: str, results, rows: int = GROUP_ATTENTION_ROWS,
+                          context: int = GROUP_ATTENTION_CONTEXT) -> None:
     """One of ``ranks`` processes attending its share of the standard shape's heads on its share of the cores, in
     lockstep with the others (a barrier per call, as the group's all-reduces make them), pinned copies to its GPU
     running meanwhile where it has one; rank 0 puts every rank's call times on ``results``."""
@@ -441,8 +442,8 @@ def _group_attention_rank(rank: int, ranks: int, calls: int, store: str, results
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=ranks)
     try:
         heads, kv_heads, head_dim = STANDARD_ATTENTION_SHAPE[:3]
-        heads, kv_heads, rows = heads // ranks, kv_heads // ranks, GROUP_ATTENTION_ROWS
-        lens = [round(GROUP_ATTENTION_CONTEXT * (1.1 - 0.2 * i / (rows - 1))) for i in range(rows)]
+        heads, kv_heads = heads // ranks, kv_heads // ranks
+        lens = [round(context * (1.1 - 0.2 * i / (rows - 1))) for i in range(rows)]
         cache = KVCache([[(p, p + 1) for p in lens]], 1, kv_heads, head_dim, heads, torch.bfloat16)
         qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim).to(torch.bfloat16)
         out = torch.empty(rows, heads * head_dim, dtype=torch.bfloat16)
@@ -464,10 +465,11 @@ def _group_attention_rank(rank: int, ranks: int, calls: int, store: str, results
         dist.destroy_process_group()
 
 
-def group_attention_seconds(ranks: int, calls: int = 30) -> float:
-    """Mean time of a decode step's CPU attention (:data:`STANDARD_ATTENTION_SHAPE`, a micro-batch of rows) for
-    ``ranks`` processes of this host at once, each over its share of the heads with the threads it keeps: the
-    slowest rank's time per step, which the group waits for."""
+def group_attention_seconds(ranks: int, calls: int = 30, rows: int = GROUP_ATTENTION_ROWS,
+                            context: int = GROUP_ATTENTION_CONTEXT) -> float:
+    """Mean time of a decode step's CPU attention (:data:`STANDARD_ATTENTION_SHAPE`, ``rows`` requests of about
+    ``context`` cached tokens: a micro-batch) for ``ranks`` processes of this host at once, each over its share of
+    the heads with the threads it keeps: the slowest rank's time per step, which the group waits for."""
     import tempfile
 
     import torch.multiprocessing as mp
@@ -475,7 +477,8 @@ def group_attention_seconds(ranks: int, calls: int = 30) -> float:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_group_attention_rank, args=(r, ranks, calls, f"{tmp}/store", results))
+        procs = [ctx.Process(target=_group_attention_rank,
+                             args=(r, ranks, calls, f"{tmp}/store", results, rows, context))
                  for r in range(ranks)]
         for proc in procs:
             proc.start()
