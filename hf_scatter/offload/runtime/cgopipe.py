@@ -288,16 +288,14 @@ class CGOPipe:
             for mb in mbs:
                 label = f"step {t} stage {s} mb {mb.index}"
                 if s == 0:
-                    if mb.started == t:  # issued at the end of the previous step
-                        continue
-                    with tracer.device_span("compute", f"embed {label}"):
-                        self._embed(mb, t)
-                else:
-                    self._upload_attention(mb, label)
-                    with tracer.host_span("Driver", f"issue post {label}"), \
-                            tracer.device_span("compute", f"post L{s - 1} {label}"):
-                        self._post(s, w, mb)
-                    mb.post_done = streams.record("compute")
+                    if mb.started != t:  # else issued at the end of the previous step
+                        self._first_stage(w, mb, t, kv)
+                    continue
+                self._upload_attention(mb, label)
+                with tracer.host_span("Driver", f"issue post {label}"), \
+                        tracer.device_span("compute", f"post L{s - 1} {label}"):
+                    self._post(s, w, mb)
+                mb.post_done = streams.record("compute")
                 if s < L:
                     self._issue_pre(s, w, mb, t, kv, label)
                     continue
@@ -309,12 +307,16 @@ class CGOPipe:
                 token_events[t + 1].append(
                     self._download(mb.tokens, token_host[t + 1, mb.offset:mb.offset + mb.rows], f"tokens {label}"))
                 if first_stage is not None:
-                    label = f"step {t + 1} stage 0 mb {mb.index}"
-                    with tracer.device_span("compute", f"embed {label}"):
-                        self._embed(mb, t + 1)
-                    self._issue_pre(0, first_stage, mb, t + 1, kv, label)
+                    self._first_stage(first_stage, mb, t + 1, kv)
                     mb.started = t + 1
             self.streamer.leave()
+
+    def _first_stage(self, w, mb: _MicroBatch, t: int, kv: KVCache) -> None:
+        """Stage 0 of ``mb`` at step t: the embedding of the tokens it feeds, then layer 0's pre-attention."""
+        label = f"step {t} stage 0 mb {mb.index}"
+        with self.tracer.device_span("compute", f"embed {label}"):
+            self._embed(mb, t)
+        self._issue_pre(0, w, mb, t, kv, label)
 
     def _issue_pre(self, s: int, w, mb: _MicroBatch, t: int, kv: KVCache, label: str) -> None:
         """Layer s's pre-attention of ``mb`` at step t on the GPU, its QKV down, its attention to the CPU worker."""

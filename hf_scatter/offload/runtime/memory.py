@@ -147,7 +147,8 @@ def plan_device(adapter: PipelineAdapter, fraction: float, budget: int, batch: i
             raise PlanError(
                 f"a GPU budget of {format_bytes(budget)} is too small: the embedding and LM head "
                 f"({format_bytes(other)}), cuBLAS's workspace and decode's graphs ({format_bytes(reserved_all)}) and "
-                f"the double buffer for one streamed stage ({format_bytes(2 * layout.slot_bytes)}) leave {format_bytes(max(available, 0))}, but batches of "
+                f"the double buffer for one streamed stage ({format_bytes(2 * layout.slot_bytes)}) leave "
+                f"{format_bytes(max(available, 0))}, but batches of "
                 f"{batch} in micro-batches of {micro} need {format_bytes(need)} of activations: raise gpu_memory or "
                 "pass a policy with a smaller batch_size / micro_batch_size")
         x = max(0.0, x - max(0.0025, 0.02 * x))
