@@ -31,6 +31,7 @@ from hf_scatter.offload.plan.attention_buckets import BucketCosts
 from hf_scatter.offload.runtime import cpu_attention
 from hf_scatter.offload.runtime.batching import plan_batches
 from hf_scatter.offload.runtime.cpu_attention import AttentionWorker, KVCache, attention_threads
+from probe_step_turn import attention_idle  # this directory is on the path of a script run from it
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 64, 8, 64  # GPT-OSS-120B
 
@@ -113,20 +114,10 @@ def traced_pipeline(layers, requests, new_tokens, profile):
         path = os.path.join(tmp, "trace.json")
         stats = off.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, return_dict=True, progress=False,
                              trace=path).stats
-        events = json.load(open(path))["traceEvents"]
+        calls = attention_idle(path)
     off.close()
-    lanes = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
-    calls = [e for e in events if e["ph"] == "X" and lanes[e["tid"]] == "CPU attention" and e["name"].startswith("step")]
-    by_step = {}
-    for e in calls:
-        by_step.setdefault(int(e["name"].split()[1]), []).append(e["dur"] / 1e3)
-    gaps = sorted((e["ts"], e["ts"] + e["dur"]) for e in calls)
-    idle = [b[0] - a[1] for a, b in zip(gaps, gaps[1:]) if b[0] > a[1]]
     return {"policy": off.policy.to_dict(), "decode_step_s": stats["decode_s"] / stats["decode_steps"],
-            "tokens_per_s": stats["tokens_per_s"], "busy_s": stats["trace"]["busy_s"],
-            "call_ms_median": statistics.median(e["dur"] / 1e3 for e in calls), "calls": len(calls),
-            "call_ms_median_by_step": {t: statistics.median(v) for t, v in sorted(by_step.items())},
-            "idle_between_calls_ms_total": sum(idle) / 1e3, "idle_gaps_over_0.5ms": sum(1 for g in idle if g > 500)}
+            "tokens_per_s": stats["tokens_per_s"], "busy_s": stats["trace"]["busy_s"], **calls}
 
 
 def main() -> None:

@@ -37,7 +37,8 @@ def main() -> None:
             vr = v.view(m, R, HKV, S, D).transpose(1, 2).reshape(m, HKV, R * S, D)
             qr = q.view(m, R, HKV, G, D).transpose(1, 2).reshape(m, HKV, R * G, D)
             own = torch.arange(R).repeat_interleave(G)[:, None] == torch.arange(R).repeat_interleave(S)[None, :]
-            keep = own[None] & (torch.arange(S).repeat(R)[None, None, :] < lens.view(m, R).repeat_interleave(G, 1)[:, :, None])
+            visible = lens.view(m, R).repeat_interleave(G, 1)[:, :, None]  # [m, R G, 1] each query's row length
+            keep = own[None] & (torch.arange(S).repeat(R)[None, None, :] < visible)
             bias = torch.zeros(m, 1, R * G, R * S, dtype=torch.bfloat16).masked_fill_(~keep[:, None], float("-inf"))
             call = lambda: _FUSED_WITH_LSE(qr, kr, vr, attn_mask=bias, scale=D ** -0.5)
             o = worker.submit(call).result()[0]  # [m, Hkv, R G, d]
@@ -45,7 +46,8 @@ def main() -> None:
             if base is None:
                 base = o.float()
             ms = 1e3 * _median_s(lambda: worker.submit(call).result(), budget_s=1.0)
-            row = {"rows": n, "context": S, "group": R, "ms": ms, "max_diff_vs_group_1": (o.float() - base).abs().max().item()}
+            row = {"rows": n, "context": S, "group": R, "ms": ms,
+                   "max_diff_vs_group_1": (o.float() - base).abs().max().item()}
             rows.append(row)
             print(json.dumps(row), flush=True)
     worker.close()

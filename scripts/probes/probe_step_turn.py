@@ -24,13 +24,19 @@ from hf_scatter.offload import Workload, load_profile
 
 
 def attention_idle(path: str) -> dict:
-    """Idle time of the CPU attention lane between its decode calls, and the calls' median, from a trace."""
+    """Idle time of the CPU attention lane between its decode calls, and the calls' median (overall and by decode
+    step), from a trace."""
     events = json.load(open(path))["traceEvents"]
     lanes = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
-    calls = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
-                   if e["ph"] == "X" and lanes[e["tid"]] == "CPU attention" and e["name"].startswith("step"))
-    gaps = [b[0] - a[1] for a, b in zip(calls, calls[1:]) if b[0] > a[1]]
-    return {"calls": len(calls), "call_ms_median": statistics.median((b - a) / 1e3 for a, b in calls),
+    calls = [e for e in events
+             if e["ph"] == "X" and lanes[e["tid"]] == "CPU attention" and e["name"].startswith("step")]
+    by_step = {}
+    for e in calls:  # named "step T L<layer> mb <j>"
+        by_step.setdefault(int(e["name"].split()[1]), []).append(e["dur"] / 1e3)
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in calls)
+    gaps = [b[0] - a[1] for a, b in zip(spans, spans[1:]) if b[0] > a[1]]
+    return {"calls": len(calls), "call_ms_median": statistics.median(e["dur"] / 1e3 for e in calls),
+            "call_ms_median_by_step": {t: statistics.median(v) for t, v in sorted(by_step.items())},
             "idle_ms_total": sum(gaps) / 1e3, "gaps_over_0.5_ms": sum(g > 500 for g in gaps)}
 
 
