@@ -76,27 +76,46 @@ def _attention_inputs(batch, context, q_heads, kv_heads, head_dim, device="cpu")
 STANDARD_ATTENTION_SHAPE = (32, 8, 128, False, False)
 
 
-def _cpu_attention_point(worker, batch: int, context: int, shape=STANDARD_ATTENTION_SHAPE) -> dict:
-    """One decode step of ``batch`` requests of about ``context`` cached tokens through the runtime's own
-    path: :meth:`KVCache.attend` (new K/V written, masked SDPA over one length bucket of prompts within
-    +-10% of each other) on the attention worker thread, waited for by another thread: the per-call cost
-    the runtime pays (about 0.3 ms on the H100 host)."""
+def _attention_call(worker, batch: int, context: int, shape=STANDARD_ATTENTION_SHAPE):
+    """(the point's description, one call): one decode step of ``batch`` requests of about ``context`` cached
+    tokens through the runtime's own path, :meth:`KVCache.attend` (new K/V written, masked SDPA over one length
+    bucket of prompts within +-10% of each other) on the attention worker thread, waited for by another
+    thread: the per-call cost the runtime pays (about 0.3 ms on the H100 host)."""
     q_heads, kv_heads, head_dim, values_are_keys, sinks = shape
     # the sinks' rescaling of every head (GPT-OSS): 12-28% more time per call on the H200 host
     attention = [LayerAttention(sinks=torch.randn(q_heads, generator=torch.Generator().manual_seed(0)))] if sinks \
         else None
-
-
     # longest first, mean ``context``
     lens = [round(context * (1.1 - 0.2 * i / (batch - 1))) for i in range(batch)] if batch > 1 else [context]
     cache = KVCache([[(p, p + 1) for p in lens]], 1, kv_heads, head_dim, q_heads, torch.bfloat16,
                     attention=attention, values_are_keys=values_are_keys)
     qkv = torch.randn(batch, (q_heads + 2 * kv_heads) * head_dim).to(torch.bfloat16)
     out = torch.empty(batch, q_heads * head_dim, dtype=torch.bfloat16)
-    seconds = _median_s(lambda: worker.submit(cache.attend, 0, 0, 0, qkv, out).result(), budget_s=0.5)
-    point = dict(batch=batch, context=context, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=2,
-                 seconds=seconds)
-    return {**point, **({"values_are_keys": True} if values_are_keys else {}), **({"sinks": True} if sinks else {})}
+    point = dict(batch=batch, context=context, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=2)
+    point.update({"values_are_keys": True} if values_are_keys else {}, **({"sinks": True} if sinks else {}))
+    return point, lambda: worker.submit(cache.attend, 0, 0, 0, qkv, out).result()
+
+
+def _cpu_attention_point(worker, batch: int, context: int, shape=STANDARD_ATTENTION_SHAPE) -> dict:
+    """One point of :func:`_attention_call`, its median over half a second."""
+    point, call = _attention_call(worker, batch, context, shape)
+    return {**point, "seconds": _median_s(call, budget_s=0.5)}
+
+
+ATTENTION_PASSES = 3  # medians of this many passes over every point
+
+
+def _cpu_attention_points(worker, cases, passes: int = ATTENTION_PASSES, budget_s: float = 0.2) -> list[dict]:
+    """:func:`_attention_call` of every ``(batch, context, shape)`` case, each point the median of ``passes``
+    interleaved passes over all of them: a slow spell of the host (the link pump and the driver thread beside
+    it starting, another process's burst) then moves one pass of many points rather than every sample of
+    one, whose error the plan would carry into every step it prices at that context."""
+    calls = [_attention_call(worker, *case) for case in cases]
+    times = [[] for _ in calls]
+    for _ in range(passes):
+        for (_, call), samples in zip(calls, times):
+            samples.append(_median_s(call, budget_s=budget_s))
+    return [{**point, "seconds": statistics.median(samples)} for (point, _), samples in zip(calls, times)]
 
 
 @contextlib.contextmanager
@@ -546,7 +565,10 @@ def measure_profile(quick: bool = False, progress: bool = True, attention_shapes
                               date=time.strftime("%Y-%m-%d %H:%M:%S"), cpu_cores=os.cpu_count(),
                               cpu_threads=torch.get_num_threads(), cpu_memory=host_memory_bytes())
     n = 512 if quick else 2048  # quick: a bf16 matmul of 1024 took 3 s a call on a CPU without bf16 instructions
-    contexts = (256, 2048) if quick else (256, 1024, 4096)
+    # context 64: short prompts' decode steps, where a row's fixed costs weigh more than its KV bytes (below the
+    # smallest measured context the rate is held flat: from 256 down, the H200 host's 10-layer GPT-OSS table,
+    # at context 93, ran at 75% of its prediction; with 64 measured, at 95-99%)
+    contexts = (256, 2048) if quick else (64, 256, 1024, 4096)
 
     def attention(p):
         worker = AttentionWorker(attention_threads(p))
@@ -555,11 +577,11 @@ def measure_profile(quick: bool = False, progress: bool = True, attention_shapes
             models = [s for s in dict.fromkeys(attention_shape(m) for m in attention_shapes) if s != standard]
             # as the pipeline runs it: the weights streaming over the link and the driver issuing GPU work beside it
             with _link_traffic() as busy, _driver_load(DRIVER_DUTY) as driving:
-                p.cpu_attention = [_cpu_attention_point(worker, b, c) for c in contexts for b in (1, 4, 32)]
-                # a model's own shape at the rows per call its plans use (256: a micro-batch; the small batches
-                # above cost DeepSeek's latent 7x more per row on the H100 host)
-                p.cpu_attention += [_cpu_attention_point(worker, b, c, shape) for shape in models for c in contexts
-                                    for b in (4, 32, 256)]
+                # a model's own shape also at the rows per call its plans use (256: a micro-batch; the small
+                # batches cost DeepSeek's latent 7x more per row on the H100 host)
+                cases = [(b, c, standard) for c in contexts for b in (1, 4, 32)]
+                cases += [(b, c, shape) for shape in models for c in contexts for b in (4, 32, 256)]
+                p.cpu_attention = _cpu_attention_points(worker, cases, passes=1 if quick else ATTENTION_PASSES)
         finally:
             worker.close()
         p.notes["cpu_attention"] = ("measured: KVCache.attend on the attention worker, one masked length bucket"

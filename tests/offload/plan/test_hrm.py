@@ -481,6 +481,33 @@ def test_sinks_are_part_of_the_attention_shape_measured_and_priced():
     assert older.cpu_attention_rate(512, gpt_oss)[0] == pytest.approx(60e9, rel=1e-6)
 
 
+def test_cpu_attention_points_are_medians_of_passes_taken_in_turn(monkeypatch):
+    """Each point of the profile's CPU attention is the median of passes over every point in turn, so a slow
+    second of the host moves one sample of several points, not the whole of one; the points keep the cases'
+    order and shapes."""
+    from hf_scatter.offload import measure
+    from hf_scatter.offload.runtime.cpu_attention import AttentionWorker
+
+    order, slow = [], {(0, 1): 9.0, (1, 0): 7.0}  # (pass, case) -> a slow spell's sample
+    cases = [(2, 16, (4, 2, 8, False, False)), (3, 32, (8, 2, 8, False, True))]
+
+    def fake_median(call, budget_s):
+        call()  # the real call, through the worker
+        pass_, case = divmod(len(order), len(cases))
+        order.append(case)
+        return slow.get((pass_, case), 1.0 + case + 0.1 * pass_)
+
+    monkeypatch.setattr(measure, "_median_s", fake_median)
+    worker = AttentionWorker(1)
+    try:
+        points = measure._cpu_attention_points(worker, cases, passes=3)
+    finally:
+        worker.close()
+    assert order == [0, 1, 0, 1, 0, 1]
+    assert [p["seconds"] for p in points] == pytest.approx([1.2, 2.2])  # each point's slow sample left out
+    assert [(p["batch"], p["context"], attention_shape(p)) for p in points] == cases
+
+
 def test_plan_reads_deepseek_latent_attention_shared_experts_and_dense_layers(capsys):
     assert main(["plan", "--model", "deepseek-v2-lite", "--gpu-memory", "16GiB", "--profile", "h100-host-anchors"]) == 0
     text = capsys.readouterr().out
