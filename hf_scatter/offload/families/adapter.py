@@ -43,11 +43,6 @@ class Dims(ModelSpec):
         return cls(**dataclasses.asdict(ModelSpec.from_config(config)), max_positions=max_positions,
                    sliding_window=sliding_window)
 
-    @property
-    def qkv_dim(self) -> int:
-        """Width of the pre-attention output: queries, keys, and values unless the keys are the values (MLA)."""
-        return self.q_dim + self.kv_width
-
 
 @dataclass(frozen=True)
 class LayerAttention:

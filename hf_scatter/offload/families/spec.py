@@ -205,6 +205,11 @@ class ModelSpec:
         return self.kv_dim * (1 if self.values_are_keys else 2)
 
     @property
+    def qkv_dim(self) -> int:
+        """Width of the pre-attention output: queries, keys, and values unless the keys are the values (MLA)."""
+        return self.q_dim + self.kv_width
+
+    @property
     def expert_tensors(self) -> int:
         """Tensors of one expert that streaming copies: its input and output projections, plus DBRX's separate
         up projection or GPT-OSS's input bias."""

@@ -23,6 +23,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from ..families.spec import ModelSpec
+from .activations import PREFILL_CHUNK_TOKENS, decode_bytes, prefill_chunk, prefill_room
 from .hrm import HierarchicalRoofline
 from .policy import Policy, Workload
 from .profile import HardwareProfile
@@ -30,7 +31,6 @@ from .profile import HardwareProfile
 # CPU-side torch ops per micro-batch: attention (gather, SDPA, copy out) and a CPU expert FFN (routing,
 # three GEMMs, activation, combine). Each costs the profile's per-op dispatch time.
 CPU_OPS = {"attention": 3, "ffn": 6}
-PREFILL_CHUNK_TOKENS = 4096  # prompt tokens per prefill kernel call at most (the runtime chunks prefill so too)
 
 
 @dataclass(frozen=True)
@@ -408,12 +408,10 @@ def memory_use(model: ModelSpec, policy: Policy, workload: Workload, options: Co
     kv_all_layers = kv_tokens * model.layers * kvb
     staged = min(mu, n_seq) * workload.mean_kv_tokens * kvb
     chunk = min(options.prefill_chunk_tokens, n_seq * workload.prompt_len)
-    qkv_width = model.q_dim + model.kv_width
-    ffn_width = 3 * model.ffn_width  # gate, up, activation of the routed copies and shared experts
-    # every sequence's hidden state and attention I/O; one micro-batch's workspace and fp32 logits
-    decode_act = (n_seq * (2 * model.hidden + qkv_width + model.q_dim) * b
-                  + mu * (2 * model.hidden + qkv_width + model.q_dim + ffn_width) * b + mu * model.vocab * 4)
-    prefill_act = chunk * (3 * model.hidden + qkv_width + model.q_dim + ffn_width) * b + chunk * kvb
+    qkv_width = model.qkv_dim
+    # the runtime's own activation model: decode's buffers, or the room its prefill chunks need, the larger
+    activations = max(decode_bytes(model, n_seq, mu, b),
+                      prefill_room(model, n_seq, prefill_chunk(n_seq * workload.prompt_len, chunk), b))
     share = 1.0 / policy.gpus
     gpu = {
         # the embedding and LM head whole on every GPU; each GPU its share of the layers
@@ -422,7 +420,7 @@ def memory_use(model: ModelSpec, policy: Policy, workload: Workload, options: Co
         "KV cache": Lin(0, 0, kv_all_layers) * share if policy.attention_on_gpu else Lin(),
         # GPU attention over a partly CPU-resident cache: one micro-batch's CPU share of a layer's KV, twice.
         "KV staging": Lin(2 * staged, 0, -2 * staged) * share if policy.attention_on_gpu else Lin(),
-        "activations": Lin(max(decode_act, prefill_act)),
+        "activations": Lin(activations),
     }
     cpu_kv = Lin(kv_all_layers, 0, -kv_all_layers) if policy.attention_on_gpu else Lin(kv_all_layers)
     attention_workspace = 0.0 if policy.attention_on_gpu else (

@@ -23,6 +23,9 @@ from .pwl import minimize
 from .tensor_parallel import check_divisible
 
 MAX_BATCH = 16384
+# Limits a hair inside the budgets: the minimiser accepts a vertex up to 1e-9 (relative) beyond a constraint, and a
+# plan that fills the GPU lies on one.
+INSIDE = 1 - 1e-9
 MAX_MICRO_BATCHES = 256  # CGOPipe pages a layer's weights into one page per micro-batch
 
 
@@ -53,7 +56,11 @@ def search_policy(model, profile, workload: Workload, gpu_memory: int | float | 
     name / JSON path. ``placements``: the ``(attention_on_gpu, experts_on_gpu)`` pairs to consider (default
     all four; the CGOPipe runtime executes ``(False, True)``). ``gpus``: that many GPUs of the profile's host
     as one tensor-parallel group, ``gpu_memory`` on each (default: a roofline's own count, else 1). Raises
-    :class:`PlanError` when nothing fits."""
+    :class:`PlanError` when nothing fits.
+
+    Where several fractions predict the same time (a step bound by the CPU attention, which resident weights do
+    not shorten), the one that keeps the most on the GPU wins: memory left free helps nothing, while every byte
+    streamed instead crosses a link whose traffic slows the CPU attention and the prefill beside it."""
     options = options or CostOptions()
     if gpus is None:
         gpus = profile.gpus if isinstance(profile, HierarchicalRoofline) else 1
@@ -82,9 +89,10 @@ def search_policy(model, profile, workload: Workload, gpu_memory: int | float | 
                         template = Policy(n, mu, attention_on_gpu, experts_on_gpu, routed_experts=routed, gpus=gpus)
                         gpu_mem, cpu_mem = memory_use(spec, template, workload, options)
                         gpu_total, cpu_total = sum(gpu_mem.values(), Lin()), sum(cpu_mem.values(), Lin())
-                        constraints = [gpu_total / gpu_usable + (-1.0), cpu_total / cpu_limit + (-1.0)]
+                        constraints = [gpu_total / (gpu_usable * INSIDE) + (-1.0),
+                                       cpu_total / (cpu_limit * INSIDE) + (-1.0)]
                         solution = minimize(objective(hrm, spec, template, workload, options), constraints,
-                                            fix_y=not attention_on_gpu, tiebreak=gpu_total)
+                                            fix_y=not attention_on_gpu, tiebreak=gpu_total * -1.0)
                         if solution is None:
                             continue
                         x, y, seconds = solution

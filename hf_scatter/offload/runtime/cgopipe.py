@@ -35,11 +35,11 @@ from typing import Callable
 import torch
 
 from ..families.adapter import PipelineAdapter
+from ..plan.activations import HEAD_ROWS
 from ..plan.attention_buckets import BucketCosts
 from .attention import PackedPrompts, PromptCall, flash_varlen_runs, packed_prompts, prompt_attention, prompt_calls
 from .batching import Batch
 from .cpu_attention import AttentionWorker, KVCache, intra_op_threads
-from .memory import HEAD_ROWS
 from .paging import WeightStreamer
 from .sampling import History, Sampling
 from .stage_graphs import StageBuffers, StageGraphs

@@ -25,6 +25,7 @@ from ...kernels.backend import autotune_override
 from ..families.registry import adapter_for
 from ..families.sharding import Shard
 from ..families.spec import ModelSpec
+from ..plan.activations import decode_bytes, prefill_bytes
 from ..plan.attention_buckets import SLACK, BucketCosts
 from ..plan.cost_model import CostOptions, decode_layer_time
 from ..plan.known_profiles import load_profile
@@ -34,7 +35,7 @@ from ..plan.search import search_policy
 from .batching import plan_batches
 from .cgopipe import CGOPipe, StagingBuffers
 from .cpu_attention import AttentionWorker, attention_threads
-from .memory import DevicePlan, cublas_workspace_bytes, decode_bytes, plan_device, prefill_bytes
+from .memory import DevicePlan, cublas_workspace_bytes, plan_device
 from .paging import WeightStore, WeightStreamer
 from .sampling import Sampling
 from .stage_graphs import graphs_wanted

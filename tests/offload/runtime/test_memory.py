@@ -1,6 +1,8 @@
 """Device and host memory of a run (runtime/memory.py): budgets checked before any work, refusals naming the
 request, prefill chunks, cuBLAS's workspace, decode's CUDA graphs; on the GPU, the budget held."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -57,7 +59,8 @@ def test_cublas_workspace_is_reserved_as_pytorch_sizes_it():
 def test_decode_graphs_are_planned_where_they_run(monkeypatch):
     """Decode's CUDA graphs hold a stage's temporaries and each row's QKV for the whole run: the device plan
     reserves them, and only where the stages are graphed (a CUDA device, one GPU, not turned off)."""
-    from hf_scatter.offload.runtime.memory import graph_bytes, plan_device, stage_bytes
+    from hf_scatter.offload.plan.activations import graph_bytes, stage_bytes
+    from hf_scatter.offload.runtime.memory import plan_device
     from hf_scatter.offload.runtime.stage_graphs import graphs_wanted
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
@@ -110,12 +113,45 @@ def test_prefill_chunks_are_not_shrunk_by_a_large_vocabulary():
     of activations by itself and left 256-token chunks (measured: prefill 47 s against 0.5 s planned)."""
     from hf_scatter.common.shapes import builtin_config
     from hf_scatter.offload.families.adapter import Dims
-    from hf_scatter.offload.runtime.memory import (_chunk_tokens, head_bytes, prefill_bytes, stage_bytes,
-                                                   workspace_bytes)
+    from hf_scatter.offload.plan.activations import (chunk_tokens, head_bytes, prefill_bytes, stage_bytes,
+                                                     workspace_bytes)
 
     d = Dims.of(builtin_config("qwen3-30b-a3b", num_hidden_layers=24), None)
     available = int(1.39 * 2**30)
-    chunk = _chunk_tokens(d, 1024, available, 2)
+    chunk = chunk_tokens(d, 1024, available, 2)
     assert chunk == 2048 and workspace_bytes(d, 512, 2) > available // 4  # head included, 512 was too many
     assert stage_bytes(d, chunk, 2) <= (available - head_bytes(d, chunk, 2)) // 4
     assert prefill_bytes(d, 1024, chunk, chunk, 2) <= available
+
+
+def test_a_plan_leaves_the_runtime_the_prefill_chunks_it_prices():
+    """The planner reserves activations by the runtime's own model: the runtime, given the planned resident
+    fraction, keeps it and picks prefill chunks at least as large as the planner priced. With a coarser model
+    of its own, the planner left a GPT-OSS-120B plan that filled 16 GiB room for 1024-token chunks where it had
+    priced 4096 (H200: prefill 2.9 s against 2.0 s predicted)."""
+    from hf_scatter.offload import ModelSpec, Workload, load_profile, search_policy
+    from hf_scatter.offload.plan.activations import PREFILL_CHUNK_TOKENS, chunk_tokens, decode_bytes
+    from hf_scatter.offload.runtime.memory import plan_device
+
+    profile = load_profile("h100-host-anchors")
+    gpt_oss = dataclasses.replace(ModelSpec.from_config("gpt-oss-120b"), layers=10)  # MXFP4 experts
+    workload = Workload(76, 32, num_requests=1024, prompt_len_max=114)
+    policy = search_policy(gpt_oss, profile, workload, "16GiB", "80GiB", placements=[(False, True)])
+    reserved = policy.prediction.gpu_memory["activations"]
+    assert policy.batch_size * workload.prompt_len > PREFILL_CHUNK_TOKENS, policy
+    assert chunk_tokens(gpt_oss, policy.batch_size, reserved, 2) == PREFILL_CHUNK_TOKENS
+    assert decode_bytes(gpt_oss, policy.batch_size, policy.micro_batch_size, 2) <= reserved
+
+    model = tiny_mixtral(hidden=256, intermediate=512, layers=4, vocab=2048, dtype=torch.bfloat16)
+    adapter, spec = adapter_for(model), ModelSpec.from_config(model.config)
+    workload = Workload(64, 8, num_requests=256)
+    fractions = []
+    for mib in (18, 24, 28):  # the weights are 15.5 MiB: partly resident
+        budget = mib * 2**20
+        policy = search_policy(spec, profile, workload, budget, placements=[(False, True)])
+        plan = plan_device(adapter, policy.weights_gpu_fraction, budget, policy.batch_size, policy.micro_batch_size, 2)
+        assert plan.layout.requested_fraction == policy.weights_gpu_fraction  # not shrunk to make room
+        assert plan.chunk_tokens >= min(PREFILL_CHUNK_TOKENS, policy.batch_size * workload.prompt_len)
+        fractions.append(policy.weights_gpu_fraction)
+    assert 0 < min(fractions) and max(fractions) < 1
+
