@@ -128,6 +128,7 @@ class Prediction:
     routed_experts: float | None = None  # routed streaming: experts of a layer fetched per decode step (expected)
     experts: int = 0  # routed experts per layer
     gpus: int = 1  # tensor-parallel GPUs (gpu_memory, gpu_limit and gpu_usable are per GPU)
+    prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS  # prompt tokens per prefill call (the activations leave room)
 
     @property
     def gpu_memory_total(self) -> float:
@@ -465,12 +466,20 @@ def _whole_batch(policy: Policy) -> Policy:
 
 
 def objective(hrm: HierarchicalRoofline, model: ModelSpec, policy: Policy, workload: Workload,
-              options: CostOptions) -> list[tuple[float, list[Lin]]]:
-    """Seconds of one batch as ``sum_i weight_i * max(pieces_i)``: the prefill, then the decode steps."""
-    head = head_seconds(hrm, model, policy)
+              options: CostOptions, decode: list | None = None) -> list[tuple[float, list[Lin]]]:
+    """Seconds of one batch as ``sum_i weight_i * max(pieces_i)``: the prefill, then the decode steps
+    (``decode``: :func:`decode_groups` where already built; they do not depend on the prefill's chunk)."""
     prefill = prefill_terms(hrm, model, policy, workload, options)
-    groups = [(1.0, [p * model.layers + head_seconds(hrm, model, _whole_batch(policy))
-                     for p in prefill.all_pieces()])]
+    head = head_seconds(hrm, model, _whole_batch(policy))
+    groups = [(1.0, [p * model.layers + head for p in prefill.all_pieces()])]
+    return groups + (decode if decode is not None else decode_groups(hrm, model, policy, workload, options))
+
+
+def decode_groups(hrm: HierarchicalRoofline, model: ModelSpec, policy: Policy, workload: Workload,
+                  options: CostOptions) -> list[tuple[float, list[Lin]]]:
+    """The decode steps' part of :func:`objective`: a group per sampled context, weighted by its steps."""
+    head = head_seconds(hrm, model, policy)
+    groups = []
     for steps, context in decode_contexts(workload, options.decode_samples):
         terms = decode_terms(hrm, model, policy, context, workload, per_op=False)
         groups.append((float(steps), [p * model.layers + head for p in terms.all_pieces()]))
@@ -504,7 +513,8 @@ def predict(policy: Policy, model: ModelSpec, profile, workload: Workload, gpu_m
         gpu_limit=gpu_limit, gpu_usable=gpu_limit * (1 - options.gpu_margin), cpu_limit=cpu_limit,
         balance_batch_size=balance, uncalibrated=_uncalibrated(hrm, model), notes=_notes(prof, gpu_limit, cpu_limit),
         routed_experts=model.active_experts(policy.batch_size) if policy.routed_experts else None,
-        experts=model.experts, gpus=policy.gpus)
+        experts=model.experts, gpus=policy.gpus,
+        prefill_chunk_tokens=int(min(options.prefill_chunk_tokens, policy.batch_size * workload.prompt_len)))
 
 
 def _uncalibrated(hrm, model: ModelSpec) -> list[str]:

@@ -198,7 +198,7 @@ class Policy:
                                                     f"{ms(d.terms['dependency_chain'])}"],
             ["bottleneck", TERM_LABELS[d.bottleneck]],
             ["decode step, all layers (mean)", ms(p.decode_step_s)],
-            ["prefill per batch", _s(p.prefill_s)],
+            [f"prefill per batch ({p.prefill_chunk_tokens:,}-token chunks)", _s(p.prefill_s)],
             ["predicted throughput", f"{p.tokens_per_s:,.1f} tokens/s"],
             [f"GPU memory{_each(self)} ({format_bytes(p.gpu_memory_total)})", breakdown(p.gpu_memory)],
             [f"CPU memory ({format_bytes(p.cpu_memory_total)})", breakdown(p.cpu_memory)],

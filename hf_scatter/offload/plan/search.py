@@ -14,7 +14,9 @@ import math
 
 from ...common.units import format_bytes, parse_bytes
 from ..families.spec import ModelSpec
-from .cost_model import CostOptions, Lin, as_roofline, default_cpu_limit, memory_use, objective, predict
+from .activations import MIN_CHUNK_TOKENS, PREFILL_CHUNK_TOKENS, prefill_chunk
+from .cost_model import (CostOptions, Lin, as_roofline, decode_groups, default_cpu_limit, memory_use, objective,
+                         predict)
 from .hrm import HierarchicalRoofline, ProfileError
 from .known_profiles import load_profile
 from .policy import PlanError, Policy, Workload
@@ -87,25 +89,63 @@ def search_policy(model, profile, workload: Workload, gpu_memory: int | float | 
                         continue
                     for routed in _routed_choices(spec, n, experts_on_gpu):
                         template = Policy(n, mu, attention_on_gpu, experts_on_gpu, routed_experts=routed, gpus=gpus)
-                        gpu_mem, cpu_mem = memory_use(spec, template, workload, options)
-                        gpu_total, cpu_total = sum(gpu_mem.values(), Lin()), sum(cpu_mem.values(), Lin())
-                        constraints = [gpu_total / (gpu_usable * INSIDE) + (-1.0),
-                                       cpu_total / (cpu_limit * INSIDE) + (-1.0)]
-                        solution = minimize(objective(hrm, spec, template, workload, options), constraints,
-                                            fix_y=not attention_on_gpu, tiebreak=gpu_total * -1.0)
-                        if solution is None:
-                            continue
-                        x, y, seconds = solution
-                        key = (seconds / (n * workload.gen_len), gpu_total.at(x, y), n)
-                        if best is None or _better(key, best[0]):
-                            best = (key, Policy(n, mu, attention_on_gpu, experts_on_gpu, x, y, routed, gpus))
+                        found = _best_chunk(hrm, spec, template, workload, options, gpu_usable, cpu_limit)
+                        if found is not None and (best is None or _better(found[0], best[0])):
+                            best = found
     if best is None:
         raise PlanError(f"no policy fits {spec.name} in {format_bytes(gpu_limit)} of GPU{_per_gpu(gpus)} and "
                         f"{format_bytes(cpu_limit)} "
                         f"of CPU memory for {workload.describe()}: give more memory or shorten prompt/generation")
-    policy = best[1]
-    prediction = predict(policy, spec, hrm, workload, gpu_limit, cpu_limit, options)
+    _, policy, chunked = best
+    prediction = predict(policy, spec, hrm, workload, gpu_limit, cpu_limit, chunked)
     return dataclasses.replace(policy, prediction=prediction)
+
+
+def _best_chunk(hrm: HierarchicalRoofline, spec: ModelSpec, template: Policy, workload: Workload,
+                options: CostOptions, gpu_usable: float, cpu_limit: float):
+    """(key, policy, options) of ``template`` at its best prefill chunk, ``None`` where nothing fits. The chunk is
+    a choice: a larger one takes fewer calls of the prefill's ~100 kernels per layer but reserves more activation
+    memory, which a streamed plan would rather keep weights in (4096-token chunks of GPT-OSS-120B need 2.4 GiB of
+    a 16 GiB budget, and shut the bf16 experts' double buffer out of batches above 16). From the largest the
+    batch's prompts can use down, halving while the time improves; where the largest does not fit, the smallest
+    is tried next, and a template that does not fit even then is dropped."""
+    chunks = [c for c in (PREFILL_CHUNK_TOKENS >> i for i in range(8)) if c >= MIN_CHUNK_TOKENS]
+    largest = prefill_chunk(template.batch_size * workload.prompt_len, options.prefill_chunk_tokens)
+    chunks = [c for c in chunks if c <= largest] or [largest]
+    decode = decode_groups(hrm, spec, template, workload, options)
+
+    def solve(chunk: int):
+        return _solve(hrm, spec, template, workload, dataclasses.replace(options, prefill_chunk_tokens=chunk), decode,
+                      gpu_usable, cpu_limit)
+
+    found = None
+    for i, chunk in enumerate(chunks):
+        solution = solve(chunk)
+        if solution is None:
+            if i == 0 and len(chunks) > 1 and solve(chunks[-1]) is None:
+                return None
+            continue
+        key, policy = solution
+        if found is not None and not _better(key, found[0]):
+            break
+        found = (key, policy, dataclasses.replace(options, prefill_chunk_tokens=chunk))
+    return found
+
+
+def _solve(hrm, spec, template: Policy, workload: Workload, options: CostOptions, decode: list, gpu_usable: float,
+           cpu_limit: float):
+    """(key, policy) of ``template`` at its best fractions (``decode``: its decode steps' cost groups), ``None``
+    where nothing fits."""
+    gpu_mem, cpu_mem = memory_use(spec, template, workload, options)
+    gpu_total, cpu_total = sum(gpu_mem.values(), Lin()), sum(cpu_mem.values(), Lin())
+    constraints = [gpu_total / (gpu_usable * INSIDE) + (-1.0), cpu_total / (cpu_limit * INSIDE) + (-1.0)]
+    solution = minimize(objective(hrm, spec, template, workload, options, decode), constraints,
+                        fix_y=not template.attention_on_gpu, tiebreak=gpu_total * -1.0)
+    if solution is None:
+        return None
+    x, y, seconds = solution
+    key = (seconds / (template.batch_size * workload.gen_len), gpu_total.at(x, y), template.batch_size)
+    return key, dataclasses.replace(template, weights_gpu_fraction=x, kv_gpu_fraction=y)
 
 
 ROUTED_MAX_SHARE = 0.95  # routed streaming is priced only where the batch's rows leave this share of experts or less

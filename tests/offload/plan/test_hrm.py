@@ -347,6 +347,29 @@ def test_more_link_bandwidth_never_slows_a_plan_and_spare_gpu_memory_holds_weigh
     assert all(b >= a for a, b in zip(speeds, speeds[1:])), speeds
 
 
+def test_the_search_chooses_the_prefill_chunk_the_memory_can_spare():
+    """A prefill chunk is a choice: 4096-token chunks take fewer kernel calls but reserve activation memory. In
+    16 GiB, GPT-OSS-120B's bf16 experts need most of it as their double buffer: the plan takes smaller chunks
+    and keeps the batch of 1024 (with room reserved for 4096-token chunks, nothing above 16 requests fit); MXFP4
+    experts leave room for larger ones. The plan's memory holds the chunk it prices."""
+    from hf_scatter.offload.plan.activations import PREFILL_CHUNK_TOKENS
+    from hf_scatter.offload.plan.cost_model import CostOptions, memory_use
+
+    workload = Workload(76, 32, num_requests=1024, prompt_len_max=114)
+    chunks = {}
+    for weights in ("bf16", "shipped"):
+        spec = dataclasses.replace(ModelSpec.from_config("gpt-oss-120b", weights=weights), layers=10)
+        policy = search_policy(spec, ANCHORS, workload, "16GiB", "80GiB", placements=[(False, True)])
+        pred = policy.prediction
+        chunks[weights] = pred.prefill_chunk_tokens
+        assert policy.batch_size == 1024 and pred.gpu_memory_total <= pred.gpu_usable
+        widest = memory_use(spec, policy, workload, CostOptions(prefill_chunk_tokens=PREFILL_CHUNK_TOKENS))[0]
+        over = sum(v.at(policy.weights_gpu_fraction, 0.0) for v in widest.values()) > pred.gpu_usable
+        assert over == (pred.prefill_chunk_tokens < PREFILL_CHUNK_TOKENS)
+        assert f"prefill per batch ({pred.prefill_chunk_tokens:,}-token chunks)" in policy.to_markdown()
+    assert chunks["bf16"] < PREFILL_CHUNK_TOKENS and chunks["shipped"] > chunks["bf16"]
+
+
 def test_infeasible_requests_give_clear_errors():
     with pytest.raises(PlanError, match="weights but the GPU .* and CPU .* budgets together hold only"):
         search_policy(MIXTRAL, ANCHORS, Workload(512, 64), "16GiB", cpu_memory="32GiB")

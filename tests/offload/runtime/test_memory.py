@@ -138,8 +138,9 @@ def test_a_plan_leaves_the_runtime_the_prefill_chunks_it_prices():
     workload = Workload(76, 32, num_requests=1024, prompt_len_max=114)
     policy = search_policy(gpt_oss, profile, workload, "16GiB", "80GiB", placements=[(False, True)])
     reserved = policy.prediction.gpu_memory["activations"]
-    assert policy.batch_size * workload.prompt_len > PREFILL_CHUNK_TOKENS, policy
-    assert chunk_tokens(gpt_oss, policy.batch_size, reserved, 2) == PREFILL_CHUNK_TOKENS
+    priced = policy.prediction.prefill_chunk_tokens
+    assert policy.batch_size * workload.prompt_len > PREFILL_CHUNK_TOKENS >= priced >= 1024, policy
+    assert chunk_tokens(gpt_oss, policy.batch_size, reserved, 2) >= priced
     assert decode_bytes(gpt_oss, policy.batch_size, policy.micro_batch_size, 2) <= reserved
 
     model = tiny_mixtral(hidden=256, intermediate=512, layers=4, vocab=2048, dtype=torch.bfloat16)
@@ -151,7 +152,7 @@ def test_a_plan_leaves_the_runtime_the_prefill_chunks_it_prices():
         policy = search_policy(spec, profile, workload, budget, placements=[(False, True)])
         plan = plan_device(adapter, policy.weights_gpu_fraction, budget, policy.batch_size, policy.micro_batch_size, 2)
         assert plan.layout.requested_fraction == policy.weights_gpu_fraction  # not shrunk to make room
-        assert plan.chunk_tokens >= min(PREFILL_CHUNK_TOKENS, policy.batch_size * workload.prompt_len)
+        assert plan.chunk_tokens >= policy.prediction.prefill_chunk_tokens
         fractions.append(policy.weights_gpu_fraction)
     assert 0 < min(fractions) and max(fractions) < 1
 
