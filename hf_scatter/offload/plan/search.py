@@ -183,7 +183,7 @@ def _check_feasible(spec: ModelSpec, workload: Workload, gpu_usable: float, cpu_
             f"{format_bytes(gpus * gpu_usable + cpu_limit)}: raise --cpu-memory / --gpu-memory or use a machine "
             "with more memory (offloading to disk is not supported)")
     smallest = Policy(1, 1, attention_on_gpu=False, experts_on_gpu=True, gpus=gpus)
-    gpu_mem, _ = memory_use(spec, smallest, workload, options)
+    gpu_mem, _ = memory_use(spec, smallest, workload, dataclasses.replace(options, prefill_chunk_tokens=MIN_CHUNK_TOKENS))
     floor = sum(v.at(0.0, 0.0) for v in gpu_mem.values())
     if floor > gpu_usable:
         raise PlanError(

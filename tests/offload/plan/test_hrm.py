@@ -368,6 +368,11 @@ def test_the_search_chooses_the_prefill_chunk_the_memory_can_spare():
         assert over == (pred.prefill_chunk_tokens < PREFILL_CHUNK_TOKENS)
         assert f"prefill per batch ({pred.prefill_chunk_tokens:,}-token chunks)" in policy.to_markdown()
     assert chunks["bf16"] < PREFILL_CHUNK_TOKENS and chunks["shipped"] > chunks["bf16"]
+    # a budget with room for the smallest chunk only still plans: 3 bf16 Qwen3-30B-A3B layers in 4 GiB, where the
+    # embedding and LM head and one layer's double buffer take 3.5 of its 3.8 usable GiB
+    qwen3 = dataclasses.replace(ModelSpec.from_config("qwen3-30b-a3b", weights="bf16"), layers=3)
+    tight = search_policy(qwen3, ANCHORS, Workload(40, 4, num_requests=32), "4GiB", "48GiB", placements=[(False, True)])
+    assert tight.prediction.prefill_chunk_tokens <= 64 and tight.prediction.gpu_memory_total <= tight.prediction.gpu_usable
 
 
 def test_infeasible_requests_give_clear_errors():
