@@ -74,7 +74,10 @@ def prefill_chunk(tokens: float, limit: int = PREFILL_CHUNK_TOKENS) -> int:
 
 def prefill_room(d: ModelSpec, batch: int, chunk: int, b: int) -> int:
     """The least activation memory in which :func:`chunk_tokens` picks prefill chunks of at least ``chunk``
-    tokens (a power of two) for ``batch`` requests: what a plan that prices such chunks must leave."""
+    tokens (a power of two) for ``batch`` requests: what a plan that prices such chunks must leave (the smallest
+    chunk is taken wherever it fits at all)."""
+    if chunk <= MIN_CHUNK_TOKENS:
+        return prefill_bytes(d, batch, chunk, chunk, b)
     return max(prefill_bytes(d, batch, chunk, chunk, b),
                PREFILL_ROOM * stage_bytes(d, chunk, b) + head_bytes(d, chunk, b))
 

@@ -356,7 +356,7 @@ def test_bench_offload_routed_sweep_small(tmp_path):
 
     out, png = tmp_path / "routed.json", tmp_path / "routed.png"
     assert main(["bench", "offload", "--model", "qwen3-30b-a3b", "--layers", "3", "--new-tokens", "4", "--requests",
-                 "8", "--routed-batches", "1,8", "--gpu-memory", "8GiB", "--profile", "h100-host-anchors", "--out",
+                 "8", "--routed-batches", "1,8", "--gpu-memory", "5GiB", "--profile", "h100-host-anchors", "--out",
                  str(out), "--plot", str(png)]) == 0
     report = json.loads(out.read_text())
     one, eight = report["routed_sweep"]
