@@ -6,7 +6,7 @@ real pipeline's own CPU attention spans from a traced run.
 
 Usage (GPU host, repository root): PYTHONPATH=. python3 scripts/probes/probe_attention_in_pipeline.py OUT.json
 Settings (environment): LAYERS (10), REQUESTS (1024), MICRO (512), NEW_TOKENS (32), PIPELINE (1), PROFILE (the
-shipped 10-layer report's).
+10-layer report the probe was run on, now in docs/results/history).
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def traced_pipeline(layers, requests, new_tokens, profile):
 def main() -> None:
     layers, requests = int(os.environ.get("LAYERS", 10)), int(os.environ.get("REQUESTS", 1024))
     micro, new_tokens = int(os.environ.get("MICRO", 512)), int(os.environ.get("NEW_TOKENS", 32))
-    profile = load_profile(os.environ.get("PROFILE", "docs/results/offload-formats-gpt-oss-120b-h200.json"))
+    profile = load_profile(os.environ.get("PROFILE", "docs/results/history/offload-formats-gpt-oss-120b-before-plan-fidelity-h200.json"))
     report = {"host": subprocess.run(["lscpu"], capture_output=True, text=True).stdout,
               "threads": attention_threads(), "rows": []}
     worker = AttentionWorker(attention_threads())

@@ -51,7 +51,7 @@ def main() -> None:
     os.makedirs(out_dir, exist_ok=True)
     model, layers = os.environ.get("MODEL", "gpt-oss-120b"), int(os.environ.get("LAYERS", 6))
     new_tokens = int(os.environ.get("NEW_TOKENS", 8))
-    profile = load_profile(os.environ.get("PROFILE", "docs/results/offload-formats-gpt-oss-120b-h200.json"))
+    profile = load_profile(os.environ.get("PROFILE", "docs/results/history/offload-formats-gpt-oss-120b-before-plan-fidelity-h200.json"))
     config = builtin_config(model, num_hidden_layers=layers)
     reqs = prompts(int(os.environ.get("REQUESTS", 1024)), config.vocab_size)
     ids, mask = left_padded(reqs)

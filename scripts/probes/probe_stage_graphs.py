@@ -3,8 +3,8 @@ process on one plan: GPT-OSS-120B-shape layers (MXFP4 experts as shipped), runs 
 ways, then one traced run of each (busy seconds per lane, the driver's issue spans).
 
 Usage (GPU host, repository root): PYTHONPATH=. python3 scripts/probes/probe_stage_graphs.py OUT_DIR
-Settings (environment): PROFILE (a profile JSON or a bench report holding one; default: the shipped 10-layer
-report's), MODEL (gpt-oss-120b), WEIGHTS (mxfp4), LAYERS (10), REQUESTS (1024), NEW_TOKENS (32), ROUNDS (3),
+Settings (environment): PROFILE (a profile JSON or a bench report holding one; default: the 10-layer
+report it was run on), MODEL (gpt-oss-120b), WEIGHTS (mxfp4), LAYERS (10), REQUESTS (1024), NEW_TOKENS (32), ROUNDS (3),
 GPU_MEMORY (16GiB), CPU_MEMORY (80GiB).
 """
 
@@ -28,7 +28,7 @@ def main() -> None:
     os.makedirs(out_dir, exist_ok=True)
     model, layers = os.environ.get("MODEL", "gpt-oss-120b"), int(os.environ.get("LAYERS", 10))
     weights, new_tokens = os.environ.get("WEIGHTS", "mxfp4"), int(os.environ.get("NEW_TOKENS", 32))
-    profile = load_profile(os.environ.get("PROFILE", "docs/results/offload-formats-gpt-oss-120b-h200.json"))
+    profile = load_profile(os.environ.get("PROFILE", "docs/results/history/offload-formats-gpt-oss-120b-before-plan-fidelity-h200.json"))
     reqs = prompts(int(os.environ.get("REQUESTS", 1024)), builtin_config(model).vocab_size)
     ids, mask = left_padded(reqs)
     off = hf_scatter.offload_model(build_model(layers, model=model, weights=weights),

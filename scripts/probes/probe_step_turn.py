@@ -3,7 +3,7 @@ issued in order (the CPU idle at each step's turn), alternating in one process o
 layers (MXFP4 experts as shipped); then one traced run each way (the CPU attention lane's idle time between calls).
 
 Usage (GPU host, repository root): PYTHONPATH=. python3 scripts/probes/probe_step_turn.py OUT.json
-Settings (environment): PROFILE (default: the shipped 10-layer report's), LAYERS (10), REQUESTS (1024),
+Settings (environment): PROFILE (default: the 10-layer report it was run on), LAYERS (10), REQUESTS (1024),
 NEW_TOKENS (32), ROUNDS (3).
 """
 
@@ -42,7 +42,7 @@ def attention_idle(path: str) -> dict:
 
 def main() -> None:
     layers, new_tokens = int(os.environ.get("LAYERS", 10)), int(os.environ.get("NEW_TOKENS", 32))
-    profile = load_profile(os.environ.get("PROFILE", "docs/results/offload-formats-gpt-oss-120b-h200.json"))
+    profile = load_profile(os.environ.get("PROFILE", "docs/results/history/offload-formats-gpt-oss-120b-before-plan-fidelity-h200.json"))
     reqs = prompts(int(os.environ.get("REQUESTS", 1024)), builtin_config("gpt-oss-120b").vocab_size)
     ids, mask = left_padded(reqs)
     off = hf_scatter.offload_model(build_model(layers, model="gpt-oss-120b", weights="mxfp4"), gpu_memory="16GiB",

@@ -104,11 +104,11 @@ def search_policy(model, profile, workload: Workload, gpu_memory: int | float | 
 def _best_chunk(hrm: HierarchicalRoofline, spec: ModelSpec, template: Policy, workload: Workload,
                 options: CostOptions, gpu_usable: float, cpu_limit: float):
     """(key, policy, options) of ``template`` at its best prefill chunk, ``None`` where nothing fits. The chunk is
-    a choice: a larger one takes fewer calls of the prefill's ~100 kernels per layer but reserves more activation
-    memory, which a streamed plan would rather keep weights in (4096-token chunks of GPT-OSS-120B need 2.4 GiB of
-    a 16 GiB budget, and shut the bf16 experts' double buffer out of batches above 16). From the largest the
-    batch's prompts can use down, halving while the time improves; where the largest does not fit, the smallest
-    is tried next, and a template that does not fit even then is dropped."""
+    a choice: a larger one takes fewer calls of the prefill's kernels but reserves more activation memory, which a
+    streamed plan may rather keep weights in (4096-token chunks of GPT-OSS-120B at 1024 requests need 2.3 GiB of a
+    16 GiB budget, and shut the bf16 experts' double buffer out of batches above 16). From the largest the batch's
+    prompts can use down, halving while the time improves; where the largest does not fit, the smallest is tried
+    next, and a template that does not fit even then is dropped."""
     chunks = [c for c in (PREFILL_CHUNK_TOKENS >> i for i in range(8)) if c >= MIN_CHUNK_TOKENS]
     largest = prefill_chunk(template.batch_size * workload.prompt_len, options.prefill_chunk_tokens)
     chunks = [c for c in chunks if c <= largest] or [largest]
