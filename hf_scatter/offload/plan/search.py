@@ -1,10 +1,10 @@
 """Policy search: the placement that minimises predicted time per generated token within both memories.
 
 Exhaustive over the discrete choices (batch size N and micro-batch size mu as powers of two, attention on
-CPU or GPU, expert FFN on CPU or GPU, every expert or only the routed ones streamed); for each, the two
-fractions (weights and KV cache on the GPU) are found exactly by :func:`~hf_scatter.offload.pwl.minimize`
-(the cost and the memory use are piecewise-linear and linear in them). MoE-Lightning's Eqs. 12-14 as an integer grid plus a tiny LP; Mixtral-8x7B plans in
-about a second.
+CPU or GPU, expert FFN on CPU or GPU, every expert or only the routed ones streamed, the prefill chunk); for
+each, the two fractions (weights and KV cache on the GPU) are found exactly by
+:func:`~hf_scatter.offload.pwl.minimize` (the cost and the memory use are piecewise-linear and linear in them).
+MoE-Lightning's Eqs. 12-14 as an integer grid plus a tiny LP; Mixtral-8x7B plans in about two seconds.
 """
 
 from __future__ import annotations
@@ -183,7 +183,8 @@ def _check_feasible(spec: ModelSpec, workload: Workload, gpu_usable: float, cpu_
             f"{format_bytes(gpus * gpu_usable + cpu_limit)}: raise --cpu-memory / --gpu-memory or use a machine "
             "with more memory (offloading to disk is not supported)")
     smallest = Policy(1, 1, attention_on_gpu=False, experts_on_gpu=True, gpus=gpus)
-    gpu_mem, _ = memory_use(spec, smallest, workload, dataclasses.replace(options, prefill_chunk_tokens=MIN_CHUNK_TOKENS))
+    smallest_chunk = dataclasses.replace(options, prefill_chunk_tokens=MIN_CHUNK_TOKENS)
+    gpu_mem, _ = memory_use(spec, smallest, workload, smallest_chunk)
     floor = sum(v.at(0.0, 0.0) for v in gpu_mem.values())
     if floor > gpu_usable:
         raise PlanError(

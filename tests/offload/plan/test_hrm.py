@@ -372,7 +372,8 @@ def test_the_search_chooses_the_prefill_chunk_the_memory_can_spare():
     # embedding and LM head and one layer's double buffer take 3.5 of its 3.8 usable GiB
     qwen3 = dataclasses.replace(ModelSpec.from_config("qwen3-30b-a3b", weights="bf16"), layers=3)
     tight = search_policy(qwen3, ANCHORS, Workload(40, 4, num_requests=32), "4GiB", "48GiB", placements=[(False, True)])
-    assert tight.prediction.prefill_chunk_tokens <= 64 and tight.prediction.gpu_memory_total <= tight.prediction.gpu_usable
+    assert tight.prediction.prefill_chunk_tokens <= 64
+    assert tight.prediction.gpu_memory_total <= tight.prediction.gpu_usable
 
 
 def test_infeasible_requests_give_clear_errors():
