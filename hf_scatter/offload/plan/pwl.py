@@ -42,14 +42,26 @@ def _prune(pieces: np.ndarray, corners: np.ndarray) -> np.ndarray:
     return pieces[~dominated]
 
 
-def minimize(groups: list[tuple[float, list[Lin]]], constraints: list[Lin], fix_y: bool = False,
+def _corners(fix_y: bool) -> np.ndarray:
+    y_hi = 0.0 if fix_y else 1.0
+    return np.array([[0, 0], [1, 0], [0, y_hi], [1, y_hi]], dtype=float)
+
+
+def pruned(pieces: list[Lin], fix_y: bool = False) -> np.ndarray:
+    """One group's pieces as :func:`minimize` uses them: a caller that minimises the same group under several
+    constraints passes this instead of the list, and prunes it once."""
+    return _prune(_coefficients(pieces), _corners(fix_y))
+
+
+def minimize(groups: list[tuple[float, list[Lin] | np.ndarray]], constraints: list[Lin], fix_y: bool = False,
              tiebreak: Lin | None = None) -> tuple[float, float, float] | None:
     """(x, y, cost) at the minimum, ``None`` when no point satisfies the constraints. ``fix_y`` pins y = 0.
-    Among equal costs the smallest ``tiebreak`` wins (then the smallest x, then y)."""
+    A group's pieces may come :func:`pruned` with the same ``fix_y``. Among equal costs the smallest ``tiebreak``
+    wins (then the smallest x, then y)."""
     y_hi = 0.0 if fix_y else 1.0
-    corners = np.array([[0, 0], [1, 0], [0, y_hi], [1, y_hi]], dtype=float)
+    corners = _corners(fix_y)
     weights = np.array([w for w, _ in groups], dtype=float)
-    pieces = [_prune(_coefficients(ps), corners) for _, ps in groups]
+    pieces = [ps if isinstance(ps, np.ndarray) else _prune(_coefficients(ps), corners) for _, ps in groups]
     cons = _coefficients(constraints)
     lines = [cons]
     for p in pieces:  # creases: p_i - p_j = 0

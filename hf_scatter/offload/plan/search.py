@@ -21,7 +21,7 @@ from .hrm import HierarchicalRoofline, ProfileError
 from .known_profiles import load_profile
 from .policy import PlanError, Policy, Workload
 from .profile import HardwareProfile
-from .pwl import minimize
+from .pwl import minimize, pruned
 from .tensor_parallel import check_divisible
 
 MAX_BATCH = 16384
@@ -112,7 +112,8 @@ def _best_chunk(hrm: HierarchicalRoofline, spec: ModelSpec, template: Policy, wo
     chunks = [c for c in (PREFILL_CHUNK_TOKENS >> i for i in range(8)) if c >= MIN_CHUNK_TOKENS]
     largest = prefill_chunk(template.batch_size * workload.prompt_len, options.prefill_chunk_tokens)
     chunks = [c for c in chunks if c <= largest] or [largest]
-    decode = decode_groups(hrm, spec, template, workload, options)
+    fix_y = not template.attention_on_gpu
+    decode = [(w, pruned(pieces, fix_y)) for w, pieces in decode_groups(hrm, spec, template, workload, options)]
 
     def solve(chunk: int):
         return _solve(hrm, spec, template, workload, dataclasses.replace(options, prefill_chunk_tokens=chunk), decode,
@@ -134,8 +135,8 @@ def _best_chunk(hrm: HierarchicalRoofline, spec: ModelSpec, template: Policy, wo
 
 def _solve(hrm, spec, template: Policy, workload: Workload, options: CostOptions, decode: list, gpu_usable: float,
            cpu_limit: float):
-    """(key, policy) of ``template`` at its best fractions (``decode``: its decode steps' cost groups), ``None``
-    where nothing fits."""
+    """(key, policy) of ``template`` at its best fractions (``decode``: its decode steps' cost groups,
+    :func:`~.pwl.pruned`), ``None`` where nothing fits."""
     gpu_mem, cpu_mem = memory_use(spec, template, workload, options)
     gpu_total, cpu_total = sum(gpu_mem.values(), Lin()), sum(cpu_mem.values(), Lin())
     constraints = [gpu_total / (gpu_usable * INSIDE) + (-1.0), cpu_total / (cpu_limit * INSIDE) + (-1.0)]
