@@ -567,7 +567,8 @@ def measure_profile(quick: bool = False, progress: bool = True, attention_shapes
     n = 512 if quick else 2048  # quick: a bf16 matmul of 1024 took 3 s a call on a CPU without bf16 instructions
     # context 64: short prompts' decode steps, where a row's fixed costs weigh more than its KV bytes (below the
     # smallest measured context the rate is held flat: from 256 down, the H200 host's 10-layer GPT-OSS table,
-    # at context 93, ran at 75% of its prediction; with 64 measured, at 95-99%)
+    # at context 93, ran at 75-77% of its prediction; with 64 measured and the plan's activations and prefill
+    # chunk as the runtime's, at 79-94% in five runs, docs/offload-planning.md)
     contexts = (256, 2048) if quick else (64, 256, 1024, 4096)
 
     def attention(p):
