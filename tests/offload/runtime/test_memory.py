@@ -127,8 +127,8 @@ def test_prefill_chunks_are_not_shrunk_by_a_large_vocabulary():
 def test_a_plan_leaves_the_runtime_the_prefill_chunks_it_prices():
     """The planner reserves activations by the runtime's own model: the runtime, given the planned resident
     fraction, keeps it and picks prefill chunks at least as large as the planner priced. With a coarser model
-    of its own, the planner left a GPT-OSS-120B plan that filled 16 GiB room for 1024-token chunks where it had
-    priced 4096 (H200: prefill 2.9 s against 2.0 s predicted)."""
+    of its own (470 MiB of activations), the planner left this GPT-OSS-120B plan room for 64-token chunks where
+    it had priced 4096."""
     from hf_scatter.offload import ModelSpec, Workload, load_profile, search_policy
     from hf_scatter.offload.plan.activations import PREFILL_CHUNK_TOKENS, chunk_tokens, decode_bytes
     from hf_scatter.offload.runtime.memory import plan_device
