@@ -412,7 +412,8 @@ def memory_use(model: ModelSpec, policy: Policy, workload: Workload, options: Co
     qkv_width = model.qkv_dim
     # the runtime's own activation model: decode's buffers, or the room its prefill chunks need, the larger
     activations = max(decode_bytes(model, n_seq, mu, b),
-                      prefill_room(model, n_seq, prefill_chunk(n_seq * workload.prompt_len, chunk), b))
+                      prefill_room(model, n_seq, prefill_chunk(n_seq * workload.prompt_len,
+                                                               options.prefill_chunk_tokens), b))
     share = 1.0 / policy.gpus
     gpu = {
         # the embedding and LM head whole on every GPU; each GPU its share of the layers

@@ -142,6 +142,13 @@ def test_a_plan_leaves_the_runtime_the_prefill_chunks_it_prices():
     assert policy.batch_size * workload.prompt_len > PREFILL_CHUNK_TOKENS >= priced >= 1024, policy
     assert chunk_tokens(gpt_oss, policy.batch_size, reserved, 2) >= priced
     assert decode_bytes(gpt_oss, policy.batch_size, policy.micro_batch_size, 2) <= reserved
+    # a batch whose prompts (12 x 76 tokens) the plan prefills in one call: the runtime's power-of-two chunk holds it
+    qwen3 = dataclasses.replace(ModelSpec.from_config("qwen3-30b-a3b", weights="bf16"), layers=6)
+    small = Workload(76, 32, num_requests=12, prompt_len_max=114)
+    policy = search_policy(qwen3, profile, small, "16GiB", "80GiB", placements=[(False, True)])
+    priced = policy.prediction.prefill_chunk_tokens
+    assert priced == policy.batch_size * small.prompt_len == 912, policy
+    assert chunk_tokens(qwen3, policy.batch_size, policy.prediction.gpu_memory["activations"], 2) >= priced
 
     model = tiny_mixtral(hidden=256, intermediate=512, layers=4, vocab=2048, dtype=torch.bfloat16)
     adapter, spec = adapter_for(model), ModelSpec.from_config(model.config)
