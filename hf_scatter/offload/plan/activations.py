@@ -20,6 +20,8 @@ HEAD_ROWS = 64  # rows through the LM head and sampling at a time: bounds the [r
 # A prefill chunk's stage temporaries take at most 1 / PREFILL_ROOM of the activation memory; the rest holds the
 # prompt tokens of a group, and every group streams the weights once more.
 PREFILL_ROOM = 4
+# the prefill chunks the runtime chooses among, the largest first
+CHUNK_CHOICES = tuple(c for c in (PREFILL_CHUNK_TOKENS >> i for i in range(7)) if c >= MIN_CHUNK_TOKENS)
 
 
 def stage_bytes(d: ModelSpec, tokens: int, b: int) -> int:
@@ -78,8 +80,13 @@ def prefill_room(d: ModelSpec, batch: int, chunk: int, b: int) -> int:
     chunk is taken wherever it fits at all)."""
     if chunk <= MIN_CHUNK_TOKENS:
         return prefill_bytes(d, batch, chunk, chunk, b)
-    return max(prefill_bytes(d, batch, chunk, chunk, b),
-               PREFILL_ROOM * stage_bytes(d, chunk, b) + head_bytes(d, chunk, b))
+    return max(prefill_bytes(d, batch, chunk, chunk, b), _roomy_bytes(d, chunk, b))
+
+
+def _roomy_bytes(d: ModelSpec, chunk: int, b: int) -> int:
+    """Activation memory in which ``chunk``'s stage temporaries take 1 / PREFILL_ROOM of it, besides the LM
+    head's slice (the same for every chunk size)."""
+    return PREFILL_ROOM * stage_bytes(d, chunk, b) + head_bytes(d, chunk, b)
 
 
 def chunk_tokens(d: ModelSpec, batch: int, available: int, b: int) -> int:
@@ -88,7 +95,6 @@ def chunk_tokens(d: ModelSpec, batch: int, available: int, b: int) -> int:
     at all (0: none). The LM head's slice is the same for every chunk size, so it does not count against that
     share: with a 152k vocabulary (Qwen3) it alone took it and left 256-token chunks, whose per-chunk host cost
     made the prefill 40x slower than the planner's 4096-token chunks (H100, 24 Qwen3-30B-A3B layers)."""
-    fits = [c for c in (PREFILL_CHUNK_TOKENS >> i for i in range(7)) if c >= MIN_CHUNK_TOKENS and
-            prefill_bytes(d, batch, c, c, b) <= available]
-    roomy = [c for c in fits if PREFILL_ROOM * stage_bytes(d, c, b) <= available - head_bytes(d, c, b)]
+    fits = [c for c in CHUNK_CHOICES if prefill_bytes(d, batch, c, c, b) <= available]
+    roomy = [c for c in fits if _roomy_bytes(d, c, b) <= available]
     return (roomy or fits or [0])[0]

@@ -14,7 +14,7 @@ import math
 
 from ...common.units import format_bytes, parse_bytes
 from ..families.spec import ModelSpec
-from .activations import MIN_CHUNK_TOKENS, PREFILL_CHUNK_TOKENS, prefill_chunk
+from .activations import CHUNK_CHOICES, MIN_CHUNK_TOKENS, prefill_chunk
 from .cost_model import (CostOptions, Lin, as_roofline, decode_groups, default_cpu_limit, memory_use, objective,
                          predict)
 from .hrm import HierarchicalRoofline, ProfileError
@@ -109,9 +109,8 @@ def _best_chunk(hrm: HierarchicalRoofline, spec: ModelSpec, template: Policy, wo
     16 GiB budget, and shut the bf16 experts' double buffer out of batches above 16). From the largest the batch's
     prompts can use down, halving while the time improves; where the largest does not fit, the smallest is tried
     next, and a template that does not fit even then is dropped."""
-    chunks = [c for c in (PREFILL_CHUNK_TOKENS >> i for i in range(8)) if c >= MIN_CHUNK_TOKENS]
     largest = prefill_chunk(template.batch_size * workload.prompt_len, options.prefill_chunk_tokens)
-    chunks = [c for c in chunks if c <= largest] or [largest]
+    chunks = [c for c in CHUNK_CHOICES if c <= largest] or [largest]
     fix_y = not template.attention_on_gpu
     decode = [(w, pruned(pieces, fix_y)) for w, pieces in decode_groups(hrm, spec, template, workload, options)]
 
