@@ -1,0 +1,157 @@
+"""Where does an expert-parallel training step spend its time? Under torchrun (transformers with ``ep_size``), each
+implementation is built once as ``bench train --engine ep`` builds it and trained at each of ROWS rows per rank;
+for every rows setting each rank reports the step time, the host's time to issue it, the GPU's busy time (union of
+kernels), NCCL's time and the part of it no other kernel overlaps, the GPU's idle gaps with the kernel before
+each, the top kernels and the top host ops by self time, and the host syncs per step (torch profiler, CPU and
+CUDA). SHAPE (default deepseek-v2-lite), LAYERS (default: all), ROWS (default "2 4"); arguments: implementations
+(default the family's default and hf-scatter). PYPROFILE=1 adds cProfile's view of one step. Writes $OUT/ep-step-<SHAPE>.json.
+
+    torchrun --nproc_per_node 2 scripts/probes/probe_ep_step.py
+"""
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+from hf_scatter.bench import engines
+from hf_scatter.bench.train import SHAPES, build_model, published_shape
+from hf_scatter.common.intervals import length, overlap, union
+
+SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense",
+            "aten::item", "cudaMemcpyAsync")
+
+
+def summarise(prof, steps: int) -> dict:
+    kernels = sorted((e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    kernels.sort(key=lambda k: k[1])
+    busy = union([(a, b) for _, a, b in kernels])
+    comm = union([(a, b) for n, a, b in kernels if "nccl" in n.lower()])
+    compute = union([(a, b) for n, a, b in kernels if "nccl" not in n.lower()])
+    gaps, end, last = [], None, None
+    for name, a, b in kernels:
+        if end is not None and a > end:
+            gaps.append((a - end, last))
+        if end is None or b > end:
+            end, last = b, name
+    by_gap: dict[str, list] = {}
+    for g, name in gaps:
+        if g > 50:  # us: a gap the host left, not a launch's own latency
+            by_gap.setdefault(name[:80], []).append(g)
+    per_kernel: dict[str, list] = {}
+    for name, a, b in kernels:
+        per_kernel.setdefault(name[:80], []).append(b - a)
+    host = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    found = {name: e for e in prof.key_averages() for name in SYNC_OPS if e.key == name}
+    return {
+        "gpu_busy_ms": length(busy) / steps / 1e3, "nccl_ms": length(comm) / steps / 1e3,
+        "compute_ms": length(compute) / steps / 1e3,
+        "exposed_nccl_ms": (length(comm) - overlap(comm, compute)) / steps / 1e3,
+        "gpu_span_ms": (kernels[-1][2] - kernels[0][1]) / steps / 1e3 if kernels else 0.0,
+        "idle_gaps_over_50us_ms": sum(g for g, _ in gaps if g > 50) / steps / 1e3,
+        "idle_gaps_over_50us_count": sum(1 for g, _ in gaps if g > 50) / steps,
+        "gaps_after": sorted(((n, round(sum(v) / steps / 1e3, 2), len(v) // steps) for n, v in by_gap.items()),
+                             key=lambda r: -r[1])[:15],
+        "kernels": sorted(((n, round(sum(v) / steps / 1e3, 2), len(v) // steps) for n, v in per_kernel.items()),
+                          key=lambda r: -r[1])[:25],
+        "kernel_launches": len(kernels) / steps,
+        "host_self_ms": [(e.key[:70], round(e.self_cpu_time_total / steps / 1e3, 2), e.count // steps)
+                         for e in host[:30]],
+        "syncs": {name: [round(e.self_cpu_time_total / steps / 1e3, 2), e.count // steps] for name, e in found.items()},
+    }
+
+
+def python_profile(step) -> dict:
+    """cProfile's view of one step: the Python functions the host time goes to (self and cumulative)."""
+    import cProfile
+    import pstats
+
+    dist.barrier()
+    pr = cProfile.Profile()
+    pr.enable()
+    step()
+    pr.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(pr).stats
+
+    def where(fn):
+        return f"{fn[0].split('site-packages/')[-1].split('/work/')[-1]}:{fn[1]}({fn[2]})"[-110:]
+
+    return {"python_tottime_ms": [(where(fn), round(st[2] * 1e3, 2), st[1]) for fn, st in
+                                  sorted(stats.items(), key=lambda kv: -kv[1][2])[:50]],
+            "python_cumtime_ms": [(where(fn), round(st[3] * 1e3, 2), st[1]) for fn, st in
+                                  sorted(stats.items(), key=lambda kv: -kv[1][3])[:120]],
+            "python_calls": sum(st[1] for st in stats.values())}
+
+
+def main() -> None:
+    shape_name = os.environ.get("SHAPE", "deepseek-v2-lite")
+    layers = int(os.environ.get("LAYERS", 0)) or None
+    rows = [int(r) for r in os.environ.get("ROWS", "2 4").split()]
+    family = SHAPES[shape_name]
+    impls = sys.argv[1:] or [f"{family}-grouped_mm", f"{family}-hf-scatter"]
+    report: dict = {"shape": shape_name, "layers": layers, "torch": torch.__version__}
+    with engines.process_group(True):
+        world, me = engines.world_size(), engines.rank()
+        import transformers
+        report["transformers"] = transformers.__version__
+        config = engines.expert_parallel_config(world, bf16=True)[0]
+        for impl in impls:
+            cfg = published_shape(shape_name, layers)
+            t0 = time.perf_counter()
+            model = build_model(impl, cfg, torch.device("cuda"), torch.bfloat16, distributed_config=config)
+            built_s = time.perf_counter() - t0
+            for r in rows:
+                ids = torch.randint(cfg.vocab, (r, cfg.seq), generator=torch.Generator().manual_seed(me)).cuda()
+                step, opt = engines.adamw_step(model, ids)
+                torch.cuda.reset_peak_memory_stats()
+                for _ in range(3):
+                    step()
+                torch.cuda.synchronize()
+                host, total = [], []
+                for _ in range(5):
+                    dist.barrier()
+                    torch.cuda.synchronize()
+                    a = time.perf_counter()
+                    step()
+                    b = time.perf_counter()
+                    torch.cuda.synchronize()
+                    host.append((b - a) * 1e3)
+                    total.append((time.perf_counter() - a) * 1e3)
+                dist.barrier()
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    for _ in range(2):
+                        step()
+                    torch.cuda.synchronize()
+                python = python_profile(step) if os.environ.get("PYPROFILE") else {}
+                found = {"rows": r, "build_s": built_s, "step_ms": statistics.median(total),
+                         "host_issue_ms": statistics.median(host), "step_ms_all": total,
+                         "peak_gib": torch.cuda.max_memory_allocated() / 2**30, **summarise(prof, 2), **python}
+                del prof
+                ranks = engines.gather(found)
+                if me == 0:
+                    report.setdefault(impl, []).append(ranks)
+                    short = {k: (round(v, 1) if isinstance(v, float) else v) for k, v in ranks[0].items()
+                             if not isinstance(v, (list, dict))}
+                    print(impl, json.dumps(short), flush=True)
+                    for key in ("gaps_after", "kernels", "host_self_ms"):
+                        print("  ", key)
+                        for row in ranks[0][key][:15]:
+                            print("     ", row)
+                    print("   syncs", ranks[0]["syncs"], flush=True)
+                del step, opt
+                torch.cuda.empty_cache()
+            del model
+            torch.cuda.empty_cache()
+    if me == 0 and os.environ.get("OUT"):
+        with open(f"{os.environ['OUT']}/ep-step-{shape_name}.json", "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
