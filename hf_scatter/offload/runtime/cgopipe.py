@@ -419,7 +419,7 @@ class CGOPipe:
                 for c in group:
                     mb = mbs[c.mb]
                     label = f"prefill stage {s} mb {c.mb} rows {c.rows[0][0]}-{c.rows[-1][0]}"
-                    with tracer.device_span("compute", label):
+                    with tracer.host_span("Driver", f"issue {label}"), tracer.device_span("compute", label):
                         qkv = self._prompt_stage(c, s, w)
                         if qkv is not None:
                             keys_values = qkv[:, d.q_dim:].contiguous()
@@ -433,7 +433,8 @@ class CGOPipe:
                         i = downloads % 2
                         downloads += 1
                         if in_use[i] is not None:
-                            in_use[i].result()
+                            with tracer.host_span("Driver", f"wait prompt kv store {label}"):
+                                in_use[i].result()
                         buf = staging[i][:c.tokens]
                         done = self._download(keys_values, buf, f"prompt kv {label}")
                         in_use[i] = self.worker.submit(self._store_prompt, kv, s, c, buf, done)

@@ -96,8 +96,9 @@ class Tracer:
         how much of that compute ran under a transfer (in a link-bound run the second is the telling one:
         the link cannot be hidden behind less compute than it takes, but the compute can hide under it); and
         each lane's busy seconds within the prefill (a prefill whose lanes idle most of it is bound by the host
-        issuing its work); and the driver's median time to issue one micro-batch's decode stage, its
-        pre-attention and post-attention work apart (what the planner's per-kernel launch cost stands for)."""
+        issuing its work); the driver's median time to issue one micro-batch's decode stage, its
+        pre-attention and post-attention work apart (what the planner's per-kernel launch cost stands for), and
+        its total time issuing the prefill's stages (against the GPU's busy time there: how host-bound it is)."""
         spans = self.spans()
         busy = {lane: union([(s, e) for la, _, s, e in spans if la == lane]) for lane in LANES}
         weights = union(busy["H2D weights"] + busy["H2D routed experts"])
@@ -116,6 +117,8 @@ class Tracer:
                 "weight_transfer_overlap": hidden / total if total else None,
                 "compute_s": computing, "compute_under_transfer": hidden / computing if computing else None,
                 "driver_issue_s": _issue_medians(spans),
+                "prefill_issue_s": sum(e - s for lane, name, s, e in spans
+                                       if lane == "Driver" and name.startswith("issue prefill")),
                 "span_s": (max(e for *_, e in spans) - min(s for _, _, s, _ in spans)) if spans else 0.0}
 
 

@@ -188,7 +188,9 @@ def test_one_weight_page_per_micro_batch_and_the_trace(tmp_path):
     assert all(by_lane[name] for name in lanes)
     # the issuing thread: where it waited (for attention, for a stage's pages) and how long it took to issue work
     driver = {" ".join(e["name"].split()[:2]) for e in by_lane["Driver"]}
-    assert driver == {"wait attention", "wait stage", "issue post", "issue pre"}, driver
+    assert driver == {"wait attention", "wait stage", "issue post", "issue pre", "issue prefill", "wait prompt"}, driver
+    # the prefill: one issue per chunk and stage (3 layers and the head), each inside the prefill's window
+    assert sum(e["name"].startswith("issue prefill") for e in by_lane["Driver"]) == 2 * 4
     # 2 micro-batches: every stage arrives in 2 pages, once for the prefill and once for each of the 2 decode
     # steps; stage 0 once more, prefetched during the last stage for the next call
     stages = [int(e["name"].split()[1]) for e in by_lane["H2D weights"]]
@@ -202,6 +204,7 @@ def test_one_weight_page_per_micro_batch_and_the_trace(tmp_path):
     assert 0 < summary["prefill_s"] <= summary["span_s"] and ends <= min(e["ts"] for e in spans) / 1e6 + \
         summary["prefill_s"] + 1e-9 <= min(e["ts"] for e in decode_attention) / 1e6 + 1e-9
     assert 0 < summary["prefill_busy_s"]["GPU compute"] <= summary["prefill_s"] + 1e-9
+    assert 0 < summary["prefill_issue_s"] <= summary["prefill_s"] + 1e-9
     # the driver's issuing per micro-batch and decode stage (what the planner's launch cost is measured from): a
     # "pre" for each layer's attention input, a "post" for each layer's output, per step and micro-batch
     issue = summary["driver_issue_s"]
