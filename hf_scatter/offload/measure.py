@@ -568,8 +568,13 @@ def measure_profile(quick: bool = False, progress: bool = True, attention_shapes
     # context 64: short prompts' decode steps, where a row's fixed costs weigh more than its KV bytes (below the
     # smallest measured context the rate is held flat: from 256 down, the H200 host's 10-layer GPT-OSS table,
     # at context 93, ran at 75-77% of its prediction; with 64 measured and the plan's activations and prefill
-    # chunk as the runtime's, at 79-94% in five runs, docs/offload-planning.md)
-    contexts = (256, 2048) if quick else (64, 256, 1024, 4096)
+    # chunk as the runtime's, at 79-94% in five runs, docs/offload-planning.md); 128: where such prompts decode
+    # (contexts 80-145), measured rather than read off the line between 64 and 256
+    contexts = (256, 2048) if quick else (64, 128, 256, 1024, 4096)
+    # a model's own shape also at the rows per call its plans use: 256 and 512, a micro-batch's buckets (the small
+    # batches cost DeepSeek's latent 7x more per row on the H100 host; and the line through 4, 32 and 256 rows
+    # priced a 512-row GPT-OSS call at context 100 at 5.4 ms where it took 5.8-6.3, H200 host)
+    model_rows = (4, 32, 256) if quick else (4, 32, 256, 512)
 
     def attention(p):
         worker = AttentionWorker(attention_threads(p))
@@ -578,10 +583,8 @@ def measure_profile(quick: bool = False, progress: bool = True, attention_shapes
             models = [s for s in dict.fromkeys(attention_shape(m) for m in attention_shapes) if s != standard]
             # as the pipeline runs it: the weights streaming over the link and the driver issuing GPU work beside it
             with _link_traffic() as busy, _driver_load(DRIVER_DUTY) as driving:
-                # a model's own shape also at the rows per call its plans use (256: a micro-batch; the small
-                # batches cost DeepSeek's latent 7x more per row on the H100 host)
                 cases = [(b, c, standard) for c in contexts for b in (1, 4, 32)]
-                cases += [(b, c, shape) for shape in models for c in contexts for b in (4, 32, 256)]
+                cases += [(b, c, shape) for shape in models for c in contexts for b in model_rows]
                 p.cpu_attention = _cpu_attention_points(worker, cases, passes=1 if quick else ATTENTION_PASSES)
         finally:
             worker.close()
