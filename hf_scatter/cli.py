@@ -489,8 +489,9 @@ def _add_profile(sub) -> None:
     p.add_argument("--out", help="JSON file (default: ~/.cache/hf_scatter/profiles/<host>__<device>.json)")
     p.add_argument("--quick", action="store_true", help="smaller sizes and fewer points (a few seconds)")
     p.add_argument("--model", action="append", metavar="NAME_OR_CONFIG",
-                   help="also measure CPU attention at this model's shape (query heads per KV head, head size, MLA); "
-                        "a name or config as `plan --model` takes; repeatable; plans for that model then use it")
+                   help="also measure CPU attention at this model's shape (query heads per KV head, head size, MLA) "
+                        "and, with a GPU, its expert kernels on its own experts; a name or config as `plan --model` "
+                        "takes; repeatable; plans for that model then use them")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_profile)
 

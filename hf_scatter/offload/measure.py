@@ -252,36 +252,68 @@ def _gemm_efficiency(p: HardwareProfile, quick: bool) -> None:
         points.append([m, min(1.0, roofline / seconds)])
     p.gemm_efficiency = points
 
-def _moe_efficiency(p: HardwareProfile, quick: bool) -> None:
+def _moe_efficiency(p: HardwareProfile, quick: bool, models=()) -> None:
     """Achieved / roofline of the offloaded runtime's SwiGLU expert kernels on Mixtral-8x7B's experts, untuned
-    as it runs them, with bf16 weights and with MXFP4 and block-scaled FP8 weights read as shipped."""
-    dev = torch.device("cuda")
+    as it runs them, with bf16 weights and with MXFP4 and block-scaled FP8 weights read as shipped; then the same
+    on each of ``models``' own experts (their :class:`ModelSpec`) whose shape differs, in every format that
+    shape can be stored in (``moe_efficiency_by_shape``)."""
     shape = MIXTRAL_8X7B  # its experts (quick: narrower)
-    E, H, k = shape["experts"], shape["hidden"], shape["top_k"]
     inter = 4096 if quick else shape["intermediate"]
+    # MXFP4 with GPT-OSS's clamped gate (the fused kernel), FP8 with SiLU, as Qwen3-FP8 and DeepSeek-V3
+    points = _moe_points(p, quick, shape["experts"], shape["top_k"], shape["hidden"], inter,
+                         {"bf16": False, "mxfp4": True, "fp8": False})
+    p.moe_efficiency, p.mxfp4_moe_efficiency, p.fp8_moe_efficiency = points["bf16"], points["mxfp4"], points["fp8"]
+    done = {(shape["hidden"], shape["intermediate"])}  # the curves above stand for Mixtral's experts (quick too)
+    for m in models:
+        if not m.is_moe or (m.hidden, m.intermediate) in done:
+            continue
+        done.add((m.hidden, m.intermediate))
+        gpt_oss = m.model_type == "gpt_oss"  # its clamped gate whatever the format, as the runtime runs it
+        # a few experts stand for all of them: the curve is per rows per expert, and E of them would not fit a
+        # small GPU (GPT-OSS-120B's 128 in bf16: 6.4 GB)
+        experts = min(m.experts, MOE_SHAPE_EXPERTS)
+        found = _moe_points(p, quick, experts, max(1, min(m.top_k, experts // 4)), m.hidden, m.intermediate,
+                            {"bf16": gpt_oss, "mxfp4": gpt_oss, "fp8": gpt_oss})
+        p.moe_efficiency_by_shape += [{"hidden": m.hidden, "intermediate": m.intermediate, "format": name,
+                                       "points": pts} for name, pts in found.items()]
+
+
+MOE_SHAPE_EXPERTS = 16  # experts of a model's own shape in its efficiency curve
+
+
+def _moe_points(p: HardwareProfile, quick: bool, E: int, k: int, H: int, inter: int, formats: dict[str, bool]
+                ) -> dict[str, list]:
+    """[[rows per expert, achieved / roofline]] of the expert kernels on ``E`` experts of ``H`` x ``inter``, ``k``
+    routes a token, per weight format (bf16, mxfp4, fp8) the shape can be stored in; ``formats`` maps each to
+    whether it runs GPT-OSS's clamped gate (else SiLU)."""
+    dev = torch.device("cuda")
     w_in = torch.randn(E, 2 * inter, H, device=dev, dtype=torch.bfloat16).transpose(1, 2)
     w_out = torch.randn(E, H, inter, device=dev, dtype=torch.bfloat16).transpose(1, 2)
-    act = glu_activation(torch.nn.functional.silu)
-    # the same shapes as shipped: MXFP4 (with GPT-OSS's clamped gate, the fused kernel) and FP8 (SiLU, as
-    # Qwen3-FP8 and DeepSeek-V3)
-    packed = [mxfp4.random_experts(*w.shape, device=dev) for w in (w_in, w_out)]
-    blocks = [fp8_blocks.random_experts(*w.shape, device=dev) for w in (w_in, w_out)]
-    gpt_oss = FusedSwiGLU(gpt_oss_gate(1.702, 7.0)._replace(interleaved=False))
-    curves = {"bf16": ((w_in, w_out), 2.0, act), "mxfp4": (packed, mxfp4.BYTES_PER_WEIGHT, gpt_oss),
-              "fp8": (blocks, fp8_blocks.BYTES_PER_WEIGHT, act)}
+    gates = {False: glu_activation(torch.nn.functional.silu),
+             True: FusedSwiGLU(gpt_oss_gate(1.702, 7.0)._replace(interleaved=False))}
+    stored = {"bf16": lambda w: w, "mxfp4": lambda w: mxfp4.random_experts(*w.shape, device=dev),
+              "fp8": lambda w: fp8_blocks.random_experts(*w.shape, device=dev)}
+    sizes = {"bf16": 2.0, "mxfp4": mxfp4.BYTES_PER_WEIGHT, "fp8": fp8_blocks.BYTES_PER_WEIGHT}
+    holds = {"bf16": True, "mxfp4": H % mxfp4.GROUP == 0 and inter % mxfp4.GROUP == 0,  # groups of 32 along d_in
+             "fp8": all(d % b == 0 for d in (H, inter) for b in fp8_blocks.BLOCK)}  # 128 x 128 blocks
+    curves = {name: ([stored[name](w) for w in (w_in, w_out)], sizes[name], gates[clamped])
+              for name, clamped in formats.items() if holds[name]}
     points = {name: [] for name in curves}
+    per_expert = (2, 32, 512) if quick else (1, 4, 16, 64, 256, 1024)  # rows per expert, decode to prefill
     with torch.no_grad(), autotune_override(False):  # as the offloaded runtime runs them
-        for tokens in ((8, 128, 2048) if quick else (4, 16, 64, 256, 1024, 4096)):
+        for rows in per_expert:
+            tokens = max(1, rows * E // k)
             x = torch.randn(tokens, H, device=dev, dtype=torch.bfloat16)
             experts = torch.randint(0, E, (tokens, k), device=dev)
-            gates = torch.rand(tokens, k, device=dev, dtype=torch.bfloat16)
+            weights = torch.rand(tokens, k, device=dev, dtype=torch.bfloat16)
             active = torch.unique(experts).numel()
             flops = 6.0 * tokens * k * H * inter
             for name, ((a, b), bytes_per_weight, gate) in curves.items():
-                seconds = median_ms(lambda: expert_mlp(x, (a,), b, experts, gates, gate, validate=False)) / 1e3
+                seconds = median_ms(lambda: expert_mlp(x, (a,), b, experts, weights, gate, validate=False)) / 1e3
                 roofline = max(flops / p.gpu_flops, 3.0 * active * H * inter * bytes_per_weight / p.gpu_bandwidth)
                 points[name].append([tokens * k / E, min(1.0, roofline / seconds)])
-    p.moe_efficiency, p.mxfp4_moe_efficiency, p.fp8_moe_efficiency = points["bf16"], points["mxfp4"], points["fp8"]
+    return points
+
 
 def _gpu_attention(p: HardwareProfile, quick: bool) -> None:
     """KV bytes/s of bf16 decode attention on the GPU."""
@@ -603,8 +635,8 @@ def measure_profile(quick: bool = False, progress: bool = True, attention_shapes
     if torch.cuda.is_available():
         # the launch cost is timed on the first given model's family where the runtime has a tiny one
         family = next((m.model_type for m in attention_shapes if m.model_type in TINY_BUILDERS), "mixtral")
-        steps += [(label, functools.partial(step, quick=quick, **({"family": family} if step is _gpu_launch else {})))
-                  for label, step in GPU_STEPS]
+        extra = {_gpu_launch: {"family": family}, _moe_efficiency: {"models": tuple(attention_shapes)}}
+        steps += [(label, functools.partial(step, quick=quick, **extra.get(step, {}))) for label, step in GPU_STEPS]
     else:
         profile.notes["gpu"] = ("no CUDA device: GPU and PCIe terms not measured (run `hf-scatter profile` on the "
                                 "GPU host)")

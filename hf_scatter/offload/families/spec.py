@@ -49,6 +49,7 @@ class OpCost:
     kernels: int  # GPU launches
     moe: bool = False  # grouped expert GEMMs (their efficiency is the profile's moe_efficiency where measured)
     weight_format: str = ""  # the weights' format where not the model's dtype ("mxfp4": decoded in the kernels)
+    expert_shape: tuple = ()  # (hidden, intermediate) of one expert: its own efficiency curve where the profile has one
 
     @property
     def bytes(self) -> float:
@@ -350,7 +351,7 @@ class ModelSpec:
         ops.append(OpCost("ffn", 6.0 * tokens * self.top_k * h * self.intermediate * share,
                           active * self.expert_weight_bytes * share, 0.0, tokens * self.top_k / self.experts,
                           KERNELS["ffn"] if self.is_moe else DENSE_FFN_KERNELS, moe=self.is_moe,
-                          weight_format=self.expert_format))
+                          weight_format=self.expert_format, expert_shape=(h, self.intermediate) if self.is_moe else ()))
         if self.mlp_weight_bytes:  # shared experts and dense layers: every token, full rows
             ops.append(OpCost("mlp", 2.0 * tokens * self.mlp_weight_bytes / self.dtype_bytes, self.mlp_weight_bytes,
                               0.0, tokens, DENSE_FFN_KERNELS))

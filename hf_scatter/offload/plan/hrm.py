@@ -135,6 +135,8 @@ class HierarchicalRoofline:
             self.uncalibrated.append("moe_efficiency (expert GEMMs at the dense GEMM efficiency)")
         # each quantized format's expert kernels (None: at bf16's curve)
         self._moe_by_format = {f: _efficiency_curve(p, f"{f}_moe_efficiency") for f in EXPERT_FORMATS if f}
+        # and on models' own experts: (hidden, intermediate, format) -> curve
+        self._moe_by_shape = _moe_shape_curves(p)
         # CPU attention: the profile's standard shape (its first points), and any model shapes measured besides
         by_shape: dict[tuple, list] = {}
         for pt in p.cpu_attention or []:
@@ -151,13 +153,17 @@ class HierarchicalRoofline:
         return self.tensor_parallel.gpus
 
     # ----- calibration terms -----
-    def gemm_efficiency(self, rows: float, moe: bool = False, weight_format: str = "") -> float:
+    def gemm_efficiency(self, rows: float, moe: bool = False, weight_format: str = "", expert_shape: tuple = ()
+                        ) -> float:
         """Achieved / roofline time of a GEMM with ``rows`` rows (``moe``: of the grouped expert kernels at
         ``rows`` per expert; ``weight_format`` "mxfp4" or "fp8": reading weights in that format, where the
+        profile measured them; ``expert_shape`` (hidden, intermediate): on experts of that shape, where the
         profile measured them): log-linear between measured points, flat outside them."""
         curve = self._moe if moe and self._moe is not None else self._gemm
         if moe and self._moe_by_format.get(weight_format) is not None:
             curve = self._moe_by_format[weight_format]
+        if moe and expert_shape:
+            curve = self._moe_by_shape.get(moe_shape_key(expert_shape, weight_format), curve)
         if curve is None:
             return 1.0
         return float(np.interp(math.log(max(rows, 1e-9)), *curve))
@@ -198,11 +204,12 @@ class HierarchicalRoofline:
             memory = op.kv_bytes / self.gpu_attention_bandwidth
             return max(op.flops / self.roofs.gpu_flops, memory)
         roof = max(op.flops / self.roofs.gpu_flops, op.bytes / self.roofs.gpu_bandwidth)
-        return roof / self.gemm_efficiency(op.rows, op.moe, op.weight_format)
+        return roof / self.gemm_efficiency(op.rows, op.moe, op.weight_format, op.expert_shape)
 
     def calibrates(self, weight_format: str) -> bool:
         """Whether the profile measured the expert kernels reading weights in ``weight_format``."""
-        return not weight_format or self._moe_by_format.get(weight_format) is not None
+        return not weight_format or self._moe_by_format.get(weight_format) is not None or \
+            any(key[2] == weight_format for key in self._moe_by_shape)
 
     def cpu_attention_bytes_per_token(self, model: ModelSpec) -> float:
         """What one cached token costs CPU decode attention, in the KV bytes the measured rate counts: its K and
@@ -251,12 +258,39 @@ class HierarchicalRoofline:
 def _efficiency_curve(profile: HardwareProfile, field: str) -> tuple[np.ndarray, np.ndarray] | None:
     """(log rows, efficiency) of a profile's ``[[rows, achieved / roofline], ...]`` points."""
     points = getattr(profile, field)
-    if not points:
-        return None
+    return _efficiency_points(points, profile.name, field) if points else None
+
+
+def _efficiency_points(points: list, name: str, field: str) -> tuple[np.ndarray, np.ndarray]:
     pts = sorted((float(m), float(e)) for m, e in points)
-    if any(not 0 < e <= 1.0 for _, e in pts) or any(m <= 0 for m, _ in pts):
-        raise ProfileError(f"profile {profile.name!r}: {field} needs positive rows and values in (0, 1]")
+    if not pts or any(not 0 < e <= 1.0 for _, e in pts) or any(m <= 0 for m, _ in pts):
+        raise ProfileError(f"profile {name!r}: {field} needs positive rows and values in (0, 1]")
     return np.log([m for m, _ in pts]), np.array([e for _, e in pts])
+
+
+def _moe_shape_curves(profile: HardwareProfile) -> dict[tuple[int, int, str], tuple[np.ndarray, np.ndarray]]:
+    """A profile's ``moe_efficiency_by_shape``, each curve under its :func:`moe_shape_key`."""
+    curves = {}
+    for entry in profile.moe_efficiency_by_shape or []:
+        try:
+            key = moe_shape_key(entry)
+            points = entry["points"]
+        except (KeyError, TypeError, ValueError) as error:
+            raise ProfileError(f"profile {profile.name!r}: each moe_efficiency_by_shape entry needs hidden, "
+                               f"intermediate, format and points; got {entry!r}") from error
+        if key[2] not in ("bf16", *(f for f in EXPERT_FORMATS if f)):
+            raise ProfileError(f"profile {profile.name!r}: moe_efficiency_by_shape format {key[2]!r} is not bf16 "
+                               f"or one of {', '.join(f for f in EXPERT_FORMATS if f)}")
+        curves[key] = _efficiency_points(points, profile.name, "moe_efficiency_by_shape")
+    return curves
+
+
+def moe_shape_key(source, weight_format: str = "") -> tuple[int, int, str]:
+    """(hidden, intermediate, format) of one of a profile's ``moe_efficiency_by_shape`` curves (a dict), or of an
+    expert shape ``(hidden, intermediate)`` whose weights are in ``weight_format`` ("": bf16)."""
+    if isinstance(source, dict):
+        return int(source["hidden"]), int(source["intermediate"]), str(source["format"])
+    return int(source[0]), int(source[1]), weight_format or "bf16"
 
 
 def attention_shape(source) -> tuple[int, int, int, bool, bool]:

@@ -50,6 +50,11 @@ class HardwareProfile:
     mxfp4_moe_efficiency: list = field(default_factory=list)
     # and reading block-scaled FP8 weights (Qwen3-FP8, DeepSeek-V3 as shipped), against the roofline of FP8's bytes
     fp8_moe_efficiency: list = field(default_factory=list)
+    # the same kernels on a planned model's own experts (``bench offload``, ``hf-scatter profile --model``), which the
+    # planner prefers for that shape: [{"hidden", "intermediate", "format": "bf16" | "mxfp4" | "fp8", "points":
+    # [[rows per expert, achieved / roofline]]}]. GPT-OSS-120B's 2880-wide MXFP4 experts ran a 2048-token prefill
+    # stage in 4.3 ms where Mixtral's curve priced it at 3.6 (H200 host)
+    moe_efficiency_by_shape: list = field(default_factory=list)
     # CPU <-> GPU link
     h2d_pinned: float | None = None
     h2d_pageable: float | None = None
@@ -97,7 +102,7 @@ class HardwareProfile:
             data["name"] = os.path.basename(origin)
         for key, value in data.items():
             if key in ("gemm_efficiency", "moe_efficiency", "mxfp4_moe_efficiency", "fp8_moe_efficiency",
-                       "cpu_attention", "h2d_pinned_concurrent", "notes", "cpu_attention_group", "name", "host",
+                       "moe_efficiency_by_shape", "cpu_attention", "h2d_pinned_concurrent", "notes", "cpu_attention_group", "name", "host",
                        "device", "source", "date"):
                 continue
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0):
@@ -146,6 +151,10 @@ class HardwareProfile:
             ("GPU op launch", "gpu_launch_s", rate(self.gpu_launch_s, "us", 1e-6)),
             ("GEMM efficiency (rows: achieved/roofline)", "gemm_efficiency",
              ", ".join(f"{int(m)}: {e:.2f}" for m, e in self.gemm_efficiency) or "not measured"),
+            ("expert kernels on models' own experts (rows per expert: achieved/roofline)", "moe_efficiency_by_shape",
+             "; ".join(f"{c['hidden']}x{c['intermediate']} {c['format']}: "
+                       + ", ".join(f"{m:g}: {e:.2f}" for m, e in c["points"]) for c in self.moe_efficiency_by_shape)
+             or "not measured"),
             ("host->device pinned / pageable", "h2d_pinned",
              f"{rate(self.h2d_pinned, 'GB/s', 1e9)} / {rate(self.h2d_pageable, 'GB/s', 1e9)}"),
             ("device->host pinned / pageable", "d2h_pinned",

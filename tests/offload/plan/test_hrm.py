@@ -122,6 +122,36 @@ def test_calibration_terms_interpolate_measurements():
     assert both.calibrates("fp8") and not both.calibrates("mxfp4") and not bf16_curve.calibrates("fp8")
 
 
+def test_expert_kernels_are_priced_on_the_models_own_experts_where_the_profile_measured_them(tmp_path):
+    """A curve measured on a model's own experts (hidden x intermediate, in one format) prices that model's expert
+    FFN; other shapes and formats keep the general curves, and a saved profile keeps the curves."""
+    gpt_oss = ModelSpec.from_config("gpt-oss-120b")  # MXFP4 experts of 2880 x 2880
+    ffn = gpt_oss.prefill_ops(2048, 76)["ffn"]
+    assert ffn.expert_shape == (2880, 2880) and ffn.rows == 64
+    own = [{"hidden": 2880, "intermediate": 2880, "format": "mxfp4", "points": [[16, 0.05], [256, 0.25]]}]
+    general = synthetic(moe_efficiency=[[64, 0.4]], mxfp4_moe_efficiency=[[64, 0.3]])
+    shaped = dataclasses.replace(general, moe_efficiency_by_shape=own)
+    hrm, before = HierarchicalRoofline(shaped), HierarchicalRoofline(general)
+    assert hrm.gemm_efficiency(64, True, "mxfp4", (2880, 2880)) == pytest.approx(0.15)  # half way in log rows
+    assert hrm.gpu_seconds(ffn) == pytest.approx(before.gpu_seconds(ffn) * 0.3 / 0.15)
+    # the same shape in bf16, another shape in MXFP4, and a dense GEMM: the curves they had
+    bf16 = ModelSpec.from_config("gpt-oss-120b", weights="bf16").prefill_ops(2048, 76)["ffn"]
+    assert hrm.gpu_seconds(bf16) == pytest.approx(before.gpu_seconds(bf16))
+    assert hrm.gemm_efficiency(64, True, "mxfp4", (2880, 1440)) == pytest.approx(0.3)
+    assert hrm.gemm_efficiency(64, False, "", (2880, 2880)) == before.gemm_efficiency(64)
+    # a format measured only on a model's experts counts as calibrated
+    assert HierarchicalRoofline(synthetic(moe_efficiency_by_shape=own)).calibrates("mxfp4")
+    # saved and read back: the same prices
+    path = shaped.save(str(tmp_path / "profile.json"))
+    assert HierarchicalRoofline(load_profile(path)).gpu_seconds(ffn) == pytest.approx(hrm.gpu_seconds(ffn))
+    # entries that cannot price anything are refused, naming the field
+    for bad in ([{"hidden": 2880, "format": "mxfp4", "points": [[16, 0.1]]}],
+                [{"hidden": 2880, "intermediate": 2880, "format": "int4", "points": [[16, 0.1]]}],
+                [{"hidden": 2880, "intermediate": 2880, "format": "mxfp4", "points": [[16, 1.5]]}]):
+        with pytest.raises(ProfileError, match="moe_efficiency_by_shape"):
+            HierarchicalRoofline(synthetic(moe_efficiency_by_shape=bad))
+
+
 # ----- model description -----
 @pytest.mark.parametrize("family", ["mixtral", "dbrx", "llama", "deepseek_v3", "deepseek_v2", "granitemoe"])
 def test_model_spec_weight_bytes_equal_the_real_parameter_count(family, tmp_path):
@@ -858,6 +888,34 @@ def test_the_launch_cost_is_the_runtime_s_and_prices_its_stages():
     seconds, kernels = stage_issue_seconds("gpt_oss", "cuda", new_tokens=8)
     assert 1e-6 < p.gpu_launch_s < 2e-3 and "decode stage of a tiny gpt_oss" in p.notes["gpu_launch_s"]
     assert p.gpu_launch_s * kernels == pytest.approx(seconds, rel=0.5)  # two runs of one host-bound measurement
+
+
+@pytest.mark.gpu
+def test_profile_measures_the_expert_kernels_on_the_models_own_experts():
+    """On the GPU, each given MoE model whose experts differ from Mixtral's gets curves of its own, in the formats
+    its shape can be stored in, that the planner then prices its expert FFN by; Mixtral's shape adds none."""
+    from hf_scatter.offload.measure import _gpu_bandwidth, _gpu_flops, _moe_efficiency
+
+    p = HardwareProfile(name="here")
+    _gpu_flops(p, quick=True)
+    _gpu_bandwidth(p, quick=True)
+    odd = ModelSpec(name="odd", family="mixtral", hidden=1056, layers=1, heads=8, kv_heads=2, head_dim=64,
+                    intermediate=704, experts=24, top_k=3, vocab=1000)  # multiples of 32, not of 128
+    gpt_oss = ModelSpec.from_config("gpt-oss-20b")
+    _moe_efficiency(p, quick=True, models=(MIXTRAL, odd, gpt_oss))
+    found = {(c["hidden"], c["intermediate"], c["format"]): c["points"] for c in p.moe_efficiency_by_shape}
+    assert set(found) == {(1056, 704, "bf16"), (1056, 704, "mxfp4"), (2880, 2880, "bf16"), (2880, 2880, "mxfp4")}
+    for points in found.values():
+        assert [m for m, _ in points] == pytest.approx([2, 32, 512], rel=0.1)
+        assert all(0 < e <= 1 for _, e in points)
+    ffn = gpt_oss.prefill_ops(2048, 76)["ffn"]
+    measured = synthetic(gpu_flops=p.gpu_flops, gpu_bandwidth=p.gpu_bandwidth, moe_efficiency=p.moe_efficiency,
+                         mxfp4_moe_efficiency=p.mxfp4_moe_efficiency)
+    own = HierarchicalRoofline(dataclasses.replace(measured, moe_efficiency_by_shape=p.moe_efficiency_by_shape))
+    general = HierarchicalRoofline(measured)
+    expected = own.gemm_efficiency(ffn.rows, True, "mxfp4", (2880, 2880))
+    assert own.gpu_seconds(ffn) == pytest.approx(general.gpu_seconds(ffn) * general.gemm_efficiency(
+        ffn.rows, True, "mxfp4") / expected)
 
 
 @pytest.mark.gpu
