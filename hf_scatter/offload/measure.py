@@ -585,11 +585,11 @@ GPU_STEPS = [("GPU matmul", _gpu_flops), ("GPU copy", _gpu_bandwidth), ("GEMM ef
 
 
 def measure_profile(quick: bool = False, progress: bool = True, attention_shapes=()) -> HardwareProfile:
-    """Measure this machine (about 30 s with a GPU, up to a minute more with several; ``quick``: a few seconds).
-    Without a CUDA GPU only the CPU terms are filled and ``notes['gpu']`` says the GPU terms are missing.
+    """Measure this machine (about a minute with a GPU, up to a minute more with several; ``quick``: a few
+    seconds). Without a CUDA GPU only the CPU terms are filled and ``notes['gpu']`` says the GPU terms are missing.
     ``attention_shapes``: models (their :class:`ModelSpec`) whose own CPU attention shape is measured too (query
     heads per KV head, head size and MLA's shared key and value change the speed per KV byte by up to 8x on the
-    H100 host)."""
+    H100 host), and, on a GPU, the expert kernels on their own experts (:func:`_moe_efficiency`)."""
     from tqdm import tqdm
 
     host, device = current_machine()
