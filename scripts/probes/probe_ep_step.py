@@ -4,7 +4,8 @@ for every rows setting each rank reports the step time, the host's time to issue
 kernels), NCCL's time and the part of it no other kernel overlaps, the GPU's idle gaps with the kernel before
 each, the top kernels and the top host ops by self time, and the host syncs per step (torch profiler, CPU and
 CUDA). SHAPE (default deepseek-v2-lite), LAYERS (default: all), ROWS (default "2 4"); arguments: implementations
-(default the family's default and hf-scatter). PYPROFILE=1 adds cProfile's view of one step. Writes $OUT/ep-step-<SHAPE>.json.
+(default the family's default and hf-scatter). PYPROFILE=1 adds cProfile's view of one step. Writes
+$OUT/ep-step-<SHAPE>.json.
 
     torchrun --nproc_per_node 2 scripts/probes/probe_ep_step.py
 """
@@ -27,9 +28,12 @@ SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchron
 
 
 def summarise(prof, steps: int) -> dict:
-    kernels = sorted((e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-                     if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
-    kernels.sort(key=lambda k: k[1])
+    """Per step of a ``steps``-step profile: busy, NCCL and compute time on the GPU (an NCCL kernel waiting for a
+    peer counts as busy; ``compute_ms`` is the rest's union), idle gaps and what ran before each, top kernels, top
+    host ops by self time, host syncs."""
+    kernels = sorted(((e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                      if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start),
+                     key=lambda k: k[1])
     busy = union([(a, b) for _, a, b in kernels])
     comm = union([(a, b) for n, a, b in kernels if "nccl" in n.lower()])
     compute = union([(a, b) for n, a, b in kernels if "nccl" not in n.lower()])

@@ -102,8 +102,8 @@ class HardwareProfile:
             data["name"] = os.path.basename(origin)
         for key, value in data.items():
             if key in ("gemm_efficiency", "moe_efficiency", "mxfp4_moe_efficiency", "fp8_moe_efficiency",
-                       "moe_efficiency_by_shape", "cpu_attention", "h2d_pinned_concurrent", "notes", "cpu_attention_group", "name", "host",
-                       "device", "source", "date"):
+                       "moe_efficiency_by_shape", "cpu_attention", "h2d_pinned_concurrent", "notes",
+                       "cpu_attention_group", "name", "host", "device", "source", "date"):
                 continue
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0):
                 raise ValueError(f"{origin}: {key} must be a positive number or null, got {value!r}")
