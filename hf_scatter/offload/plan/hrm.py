@@ -204,7 +204,15 @@ class HierarchicalRoofline:
             memory = op.kv_bytes / self.gpu_attention_bandwidth
             return max(op.flops / self.roofs.gpu_flops, memory)
         roof = max(op.flops / self.roofs.gpu_flops, op.bytes / self.roofs.gpu_bandwidth)
-        return roof / self.gemm_efficiency(op.rows, op.moe, op.weight_format, op.expert_shape)
+        return roof / self.gemm_efficiency(op.rows, op.moe, op.weight_format, self._rank_expert_shape(op))
+
+    def _rank_expert_shape(self, op: OpCost) -> tuple:
+        """The experts one GPU of the group computes: a tensor-parallel rank holds 1/N of each expert's
+        intermediate columns (``families.sharding``), so its kernels run that narrower shape."""
+        if not op.expert_shape or self.gpus == 1:
+            return op.expert_shape
+        hidden, intermediate = op.expert_shape
+        return (hidden, intermediate // self.gpus) if intermediate % self.gpus == 0 else ()
 
     def calibrates(self, weight_format: str) -> bool:
         """Whether the profile measured the expert kernels reading weights in ``weight_format``."""

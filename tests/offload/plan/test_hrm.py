@@ -141,6 +141,13 @@ def test_expert_kernels_are_priced_on_the_models_own_experts_where_the_profile_m
     assert hrm.gemm_efficiency(64, False, "", (2880, 2880)) == before.gemm_efficiency(64)
     # a format measured only on a model's experts counts as calibrated
     assert HierarchicalRoofline(synthetic(moe_efficiency_by_shape=own)).calibrates("mxfp4")
+    # a tensor-parallel rank computes 1/N of each expert's columns: that share's curve, else the general ones
+    half = [{"hidden": 2880, "intermediate": 1440, "format": "mxfp4", "points": [[64, 0.1]]}]
+    pair = HierarchicalRoofline(dataclasses.replace(general, gpus=2, moe_efficiency_by_shape=own + half), gpus=2)
+    pair_general = HierarchicalRoofline(dataclasses.replace(general, gpus=2), gpus=2)
+    assert pair.gpu_seconds(ffn) == pytest.approx(pair_general.gpu_seconds(ffn) * 0.3 / 0.1)
+    pair_full = HierarchicalRoofline(dataclasses.replace(shaped, gpus=2), gpus=2)
+    assert pair_full.gpu_seconds(ffn) == pytest.approx(pair_general.gpu_seconds(ffn))
     # saved and read back: the same prices
     path = shaped.save(str(tmp_path / "profile.json"))
     assert HierarchicalRoofline(load_profile(path)).gpu_seconds(ffn) == pytest.approx(hrm.gpu_seconds(ffn))
