@@ -254,11 +254,11 @@ _COMM_KEYS = ("nccl_ms", "compute_ms", "exposed_comm_ms")
 
 def aggregate(ranks: list[dict]) -> dict:
     """One variant over its ranks: tokens/s and model TFLOP/s per GPU are the ranks' means (each rank's count
-    its own tokens, a shared batch's once, split over the ranks), the step time, peak memory and communication
-    the largest rank's, the first-step loss the mean of the ranks' (each over as many tokens) with every
+    its own tokens, a shared batch's once, split over the ranks), the step time, the host's time to issue it, peak
+    memory and communication the largest rank's, the first-step loss the mean of the ranks' (each over as many tokens) with every
     rank's raw numbers kept under ``ranks``."""
     def largest(key: str):
-        values = [r[key] for r in ranks]
+        values = [r.get(key) for r in ranks]
         return None if any(v is None for v in values) else max(values)
 
     comm = [r["comm_ms"] for r in ranks]
@@ -267,6 +267,7 @@ def aggregate(ranks: list[dict]) -> dict:
             "tflops_per_gpu": statistics.fmean(r["tflops"] for r in ranks),
             "model_flops_per_step": sum(r["model_flops"] for r in ranks),
             "step_ms_median": largest("step_ms_median"), "step_ms_all": ranks[0]["step_ms_all"],
+            "host_issue_ms_median": largest("host_issue_ms_median"),
             "peak_gib": largest("peak_gib"), "peak_reserved_gib": largest("peak_reserved_gib"),
             "first_step_loss": statistics.fmean(r["first_step_loss"] for r in ranks),
             "comm_ms": NOT_MEASURED if any(isinstance(c, str) for c in comm) else

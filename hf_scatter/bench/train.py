@@ -347,8 +347,11 @@ def _timed_steps(impl: str, model, step: Callable[[], torch.Tensor], warmup: int
     first_loss = step().item()
     for _ in range(warmup - 1):
         step()
-    times = [_step_ms(step, cuda) for _ in range(steps)]
-    result = {"first_step_loss": first_loss, "step_ms_median": statistics.median(times), "step_ms_all": times,
+    times, host = zip(*[_step_ms(step, cuda) for _ in range(steps)])
+    result = {"first_step_loss": first_loss, "step_ms_median": statistics.median(times), "step_ms_all": list(times),
+              # how long the host took to issue a step: near the step time, the host sets the pace (a sync inside
+              # the step, or more host work than GPU work), and faster kernels cannot show
+              "host_issue_ms_median": statistics.median(host),
               "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
               # what lives across steps (weights, gradients, optimizer states): a batch sweep's prediction
               "resident_gib": torch.cuda.memory_allocated() / 2**30 if cuda else None,
@@ -364,18 +367,21 @@ def _timed_steps(impl: str, model, step: Callable[[], torch.Tensor], warmup: int
     return result
 
 
-def _step_ms(step: Callable[[], torch.Tensor], cuda: bool) -> float:
-    """One step's time: CUDA events on the GPU, the wall clock on the CPU."""
+def _step_ms(step: Callable[[], torch.Tensor], cuda: bool) -> tuple[float, float]:
+    """(one step's time: CUDA events on the GPU, the wall clock on the CPU; the host's time to issue it)."""
     if not cuda:
         begin = time.perf_counter()
         step()
-        return (time.perf_counter() - begin) * 1e3
+        ms = (time.perf_counter() - begin) * 1e3
+        return ms, ms
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
+    begin = time.perf_counter()
     step()
+    issued = (time.perf_counter() - begin) * 1e3
     b.record()
     b.synchronize()
-    return a.elapsed_time(b)
+    return a.elapsed_time(b), issued
 
 
 # run() checks for the GPU itself: the smoke shape (``--shape smoke``) runs on the CPU where there is none

@@ -380,9 +380,11 @@ def _check_ranks(report: dict, engine: str) -> None:
         for x in ranks:
             assert x["tokens"] == train.SMOKE.tokens / (2 if shared else 1)
             assert x["tokens_per_s"] == pytest.approx(x["tokens"] / (x["step_ms_median"] / 1e3))
+            assert 0 < x["host_issue_ms_median"] <= x["step_ms_median"]  # the CPU: the step is all host
             assert x["peak_gib"] is None and x["comm_ms"] == "not measured"  # no GPU: no memory, no GPU kernels
         assert r["tokens_per_s"] == pytest.approx((ranks[0]["tokens_per_s"] + ranks[1]["tokens_per_s"]) / 2)
         assert r["step_ms_median"] == max(x["step_ms_median"] for x in ranks)
+        assert r["host_issue_ms_median"] == max(x["host_issue_ms_median"] for x in ranks)
         assert r["first_step_loss"] == pytest.approx((ranks[0]["first_step_loss"] + ranks[1]["first_step_loss"]) / 2)
         assert r["model_flops_per_step"] == pytest.approx(sum(x["model_flops"] for x in ranks))
     for rank in range(2):  # patched vs vanilla on the same rows: float32, so within rounding
@@ -444,7 +446,8 @@ def test_bench_train_per_variant_figures_from_synthetic_ranks():
     def rank(i, tokens_per_s, step_ms, peak, reserved, loss, comm):
         return {"rank": i, "tokens": 4096, "tokens_per_s": tokens_per_s, "tflops": tokens_per_s / 1e3,
                 "model_flops": 1e12, "step_ms_median": step_ms, "step_ms_all": [step_ms], "peak_gib": peak,
-                "peak_reserved_gib": reserved, "first_step_loss": loss, "comm_ms": comm}
+                "peak_reserved_gib": reserved, "first_step_loss": loss, "comm_ms": comm,
+                "host_issue_ms_median": step_ms / 2 + i}
 
     comm = [{"nccl_ms": 10.0, "compute_ms": 90.0, "exposed_comm_ms": 2.0},
             {"nccl_ms": 12.0, "compute_ms": 80.0, "exposed_comm_ms": 1.0}]
@@ -452,10 +455,13 @@ def test_bench_train_per_variant_figures_from_synthetic_ranks():
     r = aggregate(ranks)
     assert (r["tokens_per_s"], r["tokens_per_s_all_gpus"], r["tflops_per_gpu"]) == (35000.0, 70000.0, 35.0)
     assert (r["step_ms_median"], r["peak_gib"], r["peak_reserved_gib"]) == (136.5, 32.0, 34.0)
+    assert r["host_issue_ms_median"] == 136.5 / 2 + 1
     assert (r["first_step_loss"], r["model_flops_per_step"], r["ranks"]) == (2.5, 2e12, ranks)
     assert r["comm_ms"] == {"nccl_ms": 12.0, "compute_ms": 90.0, "exposed_comm_ms": 2.0}
     ranks[1]["comm_ms"] = "not measured"
     assert aggregate(ranks)["comm_ms"] == "not measured"
+    del ranks[0]["host_issue_ms_median"]  # a report from before the host time was kept: unknown, not a rank's
+    assert aggregate(ranks)["host_issue_ms_median"] is None
 
 
 def test_bench_train_batch_sweep_skips_every_batch_the_measured_memory_says_will_not_fit():
