@@ -254,9 +254,9 @@ _COMM_KEYS = ("nccl_ms", "compute_ms", "exposed_comm_ms")
 
 def aggregate(ranks: list[dict]) -> dict:
     """One variant over its ranks: tokens/s and model TFLOP/s per GPU are the ranks' means (each rank's count
-    its own tokens, a shared batch's once, split over the ranks), the step time, the host's time to issue it, peak
-    memory and communication the largest rank's, the first-step loss the mean of the ranks' (each over as many tokens) with every
-    rank's raw numbers kept under ``ranks``."""
+    its own tokens, a shared batch's once, split over the ranks), the step time, the host's time to issue it,
+    peak memory and communication the largest rank's, the first-step loss the mean of the ranks' (each over as
+    many tokens) with every rank's raw numbers kept under ``ranks``."""
     def largest(key: str):
         values = [r.get(key) for r in ranks]
         return None if any(v is None for v in values) else max(values)
