@@ -4,7 +4,8 @@ for every rows setting each rank reports the step time, the host's time to issue
 kernels), NCCL's time and the part of it no other kernel overlaps, the GPU's idle gaps with the kernel before
 each, the top kernels and the top host ops by self time, and the host syncs per step (torch profiler, CPU and
 CUDA). SHAPE (default deepseek-v2-lite), LAYERS (default: all), ROWS (default "2 4"); arguments: implementations
-(default the family's default and hf-scatter). PYPROFILE=1 adds cProfile's view of one step. Writes
+(default the family's default and hf-scatter). PYPROFILE=1 adds cProfile's view of one step; MEMORY=1 what the
+step's own allocations held at their peak, by where they were made (the allocator's history). Writes
 $OUT/ep-step-<SHAPE>.json.
 
     torchrun --nproc_per_node 2 scripts/probes/probe_ep_step.py
@@ -70,6 +71,48 @@ def summarise(prof, steps: int) -> dict:
     }
 
 
+def peak_allocations(trace: list[dict], top: int = 25) -> dict:
+    """Replay one device's allocator trace (``torch.cuda.memory._snapshot()["device_traces"][i]``, recorded over
+    one step): the most memory the step's own allocations held at once, and what held it then, by the innermost
+    frame in hf_scatter, transformers or torch.distributed (else the innermost frame)."""
+    def step_through(stop: int | None):
+        live, held, peak, at = {}, 0, 0, 0
+        for i, e in enumerate(trace[:stop]):
+            if e["action"] == "alloc":
+                live[e["addr"]] = e
+                held += e["size"]
+            elif e["action"] == "free_requested" and e["addr"] in live:
+                held -= live.pop(e["addr"])["size"]
+            if held > peak:
+                peak, at = held, i + 1
+        return live, peak, at
+
+    _, peak, at = step_through(None)
+    live, _, _ = step_through(at)
+    by_place: dict[str, int] = {}
+    for e in live.values():
+        frames = e.get("frames") or [{"filename": "?", "line": 0, "name": "?"}]
+        own = next((f for f in frames if any(k in f["filename"] for k in ("hf_scatter", "transformers",
+                                                                            "torch/distributed"))), frames[0])
+        place = f"{own['filename'].split('site-packages/')[-1]}:{own['line']}({own['name']})"
+        by_place[place] = by_place.get(place, 0) + e["size"]
+    ranked = sorted(by_place.items(), key=lambda kv: -kv[1])[:top]
+    return {"step_peak_gib": peak / 2**30, "held_at_peak_mib": [(k, round(v / 2**20, 1)) for k, v in ranked]}
+
+
+def memory_at_peak(step) -> dict:
+    """:func:`peak_allocations` of one step recorded by the CUDA caching allocator's history."""
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=500_000, stacks="python")
+    try:
+        step()
+        torch.cuda.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    return peak_allocations(snapshot["device_traces"][torch.cuda.current_device()])
+
+
 def python_profile(step) -> dict:
     """cProfile's view of one step: the Python functions the host time goes to (self and cumulative)."""
     import cProfile
@@ -133,9 +176,10 @@ def main() -> None:
                         step()
                     torch.cuda.synchronize()
                 python = python_profile(step) if os.environ.get("PYPROFILE") else {}
+                memory = memory_at_peak(step) if os.environ.get("MEMORY") else {}
                 found = {"rows": r, "build_s": built_s, "step_ms": statistics.median(total),
                          "host_issue_ms": statistics.median(host), "step_ms_all": total,
-                         "peak_gib": torch.cuda.max_memory_allocated() / 2**30, **summarise(prof, 2), **python}
+                         "peak_gib": torch.cuda.max_memory_allocated() / 2**30, **summarise(prof, 2), **python, **memory}
                 del prof
                 ranks = engines.gather(found)
                 if me == 0:
@@ -143,9 +187,9 @@ def main() -> None:
                     short = {k: (round(v, 1) if isinstance(v, float) else v) for k, v in ranks[0].items()
                              if not isinstance(v, (list, dict))}
                     print(impl, json.dumps(short), flush=True)
-                    for key in ("gaps_after", "kernels", "host_self_ms"):
+                    for key in ("gaps_after", "kernels", "host_self_ms", "held_at_peak_mib"):
                         print("  ", key)
-                        for row in ranks[0][key][:15]:
+                        for row in ranks[0].get(key, [])[:15]:
                             print("     ", row)
                     print("   syncs", ranks[0]["syncs"], flush=True)
                 del step, opt
