@@ -179,7 +179,8 @@ def main() -> None:
                 memory = memory_at_peak(step) if os.environ.get("MEMORY") else {}
                 found = {"rows": r, "build_s": built_s, "step_ms": statistics.median(total),
                          "host_issue_ms": statistics.median(host), "step_ms_all": total,
-                         "peak_gib": torch.cuda.max_memory_allocated() / 2**30, **summarise(prof, 2), **python, **memory}
+                         "peak_gib": torch.cuda.max_memory_allocated() / 2**30, **summarise(prof, 2), **python,
+                         **memory}
                 del prof
                 ranks = engines.gather(found)
                 if me == 0:
