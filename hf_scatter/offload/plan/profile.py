@@ -124,15 +124,18 @@ class HardwareProfile:
         spec = dict(GPU_SPECS[gpu])
         note = spec.pop("note")
         link = spec.pop("pcie")
-        notes = {k: v for k, v in self.notes.items()
-                 if k not in ("gpu_flops", "gpu_bandwidth", "gpu_memory", "gpu_attention_bandwidth", "gemm_efficiency")}
+        measured_on_the_gpu = ("gpu_flops", "gpu_bandwidth", "gpu_memory", "gpu_attention_bandwidth", "gemm_efficiency",
+                               "moe_efficiency", "mxfp4_moe_efficiency", "fp8_moe_efficiency",
+                               "moe_efficiency_by_shape")
+        notes = {k: v for k, v in self.notes.items() if k not in measured_on_the_gpu}
         for key in ("gpu_flops", "gpu_bandwidth", "gpu_memory"):
             notes[key] = note
         for key in ("h2d_pinned", "d2h_pinned", "duplex_pinned"):
             notes[key] = f"{gpu}: PCIe peak per direction from the bus generation (not measured)"
         return dataclasses.replace(
             self, name=f"{gpu} (spec sheet) on {self.name}", device=gpu, source=f"{gpu} spec sheet + {self.source}",
-            gpu_attention_bandwidth=None, gemm_efficiency=[], h2d_pinned=link, d2h_pinned=link,
+            gpu_attention_bandwidth=None, gemm_efficiency=[], moe_efficiency=[], mxfp4_moe_efficiency=[],
+            fp8_moe_efficiency=[], moe_efficiency_by_shape=[], h2d_pinned=link, d2h_pinned=link,
             duplex_pinned=2 * link, h2d_pageable=None, d2h_pageable=None, h2d_pinned_concurrent=[],
             allreduce_bus_bandwidth=None, allreduce_latency_s=None, notes=notes, **spec)
 

@@ -455,6 +455,12 @@ def test_profile_json_round_trip_and_validation(tmp_path, monkeypatch):
     t4 = ANCHORS.with_gpu("t4")
     assert (t4.gpu_flops, t4.h2d_pinned, t4.cpu_bandwidth) == (65e12, 15.75e9, ANCHORS.cpu_bandwidth)
     assert "spec sheet" in t4.notes["gpu_flops"] and t4.gemm_efficiency == []
+    # what the profiled GPU's kernels reached says nothing of another GPU's: no efficiency curve is carried over
+    curves = dict(moe_efficiency=[[16, 0.5]], mxfp4_moe_efficiency=[[16, 0.2]], fp8_moe_efficiency=[[16, 0.3]],
+                  moe_efficiency_by_shape=[{"hidden": 2880, "intermediate": 2880, "format": "bf16",
+                                            "points": [[16, 0.4]]}])
+    l4 = dataclasses.replace(ANCHORS, **curves).with_gpu("l4")
+    assert all(getattr(l4, name) == [] for name in curves)
 
 
 def test_profile_command_measures_cpu_terms_and_plan_uses_them(tmp_path, capsys):
