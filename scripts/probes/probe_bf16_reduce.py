@@ -1,8 +1,8 @@
 """Does FSDP2's gradient reduction in bf16 (``bench train --reduce-dtype bfloat16``, the tuned rows of the multi-GPU
-tables) cost a patched MoE anything in training? The same run twice under torchrun, float32 then bf16 reduction:
-a tiny patched Qwen3-MoE (float32 parameters, FSDP2 per decoder layer then the root, AdamW) learning a fixed
-random next-token table, each rank on its own rows; every step's loss, averaged over the ranks, for both, and for
-float32 from another initialisation (how far two runs differ anyway). ``final``: the mean of the last tenth.
+tables) cost a patched MoE anything in training? Under torchrun, one run with float32 and one with bf16 reduction
+of a tiny patched Qwen3-MoE (float32 parameters, FSDP2 per decoder layer then the root, AdamW) learning a fixed
+random next-token table, each rank on its own rows, and a float32 run from another initialisation (how far two
+runs differ anyway); every step's loss, averaged over the ranks. ``final``: the mean of the last tenth.
 
     torchrun --nproc_per_node 2 scripts/probes/probe_bf16_reduce.py OUT.json     (CPU: gloo; STEPS, default 300)
 """
