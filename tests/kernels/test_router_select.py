@@ -7,7 +7,7 @@ runs the torch reference (the fallback)."""
 import pytest
 import torch
 
-from hf_scatter.kernels.router_select import (Selection, deepseek_v2_selection, deepseek_v3_selection,
+from hf_scatter.kernels.router_select import (Selection, _scores, deepseek_v2_selection, deepseek_v3_selection,
                                               gpt_oss_selection, router_select, router_select_reference)
 from test_fused_kernels import assert_close, path  # noqa: F401 - the fixture
 from test_scattermoe import poisoned_empty
@@ -36,14 +36,38 @@ def _hf_order(sel: Selection, logits, indices, bias):
     return z, w
 
 
+def _separated_logits(T: int, E: int, sel: Selection, bias: torch.Tensor | None, generator) -> torch.Tensor:
+    """Random float32 logits [T, E] whose float64 choice keys (and group scores) lie at least 1e-6 of the largest
+    apart in every row: the float32 kernel then has one right choice. Near-ties (a few rows in a thousand draws)
+    go either way within float32's rounding; exact ties have their own test."""
+    logits = 2 * torch.randn(T, E, generator=generator)
+    for _ in range(1000):
+        c = _scores(logits.double(), sel.score)
+        c = c if bias is None else c + bias.double()
+        keys = [c]
+        if sel.n_group > 1:
+            grouped = c.view(T, sel.n_group, E // sel.n_group)
+            keys.append(grouped.topk(2 if sel.group_score == "top2" else 1, dim=-1).values.sum(-1))
+        close = torch.zeros(T, dtype=torch.bool)
+        for key in keys:
+            ordered = key.sort(dim=-1).values
+            close |= (ordered.diff(dim=-1) <= 1e-6 * ordered.abs().amax(-1, keepdim=True)).any(-1)
+        if not close.any():
+            return logits
+        logits[close] = 2 * torch.randn(int(close.sum()), E, generator=generator)
+    raise AssertionError("no well-separated logits in 1000 draws")
+
+
 @pytest.mark.parametrize("name", list(SELECTIONS))
 @pytest.mark.parametrize("T,E,k", CASES, ids=[f"T{t}E{e}k{k}" for t, e, k in CASES])
 def test_choice_weights_and_gradient_against_float64(device, path, name, T, E, k):
     sel = SELECTIONS[name]
     if sel.n_group > 1 and E % sel.n_group:
         sel = sel._replace(n_group=1, topk_group=1)
-    logits = (2 * torch.randn(T, E, device=device)).requires_grad_(True)
-    bias = 0.3 * torch.randn(E, device=device) if sel.score == "sigmoid" else None
+    g = torch.Generator().manual_seed(T * 1000 + E)  # fresh draws per case, the same in every test order
+    bias = 0.3 * torch.randn(E, generator=g) if sel.score == "sigmoid" else None
+    logits = _separated_logits(T, E, sel, bias, g).to(device).requires_grad_(True)
+    bias = None if bias is None else bias.to(device)
     with poisoned_empty():
         w, idx = router_select(logits, k, sel, bias)
         dw = torch.randn_like(w)
