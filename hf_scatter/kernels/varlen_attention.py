@@ -11,6 +11,10 @@ row, sequence start, sequence end)`` per block. Programs stride over the blocks 
 fixed grid (sized for the bucket's tokens, not its worst case of one-token sequences) serves every batch
 of a length bucket: what a captured CUDA graph needs, without launching thousands of idle programs.
 
+An optional key mask ([T], 0 for a padding key) runs a padded batch row for row: each row of [B, S] is one
+sequence of S, every position (padding too) attends over its row's real keys, as in the padded model. Small
+padded batches take that form because it needs no look at the mask on the host (no device-to-host wait).
+
 The public call :func:`varlen_attention` checks its arguments and runs the ``hf_scatter::varlen_attention``
 custom op: the Triton kernel where ``backend.use_triton`` says so and the per-sequence SDPA reference
 otherwise (float64 always takes the reference). Inference only: the packed BERT path runs without
@@ -35,11 +39,11 @@ if kernels_enabled():
     import triton.language as tl
 
     @triton.jit
-    def _varlen_attention_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, blocks_ptr, scale_log2e,
+    def _varlen_attention_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, blocks_ptr, keys_ptr, scale_log2e,
                                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                                      stride_ot, stride_oh, HEAD_DIM, SIZE_CLASS,
                                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                                     UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                                     UPCAST: tl.constexpr, IEEE: tl.constexpr, KEY_MASK: tl.constexpr):
         head = tl.program_id(1).to(tl.int64)
         num_blocks = tl.load(blocks_ptr)
         for blk in range(tl.program_id(0), num_blocks, tl.num_programs(0)):
@@ -61,6 +65,8 @@ if kernels_enabled():
             for n0 in range(seq_start, seq_end, BLOCK_N):
                 cols = n0 + tl.arange(0, BLOCK_N)
                 col_mask = cols < seq_end
+                if KEY_MASK:  # padding keys of a padded row
+                    col_mask &= tl.load(keys_ptr + cols, mask=col_mask, other=0) != 0
                 cols64 = cols.to(tl.int64)
                 kt = tl.load(k_ptr + cols64[None, :] * stride_kt + head * stride_kh + d[:, None],
                              mask=d_mask[:, None] & col_mask[None, :], other=0.0)
@@ -75,14 +81,19 @@ if kernels_enabled():
                     s = tl.dot(q, kt)
                 s = tl.where(col_mask[None, :], s * scale_log2e, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
-                p = tl.exp2(s - m_new[:, None])
-                alpha = tl.exp2(m_i - m_new)
+                m_ref = m_new
+                if KEY_MASK:  # a row with no real key yet keeps its sums at zero, not NaN
+                    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.exp2(s - m_ref[:, None])
+                alpha = tl.exp2(m_i - m_ref)
                 l_i = l_i * alpha + tl.sum(p, 1)
                 if IEEE:
                     acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
                 else:
                     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
                 m_i = m_new
+            if KEY_MASK:
+                l_i = tl.where(l_i == 0.0, 1.0, l_i)  # no real key at all: zeros
             out = acc / l_i[:, None]
             tl.store(o_ptr + rows64[:, None] * stride_ot + head * stride_oh + d[None, :],
                      out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
@@ -92,7 +103,7 @@ if kernels_enabled():
     _ATTN_CONFIGS = [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
                      for bn, w, st in [(64, 4, 3), (128, 4, 3), (64, 8, 3), (128, 8, 3), (32, 4, 4), (64, 4, 4),
                                        (128, 8, 2)]]
-    _varlen_attention_tuned = triton.autotune(configs=_ATTN_CONFIGS, key=["HEAD_DIM", "SIZE_CLASS"])(
+    _varlen_attention_tuned = triton.autotune(configs=_ATTN_CONFIGS, key=["HEAD_DIM", "SIZE_CLASS", "KEY_MASK"])(
         _varlen_attention_fwd_kernel)
 
 
@@ -140,34 +151,41 @@ def max_blocks(total_tokens: int, num_sequences: int, block_m: int) -> int:
 
 
 def varlen_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths, scale: float,
-                               out: torch.Tensor) -> torch.Tensor:
-    """Pure-torch definition: each sequence's own softmax attention, one SDPA call per sequence."""
+                               out: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Pure-torch definition: each sequence's own softmax attention, one SDPA call per sequence; with
+    ``key_mask`` only its nonzero keys count, and a query with none gets zeros."""
     start = 0
     for length in lengths:
         end = start + int(length)
         if end > start:
             qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))  # [heads, L, d]
-            out[start:end] = torch.nn.functional.scaled_dot_product_attention(
-                qs, ks, vs, scale=scale).transpose(0, 1)
+            keep = None if key_mask is None else key_mask[start:end] != 0  # [L] real keys
+            if keep is not None and not keep.any():
+                out[start:end] = 0
+            else:
+                out[start:end] = torch.nn.functional.scaled_dot_product_attention(
+                    qs, ks, vs, attn_mask=keep, scale=scale).transpose(0, 1)
         start = end
     return out
 
 
 def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor, scale: float,
-                            out: torch.Tensor, block_m: int) -> torch.Tensor:
+                            out: torch.Tensor, block_m: int, key_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Launch into ``out`` ([T, heads, d], last dim contiguous); ``blocks`` from :func:`block_table` with
-    ``block_m``, on the device. Inputs are assumed validated."""
+    ``block_m``, on the device; ``key_mask`` [T] integers, contiguous (0: a padding key). Inputs are assumed
+    validated."""
     heads, head_dim = q.shape[1], q.shape[2]
     programs = grid_programs(q.shape[0], blocks.shape[0] - 1, block_m)
     if blocks.shape[0] <= 1 or heads == 0:
         return out
     interpreted = triton_interpreted()
     ieee = q.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
-    args = (q, k, v, out, blocks, scale * math.log2(math.e), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+    keys = blocks if key_mask is None else key_mask  # (an unread pointer without a mask)
+    args = (q, k, v, out, blocks, keys, scale * math.log2(math.e), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             v.stride(0), v.stride(1), out.stride(0), out.stride(1), head_dim,
             next_power_of_2(programs))
     meta = dict(BLOCK_M=block_m, BLOCK_D=max(16, next_power_of_2(head_dim)),
-                UPCAST=interpreted or q.dtype == torch.float32, IEEE=ieee or interpreted)
+                UPCAST=interpreted or q.dtype == torch.float32, IEEE=ieee or interpreted, KEY_MASK=key_mask is not None)
     launch(_varlen_attention_fwd_kernel, _varlen_attention_tuned, _ATTN_CONFIGS, {}, lambda cfg: (programs, heads),
            args, meta, {"BLOCK_N": 32})
     return out
@@ -175,17 +193,18 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b
 
 # ---------------------------------------------------------------------------------------------- op
 def _varlen_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: Optional[torch.Tensor],
-                           lengths: list[int], scale: float, block_m: int, out: torch.Tensor) -> None:
+                           key_mask: Optional[torch.Tensor], lengths: list[int], scale: float, block_m: int,
+                           out: torch.Tensor) -> None:
     if blocks is not None and triton_runs(q, "varlen_attention"):
-        varlen_attention_triton(q, k, v, blocks, scale, out, block_m)
+        varlen_attention_triton(q, k, v, blocks, scale, out, block_m, key_mask)
     else:
-        varlen_attention_reference(q, k, v, lengths, scale, out)
+        varlen_attention_reference(q, k, v, lengths, scale, out, key_mask)
 
 
 _varlen_attention_op = mutating_op("varlen_attention", "out")(_varlen_attention_impl)
 
 
-def _check(q, k, v, lengths, out) -> int:
+def _check(q, k, v, lengths, out, key_mask=None) -> int:
     op = "varlen_attention"
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
@@ -203,6 +222,12 @@ def _check(q, k, v, lengths, out) -> int:
     total = sum(int(n) for n in lengths)
     if total > q.shape[0]:
         fail(op, f"lengths add up to {total} tokens but q has only {q.shape[0]} rows")
+    if key_mask is not None and (not isinstance(key_mask, torch.Tensor) or key_mask.shape != q.shape[:1]
+                                 or key_mask.is_floating_point() or key_mask.device != q.device
+                                 or key_mask.stride(0) != 1):
+        got = f"{key_mask.dtype} {tuple(key_mask.shape)}" if isinstance(key_mask, torch.Tensor) else type(key_mask)
+        fail(op, f"key_mask must be a contiguous [{q.shape[0]}] integer or bool tensor on {q.device} "
+                 f"(1: a real key), got {got}")
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device
                             or (out.shape[2] > 1 and out.stride(2) != 1)):
         fail(op, f"out must be {tuple(q.shape)} {q.dtype} on {q.device} with a contiguous head_dim, got "
@@ -212,7 +237,7 @@ def _check(q, k, v, lengths, out) -> int:
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: Sequence[int],
                      scale: float | None = None, *, out: torch.Tensor | None = None,
-                     blocks: torch.Tensor | None = None) -> torch.Tensor:
+                     blocks: torch.Tensor | None = None, key_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Bidirectional softmax attention within each of the packed sequences of ``lengths`` (host ints).
 
     ``q``/``k``/``v``: [T, heads, head_dim] (any row and head strides: slices of one QKV buffer work),
@@ -220,8 +245,10 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
     to ``head_dim ** -0.5``. ``out``: where to write (a planned buffer); ``blocks``: a prebuilt device
     block table (:func:`~hf_scatter.kernels.varlen_attention.block_table` with
     :func:`~hf_scatter.kernels.varlen_attention.block_m_for`), which the fixed-grid CUDA-graph path passes.
+    ``key_mask``: [T] integers or bools, 0 where a key is padding (a padded batch run row for row); a query
+    whose sequence has no real key gets zeros.
     """
-    _check(q, k, v, lengths, out)
+    _check(q, k, v, lengths, out, key_mask)
     lengths = [int(n) for n in lengths]
     scale = q.shape[2] ** -0.5 if scale is None else float(scale)
     if not math.isfinite(scale):
@@ -230,5 +257,5 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
     block_m = block_m_for(q.shape[2])
     if blocks is None and triton_runs(q, "varlen_attention"):
         blocks = torch.from_numpy(block_table(lengths, block_m)).to(q.device)
-    run_op(_varlen_attention_op, _varlen_attention_impl, q, k, v, blocks, lengths, scale, block_m, out)
+    run_op(_varlen_attention_op, _varlen_attention_impl, q, k, v, blocks, key_mask, lengths, scale, block_m, out)
     return out

@@ -8,7 +8,8 @@ transformers has no kernel-layer tag on these classes, so they are swapped in pl
   attention, planned memory, a CUDA graph per length bucket) and returns HF's padded outputs, so every head
   (sequence / token classification, masked LM, ...) works unchanged; ``input_ids`` and ``inputs_embeds``
   alike. Calls the packed path cannot serve exactly (training, gradients, autocast, attention or hidden-state
-  outputs, caches, left padding with a pooler) and inputs vanilla rejects take transformers' own forward.
+  outputs, caches, left padding with a pooler in batches too large to run row for row) and inputs vanilla
+  rejects take transformers' own forward.
 
 The one visible difference from vanilla, so ``patch_report`` says it: packed calls return zeros as the hidden
 states of padded positions (``attention_mask == 0``; a head sees zero rows there). Vanilla's values there come

@@ -2,7 +2,9 @@
 
 ``last_hidden_state`` comes back padded ([B, S, H]), ``pooler_output`` as [B, H]. Padded positions hold
 zeros where vanilla BERT computes them (each attends over its row's real tokens at every layer: the padded
-work packing skips), the one difference from vanilla, which ``patch_report`` states. Callers that want the
+work packing skips), the one difference from vanilla, which ``patch_report`` states. Small batches (at most
+``PADDED_ROWS_LIMIT`` positions) run row for row instead of packed, so no call waits for its mask on the host;
+their padded positions come back as zeros too, so outputs do not depend on the batch's size. Callers that want the
 packed rows use :func:`packed_outputs` (or :class:`~hf_scatter.turbo.encoder.Encoder` for lists of requests).
 """
 
@@ -11,8 +13,9 @@ from __future__ import annotations
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
 
-from .packing import PackedBatch, pack_padded, pack_with_layout, padded_layout, unpack_rows
-from .runtime import UnpaddedRuntime
+from .packing import (PackedBatch, check_padded, key_mask_of, pack_padded, pack_with_layout, padded_layout,
+                      unpack_padded_rows, unpack_rows)
+from .runtime import PADDED_ROWS_LIMIT, UnpaddedRuntime
 
 
 def runtime_of(model) -> UnpaddedRuntime:
@@ -45,14 +48,25 @@ def _parameter_blocker(runtime: UnpaddedRuntime) -> str | None:
 
 def packed_bert_forward(model, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds=None):
     """HF outputs of an inference call, or None where the padded forward must answer instead: gradients
-    wanted, mixed parameter dtypes, ``inputs_embeds`` of another dtype, an empty batch, or a row whose first
-    column is padding while the model pools (vanilla pools that padded position, which packing never
-    computes). Token ids with CUDA graphs are packed straight into the graph's inputs (``run_padded``)."""
+    wanted, mixed parameter dtypes, ``inputs_embeds`` of another dtype, an empty batch, or (for packed
+    batches) a row whose first column is padding while the model pools (vanilla pools that padded position,
+    which packing never computes; a batch run row for row computes it). A batch of at most
+    ``PADDED_ROWS_LIMIT`` positions runs row for row; larger ones of token ids with CUDA graphs are packed
+    straight into the graph's inputs (``run_padded``)."""
     runtime = runtime_of(model)
     if _parameter_blocker(runtime) is not None:
         return None
     if inputs_embeds is not None and inputs_embeds.dtype != runtime.params[0].dtype:
         return None
+    B, S = check_padded(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
+    if B * S == 0:
+        return None
+    if B * S <= PADDED_ROWS_LIMIT:
+        hidden, pooled = runtime.run_padded_rows(input_ids, attention_mask, token_type_ids, position_ids,
+                                                 inputs_embeds, check=False)
+        return BaseModelOutputWithPoolingAndCrossAttentions(
+            last_hidden_state=unpack_padded_rows(hidden, key_mask_of(attention_mask), (B, S)),
+            pooler_output=None if pooled is None else pooled.clone())
     layout = padded_layout(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
     if layout.num_tokens == 0 or (layout.first_column_padded and model.pooler is not None):
         return None

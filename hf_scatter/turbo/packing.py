@@ -22,7 +22,8 @@ class PackedBatch:
     ``padded_index``: for a batch packed from a padded [B, S] tensor, each token's flat index in B*S
     (``unpack`` puts outputs back there); None for batches packed from request lists. ``first_column_padded``:
     some row of that tensor starts with padding (left padding). ``inputs_embeds``: [T, H] word embeddings
-    given by the caller instead of ``input_ids`` (then None).
+    given by the caller instead of ``input_ids`` (then None). ``key_mask``: [T], 0 at rows that are padding
+    (a padded batch run row for row, :func:`padded_rows`: every row attends over its sequence's real keys).
     """
 
     input_ids: torch.Tensor | None
@@ -33,6 +34,7 @@ class PackedBatch:
     padded_index: torch.Tensor | None = None
     first_column_padded: bool = False
     inputs_embeds: torch.Tensor | None = None
+    key_mask: torch.Tensor | None = None
     _cache: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -55,7 +57,7 @@ class PackedBatch:
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return PackedBatch(move(self.input_ids), move(self.position_ids), move(self.token_type_ids),
                            self.lengths, self.padded_shape, move(self.padded_index), self.first_column_padded,
-                           move(self.inputs_embeds))
+                           move(self.inputs_embeds), move(self.key_mask))
 
     def first_token_index(self) -> torch.Tensor:
         """Row of each sequence's first token ([CLS] for BERT) in the packed tensor (0 for empty ones)."""
@@ -65,6 +67,8 @@ class PackedBatch:
 
     def unpack(self, packed: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
         """[T, ...] packed rows -> [B, S, ...] with ``fill`` at padded positions (zeros by default)."""
+        if self.padded_index is None and self.padded_shape is not None:  # run row for row (padded_rows)
+            return unpack_padded_rows(packed, self.key_mask, self.padded_shape, fill)
         if self.padded_index is None:
             raise ValueError("unpack: this batch was packed from a list of sequences, not a padded tensor; "
                              "use split() for per-sequence outputs")
@@ -84,6 +88,18 @@ def unpack_rows(packed: torch.Tensor, index: torch.Tensor, shape: tuple[int, int
         return packed[:T].clone().view(B, S, *packed.shape[1:])
     out = packed.new_full((B * S, *packed.shape[1:]), fill)
     return out.index_copy_(0, index, packed[:T]).view(B, S, *packed.shape[1:])
+
+
+def unpack_padded_rows(rows: torch.Tensor, key_mask: torch.Tensor | None, shape: tuple[int, int],
+                       fill: float = 0.0) -> torch.Tensor:
+    """[>= B*S, ...] rows of a batch run row for row -> a new [B, S, ...] tensor with ``fill`` where ``key_mask``
+    ([B*S]) is 0; one kernel."""
+    B, S = shape
+    out = rows[:B * S].view(B, S, *rows.shape[1:])
+    if key_mask is None:
+        return out.clone()
+    keep = key_mask.view(B, S, *([1] * (rows.dim() - 1))) != 0
+    return torch.where(keep, out, fill)
 
 
 def first_token_rows(lengths) -> np.ndarray:
@@ -117,12 +133,11 @@ class PaddedLayout:
         return len(self.index)
 
 
-def padded_layout(input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None,
-                  token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                  inputs_embeds: torch.Tensor | None = None) -> PaddedLayout:
-    """The :class:`PaddedLayout` of a padded HF batch (tokens with ``attention_mask`` 1, in row order: left, right or
-    any padding), after checking every input's shape; exactly one of ``input_ids`` [B, S] and ``inputs_embeds``
-    [B, S, H] gives the tokens. Costs one device-to-host copy of the mask."""
+def check_padded(input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None,
+                 token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                 inputs_embeds: torch.Tensor | None = None) -> tuple[int, int]:
+    """``(B, S)`` of a padded HF batch after checking every input's shape (exactly one of ``input_ids`` [B, S] and
+    ``inputs_embeds`` [B, S, H] gives the tokens); looks at shapes only, never at values."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("pack_padded: pass exactly one of input_ids and inputs_embeds")
     if input_ids is not None:
@@ -137,14 +152,51 @@ def padded_layout(input_ids: torch.Tensor | None, attention_mask: torch.Tensor |
         _check_ids("token_type_ids", token_type_ids, (B, S))
     if position_ids is not None:
         _check_ids("position_ids", positions_of(position_ids, B, S), (B, S))
-    if attention_mask is None:
-        return PaddedLayout((B, S), [S] * B, np.arange(B * S, dtype=np.int64), False)
-    if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (B, S):
+    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor)
+                                       or tuple(attention_mask.shape) != (B, S)):
         got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
         raise ValueError(f"pack_padded: attention_mask must be a [batch, seq] = {(B, S)} tensor of 0/1, got {got} "
                          "(4-D or float masks: pass the 2-D padding mask)")
+    return B, S
+
+
+def padded_layout(input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None,
+                  token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                  inputs_embeds: torch.Tensor | None = None) -> PaddedLayout:
+    """The :class:`PaddedLayout` of a padded HF batch (tokens with ``attention_mask`` 1, in row order: left, right or
+    any padding), after :func:`check_padded`. Costs one device-to-host copy of the mask."""
+    B, S = check_padded(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
+    if attention_mask is None:
+        return PaddedLayout((B, S), [S] * B, np.arange(B * S, dtype=np.int64), False)
     keep = attention_mask.detach().cpu().numpy() != 0
     return PaddedLayout((B, S), keep.sum(1).tolist(), np.flatnonzero(keep), bool(B and S and not keep[:, 0].all()))
+
+
+def key_mask_of(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """A [B, S] padding mask as the [B*S] key mask of a batch run row for row (integers and bools as they are:
+    the kernels test != 0; other dtypes compared with 0 here)."""
+    if attention_mask is None:
+        return None
+    mask = attention_mask.reshape(-1)
+    return mask if not mask.is_floating_point() and not mask.is_complex() else mask != 0
+
+
+def padded_rows(input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> PackedBatch:
+    """A padded [B, S] batch as B sequences of S rows, padding included, with its mask as the key mask: every
+    position computes what the padded model computes there, and nothing on the host reads the mask (no
+    device-to-host wait, unlike :func:`pack_padded`); the price is the padded rows' work. ``unpack`` returns
+    zeros at padded positions, like packed batches."""
+    B, S = check_padded(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
+    device = (input_ids if input_ids is not None else inputs_embeds).device
+    positions = (torch.arange(S, device=device).repeat(B) if position_ids is None
+                 else positions_of(position_ids, B, S).reshape(-1))
+    types = None if token_type_ids is None else token_type_ids.reshape(-1)
+    ids = None if input_ids is None else input_ids.reshape(-1)
+    embeds = None if inputs_embeds is None else inputs_embeds.reshape(B * S, -1)
+    return PackedBatch(ids, positions, types, [S] * B, (B, S), inputs_embeds=embeds,
+                       key_mask=key_mask_of(attention_mask))
 
 
 def positions_of(position_ids: torch.Tensor, B: int, S: int) -> torch.Tensor:

@@ -4,6 +4,8 @@ A small BERT batch is host-bound: ~25 launches per layer cost more host time tha
 (docs/results/anchors.json: B=1, S=40 takes 8.6 ms). Packing makes the work proportional to real tokens; replaying a
 captured CUDA graph makes the host cost one launch. Graphs need fixed shapes and fixed addresses, which
 the memory planner already gives: every intermediate of a bucket's plan sits at a fixed place in its chunks.
+A bucket has two graphs at most: packed batches' and, for batches run row for row, one whose attention reads
+a key mask.
 
 Buckets: total tokens rounded up to multiples of 64 up to 1024, then growing by 1/16 a step (at most ~6%
 padded rows, ~3% on average); a bucket of T tokens takes up to T sequences (the pooler's [T, H] slot and
@@ -22,7 +24,10 @@ Inputs: batches packed on the host (``pack_sequences``) go to the device through
 with asynchronous copies, so the host packs the next batch while the GPU runs this one. A padded batch of
 token ids already on the device (the patched model's call) is packed straight into a graph's inputs
 (:meth:`UnpaddedRuntime.run_padded`): its layout and default positions through the same staging, its tokens
-gathered on the device.
+gathered on the device. Packing needs the mask on the host, a device-to-host wait that costs more than a
+small batch's whole forward; a small padded batch therefore runs row for row instead
+(:meth:`UnpaddedRuntime.run_padded_rows`: its mask becomes the attention's key mask on the device), and a
+call then waits for nothing.
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ import torch
 from torch import nn
 
 from ..kernels.varlen_attention import block_m_for, block_table, max_blocks
-from .packing import PackedBatch, PaddedLayout, first_token_rows, pack_with_layout, positions_of
+from .packing import (PackedBatch, PaddedLayout, check_padded, first_token_rows, key_mask_of, pack_with_layout,
+                      padded_rows, positions_of)
 from .planner import MemoryPlanner, MiB, UsageRecord, record_usage
 from . import unpadded
 from .unpadded import encode, fresh
@@ -66,14 +72,21 @@ def buckets_up_to(num_tokens: int) -> list[int]:
 
 
 # Rows of a graph's static int64 inputs (one device tensor, written from one pinned host tensor in one copy)
-IDS, POSITIONS, TYPES, FIRST, GATHER = range(5)
+IDS, POSITIONS, TYPES, FIRST, GATHER, KEYS = range(6)
+
+# Padded batches of at most this many positions (B * S) run row for row (run_padded_rows) rather than packed:
+# up to there, computing a half-padded batch's padding cost less than the host's wait for its mask at every
+# shape measured (BERT-base on an H200, docs/bert.md); a batch that is nearly all padding loses at most about
+# 0.15 ms to packing there.
+PADDED_ROWS_LIMIT = 1024
 
 
 @dataclass
 class _Captured:
-    """A bucket's graph with its static inputs (written before each replay): ``inputs`` [5, tokens] int64 (rows
+    """A bucket's graph with its static inputs (written before each replay): ``inputs`` [6, tokens] int64 (rows
     IDS, POSITIONS, TYPES, FIRST: each sequence's first row, GATHER: a padded batch's flat index of each real
-    token) and the attention block table, their pinned host staging and the event of the last copy out of it,
+    token, KEYS: 0 at a padding key of a batch run row for row, else 1) and the attention block table, their
+    pinned host staging and the event of the last copy out of it,
     and its outputs (arena views). ``batch`` views the first three rows."""
 
     graph: "torch.cuda.CUDAGraph | None"
@@ -85,6 +98,8 @@ class _Captured:
     copied: "torch.cuda.Event"
     hidden: torch.Tensor | None = None
     pooled: torch.Tensor | None = None
+    staged: tuple | None = None  # what the device inputs hold from the staging, when a batch run row for row
+    # sent it: the next such batch of that shape skips the host work and the copy
 
     @property
     def first(self) -> torch.Tensor:
@@ -112,6 +127,7 @@ class UnpaddedRuntime:
         self.exact_gelu = exact_gelu
         self.params = list(model.parameters())  # .to()/.half() swap their data in place: watched per call
         self._signature = None
+        self.qkv: unpadded.QkvWeights | None = None  # made with each set of parameters
         self.mixed_dtypes = False
         self._reset()
 
@@ -141,6 +157,9 @@ class UnpaddedRuntime:
             self._reset()
             self._signature = signature
             self.mixed_dtypes = len({p.dtype for p in self.params}) > 1
+            self.qkv = None if self.mixed_dtypes else unpadded.QkvWeights(self.model)
+        elif self.qkv is not None:
+            self.qkv.refresh()  # weights written in place (load_state_dict, an optimizer step)
 
     def graphs_enabled(self) -> bool:
         wanted = self.device.type == "cuda" if self.cuda_graphs is None else self.cuda_graphs
@@ -148,7 +167,7 @@ class UnpaddedRuntime:
 
     def _encode(self, batch, alloc, blocks=None, first=None):
         fast_gelu = not self.exact_gelu and self.params[0].dtype in (torch.float16, torch.bfloat16)
-        return encode(self.model, batch, alloc, blocks, first, fast_gelu=fast_gelu)
+        return encode(self.model, batch, alloc, blocks, first, fast_gelu=fast_gelu, qkv=self.qkv)
 
     # -------------------------------------------------------------------------------------- running
     def run(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -188,7 +207,7 @@ class UnpaddedRuntime:
             self._allocator(sizes[-1])  # the one arena, at its final size
             for tokens in tqdm(sizes, desc="planning buckets", disable=not progress):
                 if self.graphs_enabled():
-                    if tokens not in self.graphs:
+                    if (tokens, False) not in self.graphs:
                         self._capture(tokens, self._sample_batch(tokens))
                 else:
                     self._allocator(tokens)
@@ -238,18 +257,20 @@ class UnpaddedRuntime:
         return self.planner.plan(self._arena_tokens)
 
     # ---------------------------------------------------------------------------------------- graphs
-    def _static_inputs(self, tokens: int) -> _Captured:
+    def _static_inputs(self, tokens: int, key_masked: bool) -> _Captured:
         head_dim = self.model.encoder.layer[0].attention.self.attention_head_size
         nblocks = 1 + max_blocks(tokens, tokens, block_m_for(head_dim))  # header row + every possible block
-        inputs = torch.zeros((5, tokens), dtype=torch.int64, device=self.device)
-        batch = PackedBatch(inputs[IDS], inputs[POSITIONS], inputs[TYPES], [tokens])
+        inputs = torch.zeros((6, tokens), dtype=torch.int64, device=self.device)
+        batch = PackedBatch(inputs[IDS], inputs[POSITIONS], inputs[TYPES], [tokens],
+                            key_mask=inputs[KEYS] if key_masked else None)
         return _Captured(None, batch, inputs, torch.zeros((nblocks, 3), dtype=torch.int32, device=self.device),
-                         torch.zeros((5, tokens), dtype=torch.int64, pin_memory=True),
+                         torch.zeros((6, tokens), dtype=torch.int64, pin_memory=True),
                          torch.zeros((nblocks, 3), dtype=torch.int32, pin_memory=True), torch.cuda.Event())
 
     def _stage_tables(self, captured: _Captured, lengths: list[int]) -> np.ndarray:
         """Wait until the previous batch's copies have left the staging, write this batch's attention block table
         and first rows there; returns the staging rows (host) for the caller to fill in."""
+        captured.staged = None
         captured.copied.synchronize()
         head_dim = self.model.encoder.layer[0].attention.self.attention_head_size
         captured.staging_blocks.numpy()[:] = block_table(lengths, block_m_for(head_dim),
@@ -272,14 +293,16 @@ class UnpaddedRuntime:
         T = batch.num_tokens
         rows = self._stage_tables(captured, batch.lengths)
         on_host = batch.device.type == "cpu"
-        for row, src in ((IDS, batch.input_ids), (POSITIONS, batch.position_ids), (TYPES, batch.token_type_ids)):
+        sources = ((IDS, batch.input_ids, 0), (POSITIONS, batch.position_ids, 0), (TYPES, batch.token_type_ids, 0),
+                   (KEYS, batch.key_mask, 1))
+        for row, src, default in sources:
             if src is None:
-                rows[row, :T] = 0
+                rows[row, :T] = default
             elif on_host:
                 rows[row, :T] = src.numpy()
         self._send_staging(captured)
         if not on_host:
-            for row, src in ((IDS, batch.input_ids), (POSITIONS, batch.position_ids), (TYPES, batch.token_type_ids)):
+            for row, src, _ in sources:
                 if src is not None:
                     captured.inputs[row, :T].copy_(src)
 
@@ -295,6 +318,7 @@ class UnpaddedRuntime:
             np.remainder(layout.index, S, out=rows[POSITIONS, :T])
         if token_type_ids is None:
             rows[TYPES, :T] = 0
+        rows[KEYS, :T] = 1
         self._send_staging(captured)
         index = captured.inputs[GATHER, :T]
         for row, src in ((IDS, input_ids), (TYPES, token_type_ids),
@@ -303,15 +327,18 @@ class UnpaddedRuntime:
                 torch.index_select(src.reshape(-1).long(), 0, index, out=captured.inputs[row, :T])
         return index
 
-    def _graph_for(self, tokens: int, batch_for_capture) -> _Captured:
-        captured = self.graphs.get(tokens)
+    def _graph_for(self, tokens: int, key_masked: bool, batch_for_capture) -> _Captured:
+        """The graph of a bucket, with the key mask (batches run row for row) or without (packed batches: the
+        mask's load cost the attention kernel a third of its time at 5k tokens on an H200)."""
+        key = (tokens, key_masked)
+        captured = self.graphs.get(key)
         if captured is None:
             captured = self._capture(tokens, batch_for_capture())
-        self.graphs.move_to_end(tokens)
+        self.graphs.move_to_end(key)
         return captured
 
     def _replay(self, tokens: int, batch: PackedBatch):
-        captured = self._graph_for(tokens, lambda: batch)
+        captured = self._graph_for(tokens, batch.key_mask is not None, lambda: batch)
         self._fill(captured, batch)
         captured.graph.replay()
         N = batch.num_sequences
@@ -328,15 +355,58 @@ class UnpaddedRuntime:
         if layout.num_tokens == 0:
             raise ValueError("UnpaddedRuntime: the batch has no tokens (every sequence is empty)")
         tokens = token_bucket(layout.num_tokens)
-        captured = self._graph_for(tokens, lambda: pack_with_layout(layout, input_ids, token_type_ids, position_ids))
+        captured = self._graph_for(tokens, False,
+                                   lambda: pack_with_layout(layout, input_ids, token_type_ids, position_ids))
         index = self._fill_padded(captured, input_ids, layout, token_type_ids, position_ids)
         captured.graph.replay()
         N = len(layout.lengths)
         return captured.hidden, None if captured.pooled is None else captured.pooled[:N], index
 
+    def run_padded_rows(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                        token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                        inputs_embeds: torch.Tensor | None = None, check: bool = True):
+        """``(hidden [>= B*S, H], pooled [B, H] or None)`` of a padded batch run row for row
+        (:func:`~.packing.padded_rows`; ``unpack_padded_rows`` makes [B, S, H] of the rows): nothing reads the mask
+        on the host, so the call never waits for the device. With CUDA graphs the host work of a shape (block
+        table, first rows, default positions) is staged once and kept while that bucket serves that shape; a call
+        then costs the copies of the given tensors and one graph launch. Results are views valid until the next
+        call, as in :meth:`run`. ``check=False``: the caller ran :meth:`check_params` and the input checks."""
+        if check:
+            self.check_params()
+            check_padded(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
+        tokens_of = input_ids if input_ids is not None else inputs_embeds
+        B, S = tokens_of.shape[:2]
+        if B * S == 0:
+            raise ValueError("UnpaddedRuntime: the batch has no tokens (it is empty)")
+        batch_of = lambda: padded_rows(input_ids, attention_mask, token_type_ids, position_ids,  # noqa: E731
+                                       inputs_embeds)
+        if inputs_embeds is not None or not self.graphs_enabled() or input_ids.device != self.device:
+            return self.run(batch_of())
+        captured = self._graph_for(token_bucket(B * S), attention_mask is not None, batch_of)
+        T = B * S
+        shape = ("rows", B, S, position_ids is None, token_type_ids is None, attention_mask is None)
+        if captured.staged != shape:
+            rows = self._stage_tables(captured, [S] * B)
+            if position_ids is None:
+                rows[POSITIONS, :T] = np.tile(np.arange(S), B)
+            if token_type_ids is None:
+                rows[TYPES, :T] = 0
+            if attention_mask is None:
+                rows[KEYS, :T] = 1
+            self._send_staging(captured)
+            captured.staged = shape
+        keys = key_mask_of(attention_mask)
+        positions = None if position_ids is None else positions_of(position_ids, B, S)
+        for row, src in ((IDS, input_ids), (TYPES, token_type_ids), (POSITIONS, positions), (KEYS, keys)):
+            if src is not None:
+                captured.inputs[row, :T].copy_(src.reshape(-1))
+        captured.graph.replay()
+        return captured.hidden, None if captured.pooled is None else captured.pooled[:B]
+
     def _capture(self, tokens: int, batch: PackedBatch) -> _Captured:
         start = time.perf_counter()
-        captured = self._static_inputs(tokens)
+        key_masked = batch.key_mask is not None
+        captured = self._static_inputs(tokens, key_masked)
         self._fill(captured, batch)
         static, blocks, first = captured.batch, captured.blocks, captured.first
         allocator = self._allocator(tokens)
@@ -352,7 +422,7 @@ class UnpaddedRuntime:
         with torch.cuda.graph(graph, pool=self._pool, stream=stream):
             hidden, pooled = forward()
         captured.graph, captured.hidden, captured.pooled = graph, hidden, pooled
-        self.graphs[tokens] = captured
+        self.graphs[(tokens, key_masked)] = captured
         self.captures += 1
         while len(self.graphs) > self.max_graphs:
             self.graphs.popitem(last=False)

@@ -16,7 +16,7 @@ from hf_scatter.models.bert import UNPADDED
 from hf_scatter.tiny import tiny_bert
 from hf_scatter.turbo.packing import pack_padded, pack_sequences
 from hf_scatter.turbo.planner import MemoryPlanner, UsageRecord, plan_records, record_usage
-from hf_scatter.turbo.runtime import UnpaddedRuntime, token_bucket
+from hf_scatter.turbo.runtime import PADDED_ROWS_LIMIT, UnpaddedRuntime, token_bucket
 from hf_scatter.turbo.unpadded import encode
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
@@ -49,6 +49,38 @@ def test_varlen_attention_matches_float64_per_sequence_attention(dtype, lengths,
     assert not out[:n].isnan().any(), "every real row must be written"
     assert _rel(out[:n], want[:n]) < TOL[dtype]
     assert out[n:].isnan().all(), "rows past the sequences must not be written"
+
+
+@pytest.mark.kernel_bodies("interpreted")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_varlen_attention_with_a_key_mask_matches_float64_masked_attention(dtype, device):
+    """Padded rows run as sequences: only keys marked 1 count, for every query (padding too); a row with no
+    real key gives zeros, never NaN."""
+    lengths, heads, head_dim = [37, 5, 70, 3], 2, 24
+    g = torch.Generator().manual_seed(1)
+    T = sum(lengths) + 3
+    qkv = torch.randn(T, 3, heads, head_dim, generator=g).to(device, dtype)
+    q, k, v = qkv.unbind(1)
+    keys = (torch.rand(T, generator=g) < 0.6).to(device)
+    keys[37:42] = False  # the second sequence has no real key
+    keys[42:42 + 35] = False  # the third's first tiles are all padding: its running max starts at -inf
+    keys[-3:] = True
+    out = torch.full((T, heads, head_dim), float("nan"), device=device, dtype=dtype)
+    varlen_attention(q, k, v, lengths, out=out, key_mask=keys.to(torch.int64) if dtype == torch.float16 else keys)
+    want = torch.zeros(T, heads, head_dim, dtype=torch.float64, device=device)
+    for start, n in zip(np.cumsum([0] + lengths[:-1]), lengths):
+        s = slice(int(start), int(start) + n)
+        scores = torch.einsum("qhd,khd->hqk", q[s].double(), k[s].double()) / head_dim ** 0.5
+        scores = scores.masked_fill(~keys[s][None, None], float("-inf"))
+        weights = scores.softmax(-1).nan_to_num(0.0)  # a row of -inf only: zeros
+        want[s] = torch.einsum("hqk,khd->qhd", weights, v[s].double())
+    n = sum(lengths)
+    assert not out[:n].isnan().any()
+    assert (out[37:42] == 0).all(), "no real key: zeros"
+    assert _rel(out[:n], want[:n]) < TOL[dtype]
+    assert out[n:].isnan().all()
+    with pytest.raises(ValueError, match="key_mask must be a contiguous"):
+        varlen_attention(q, k, v, lengths, key_mask=keys.float())
 
 
 def test_block_table_covers_every_row_once_and_pads_to_capacity():
@@ -109,7 +141,8 @@ def test_patched_bert_inference_is_packed_and_equals_vanilla_at_real_positions(h
     patched = hf_scatter.patch_model(copy.deepcopy(vanilla))
     assert UNPADDED in hf_scatter.patch_report(patched).values()
     key = "last_hidden_state" if head == "base" else "logits"
-    for lengths in ([1, 64, 17, 33, 2], [9, 9, 9], [1], list(range(1, 9))):
+    # run row for row (at most PADDED_ROWS_LIMIT positions) and packed (the last: 1150 positions)
+    for lengths in ([1, 64, 17, 33, 2], [9, 9, 9], [1], list(range(1, 9)), [230, 7, 220, 64, 1]):
         ids, mask, types = (t.to(device) for t in _batch(lengths))
         with torch.inference_mode():
             want = vanilla(ids, attention_mask=mask, token_type_ids=types)
@@ -125,9 +158,31 @@ def test_patched_bert_inference_is_packed_and_equals_vanilla_at_real_positions(h
             from hf_scatter.turbo.hf_forward import packed_outputs
             with torch.inference_mode():
                 batch, rows, _ = packed_outputs(patched, ids, mask, types)
-            assert torch.equal(rows, got.last_hidden_state[mask.bool()]), "the packed rows, in row order"
+            assert _rel(rows, got.last_hidden_state[mask.bool()]) < 1e-6, "the packed rows, in row order"
     runtime = (patched.bert if head != "base" else patched).__dict__["_hf_scatter_runtime"]
     assert runtime.stats()["plans"] >= 1, "the calls ran packed, on planned memory"
+
+
+def test_weights_changed_in_place_are_used_by_the_next_call(device):
+    """The runtime's concatenated Q/K/V weights follow their sources: a load_state_dict (an in-place copy, same
+    addresses) or an optimizer step between calls must not leave the next call on stale weights."""
+    vanilla = tiny_bert(hidden=72, heads=4, intermediate=100).to(device)
+    patched = hf_scatter.patch_model(copy.deepcopy(vanilla))
+    ids, mask, types = (t.to(device) for t in _batch([7, 3, 12]))
+    with torch.inference_mode():
+        patched(ids, attention_mask=mask)
+    other = tiny_bert(seed=1, hidden=72, heads=4, intermediate=100).to(device)
+    patched.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        patched.encoder.layer[1].attention.self.value.bias.add_(0.5)
+        other.encoder.layer[1].attention.self.value.bias.add_(0.5)
+    for m in (patched, other):
+        m.eval()
+    with torch.inference_mode():
+        got, want = (m(ids, attention_mask=mask, token_type_ids=types) for m in (patched, other))
+    keep = mask.bool()
+    assert _rel(got.last_hidden_state[keep], want.last_hidden_state[keep]) < 1e-5
+    assert _rel(got.pooler_output, want.pooler_output) < 1e-5
 
 
 def test_padded_positions_are_zeros_and_patch_report_says_so(device):
@@ -159,9 +214,12 @@ def test_calls_the_packed_path_cannot_serve_exactly_take_the_padded_forward():
     vanilla = tiny_bert(hidden=72, heads=4, intermediate=100)
     patched = hf_scatter.patch_model(copy.deepcopy(vanilla))
     ids, mask, _ = _batch([5, 3])
-    left = mask.flip(1)
+    big_ids, big_mask, _ = _batch([230, 220, 3, 190, 180])  # more positions than a batch run row for row
+    assert big_mask.numel() > PADDED_ROWS_LIMIT >= mask.numel()
+    left = big_mask.flip(1)
     with torch.no_grad():  # left padding: vanilla pools the padded first column, which packing never computes
-        assert _rel(patched(ids, attention_mask=left).pooler_output, vanilla(ids, attention_mask=left).pooler_output) < 1e-5
+        assert _rel(patched(big_ids, attention_mask=left).pooler_output,
+                    vanilla(big_ids, attention_mask=left).pooler_output) < 1e-5
         hidden = patched(ids, attention_mask=mask, output_hidden_states=True)
         assert len(hidden.hidden_states) == 3 and _rel(hidden.hidden_states[1][mask.bool()], vanilla(
             ids, attention_mask=mask, output_hidden_states=True).hidden_states[1][mask.bool()]) < 1e-5
@@ -173,6 +231,10 @@ def test_calls_the_packed_path_cannot_serve_exactly_take_the_padded_forward():
         as_tuple = patched(ids, attention_mask=mask, return_dict=False)
         assert isinstance(as_tuple, tuple) and torch.equal(as_tuple[0], patched(ids, attention_mask=mask)[0])
     assert ran_packed()
+    with torch.no_grad():  # a small left-padded batch runs row for row, which computes the padded first column
+        small_left = mask.flip(1)
+        assert _rel(patched(ids, attention_mask=small_left).pooler_output,
+                    vanilla(ids, attention_mask=small_left).pooler_output) < 1e-5
     hf_scatter.patch_model(patched, unpadded=False)
     assert UNPADDED not in hf_scatter.patch_report(patched).values()
 
@@ -359,6 +421,40 @@ def test_cuda_graph_replays_equal_vanilla_for_changing_batches():
         for r, out in zip(reqs, outs):
             want = vanilla(torch.tensor([r], device="cuda")).last_hidden_state[0]
             assert _rel(out["last_hidden_state"], want) < 1e-2
+
+
+@pytest.mark.gpu
+def test_a_small_padded_batch_runs_without_waiting_for_the_device():
+    """A small padded batch runs row for row: no device-to-host copy of its mask, no synchronisation, so the host
+    can queue the next call while the GPU runs this one (a packed batch must read its mask on the host)."""
+    config = tiny_bert(hidden=256, heads=4, intermediate=512, layers=2).config
+    from transformers import AutoModel
+
+    vanilla = AutoModel.from_config(config, attn_implementation="sdpa").cuda().half().eval()
+    patched = hf_scatter.patch_model(copy.deepcopy(vanilla))
+    ids, mask, types = (t.cuda() for t in _batch([40, 3, 17]))
+    mask[1] = torch.tensor([0] * 20 + [1] * 20, device="cuda")  # left padding: its pooled column is padding
+    big_ids, big_mask, _ = (t.cuda() for t in _batch([400, 380, 300]))
+    with torch.inference_mode():
+        patched(ids, attention_mask=mask, token_type_ids=types)  # captures the bucket's graph
+        patched(big_ids, attention_mask=big_mask)
+        other_ids, other_mask, _ = (t.cuda() for t in _batch([5, 40, 1], seed=3))  # the same shape: staged once
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = patched(ids, attention_mask=mask, token_type_ids=types)
+            got_other = patched(other_ids, attention_mask=other_mask)
+            with pytest.raises(RuntimeError, match="synchroniz"):  # the check sees a packed batch's wait
+                patched(big_ids, attention_mask=big_mask)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        want = vanilla(ids, attention_mask=mask, token_type_ids=types)
+        want_other = vanilla(other_ids, attention_mask=other_mask)
+    for got, want, mask in ((got, want, mask), (got_other, want_other, other_mask)):
+        keep = mask.bool()
+        assert (got.last_hidden_state[~keep] == 0).all()
+        assert _rel(got.last_hidden_state[keep], want.last_hidden_state[keep]) < 1e-2
+        assert _rel(got.pooler_output, want.pooler_output) < 1e-2
 
 
 # ----------------------------------------------------------------------------------- batch scheduler
