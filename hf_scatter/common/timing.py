@@ -43,6 +43,20 @@ def median_ms(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 2
     return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=grad_to_none, return_mode="median"))
 
 
+def captured_graph(fn: Callable[[], object]) -> "torch.cuda.CUDAGraph":
+    """A CUDA graph of one ``fn()`` call, after one warm-up call on a side stream (as capture wants): replaying it
+    times the GPU's work alone, with no host in between."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def peak_extra_gib(fn: Callable[[], object]) -> float:
     """Memory allocated at the peak of one ``fn()`` call beyond what was live before it, in GiB."""
     gc.collect()
@@ -58,4 +72,4 @@ def is_oom(error: BaseException) -> bool:
     return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
 
 
-__all__ = ["git_revision", "is_oom", "median_ms", "peak_extra_gib", "run_header"]
+__all__ = ["captured_graph", "git_revision", "is_oom", "median_ms", "peak_extra_gib", "run_header"]

@@ -3,9 +3,11 @@
 The T*k (token, choice) slots sorted by expert (stable), each expert's end offset, and the GEMMs' tile
 table (``scatter2scatter.expert_tiles``). The torch form is a radix sort, a searchsorted, three casts and the
 tile kernel: six launches, about as much host time per MoE layer at decode sizes as the expert GEMMs take on
-the GPU. Here one program counts slots per expert, then ranks each slot within its expert by a prefix sum over
-a [chunk of slots, experts] one-hot, and writes every output: a counting sort, for batches of up to
-``MAX_SLOTS`` slots (``fits_one_program``). Larger batches keep the torch sort.
+the GPU. Here one program sorts the slots' keys (expert, slot) in registers (``tl.sort``), counts them per
+expert (``tl.histogram``) and writes every output, for batches of up to ``MAX_SLOTS`` slots
+(``fits_one_program``). Larger batches keep the torch sort. An earlier form of this kernel ranked slots by
+prefix sums over [chunk, experts] one-hots: 36 us of a Qwen3-30B-A3B decode call's 333 on an H200, a tenth of
+the call.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from .custom_ops import mutating_op, run_op
 from .scatter2scatter import expert_tiles_reference, num_tile_programs, remember_expert_tiles, tile_rows
 
 MAX_SLOTS = 4096  # slots one program sorts (a decode step's or a short prompt's; larger batches: torch's sort)
-CHUNK_ELEMENTS = 8192  # one-hot elements (slots x experts) per step of the program's loop
+MAX_EXPERTS = 512  # experts whose counts one program holds (histogram bins: the next power of two above E)
+TILE_ELEMENTS = 32768  # (tile programs x bins) compared per step of the tile table's loop
 
 if kernels_enabled():
     import triton
@@ -27,39 +30,31 @@ if kernels_enabled():
 
     @triton.jit
     def _sort_slots_kernel(ids_ptr, sorted_expert_ptr, sorted_slot_ptr, ends_ptr, tile_expert_ptr, tile_row_ptr,
-                           S, E, NUM_PROGRAMS, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr,
-                           BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr):
-        # Slots go through in chunks of BLOCK_C: a prefix sum over a [chunk, experts] one-hot is staged in
-        # shared memory, and the whole batch's would not fit there.
-        e = tl.arange(0, BLOCK_E)
-        counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
-        for c0 in range(0, S, BLOCK_C):
-            s = c0 + tl.arange(0, BLOCK_C)
-            ids = tl.load(ids_ptr + s, mask=s < S, other=-1).to(tl.int32)
-            counts += tl.sum(((ids[:, None] == e[None, :]) & (s < S)[:, None]).to(tl.int32), 0)
+                           S, E, NUM_PROGRAMS, BLOCK_S: tl.constexpr, BINS: tl.constexpr, BLOCK_P: tl.constexpr,
+                           BLOCK_M: tl.constexpr):
+        # Each slot's key expert * BLOCK_S + slot is unique, so one sort of the keys orders the slots by expert
+        # and, within an expert, by slot (stable). Padding and out-of-range ids take expert E: they sort last
+        # and are not stored.
+        s = tl.arange(0, BLOCK_S)
+        ids = tl.load(ids_ptr + s, mask=s < S, other=-1).to(tl.int32)
+        ids = tl.where((s < S) & (ids >= 0) & (ids < E), ids, E)
+        keys = tl.sort(ids * BLOCK_S + s)
+        expert = keys // BLOCK_S
+        stored = expert < E
+        tl.store(sorted_slot_ptr + s, (keys % BLOCK_S).to(tl.int64), mask=stored)
+        tl.store(sorted_expert_ptr + s, expert.to(sorted_expert_ptr.dtype.element_ty), mask=stored)
+        e = tl.arange(0, BINS)  # experts, then bins nobody owns (bin E holds the padding)
+        counts = tl.where(e < E, tl.histogram(ids, BINS), 0)
         ends = tl.cumsum(counts, 0)
-        starts = ends - counts
         tl.store(ends_ptr + e, ends.to(tl.int64), mask=e < E)
-        placed = starts  # next free sorted row of each expert
-        for c0 in range(0, S, BLOCK_C):
-            s = c0 + tl.arange(0, BLOCK_C)
-            ids = tl.load(ids_ptr + s, mask=s < S, other=-1).to(tl.int32)
-            valid = (s < S) & (ids >= 0) & (ids < E)
-            one_hot = ((ids[:, None] == e[None, :]) & valid[:, None]).to(tl.int32)  # [C, E]
-            # after the expert's earlier slots: stable, like the torch path's sort
-            pos = tl.sum(one_hot * (placed[None, :] + tl.cumsum(one_hot, 0) - 1), 1)
-            tl.store(sorted_slot_ptr + pos, s.to(tl.int64), mask=valid)
-            tl.store(sorted_expert_ptr + pos, ids.to(sorted_expert_ptr.dtype.element_ty), mask=valid)
-            placed += tl.sum(one_hot, 0)
         for p0 in range(0, NUM_PROGRAMS, BLOCK_P):
-            store_expert_tiles(starts, counts, e, E, p0 + tl.arange(0, BLOCK_P), NUM_PROGRAMS, tile_expert_ptr,
-                               tile_row_ptr, BLOCK_M)
+            store_expert_tiles(ends - counts, counts, e, E, p0 + tl.arange(0, BLOCK_P), NUM_PROGRAMS,
+                               tile_expert_ptr, tile_row_ptr, BLOCK_M)
 
 
 def fits_one_program(num_slots: int, num_experts: int) -> bool:
-    """Whether one program sorts this batch: at most ``MAX_SLOTS`` slots, and few enough experts that a one-hot
-    chunk of ``CHUNK_ELEMENTS`` still covers 16 slots."""
-    return num_slots <= MAX_SLOTS and num_experts <= CHUNK_ELEMENTS // 16
+    """Whether one program sorts this batch: at most ``MAX_SLOTS`` slots and ``MAX_EXPERTS`` experts."""
+    return num_slots <= MAX_SLOTS and num_experts <= MAX_EXPERTS
 
 
 def sort_slots_reference(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -84,10 +79,10 @@ def _sort_slots_impl(flat: torch.Tensor, sorted_expert: torch.Tensor, sorted_slo
         for out, value in zip((tile_expert, tile_row), expert_tiles_reference(ends, block_m, S)):
             out.copy_(value)
         return
-    block_e = max(16, next_power_of_2(E))
-    block_c = min(next_power_of_2(max(1, S)), CHUNK_ELEMENTS // block_e)
+    bins = max(16, next_power_of_2(E + 1))
     _sort_slots_kernel[(1,)](flat, sorted_expert, sorted_slot, ends, tile_expert, tile_row, S, E, programs,
-                             BLOCK_C=block_c, BLOCK_E=block_e, BLOCK_P=min(64, next_power_of_2(programs)),
+                             BLOCK_S=max(16, next_power_of_2(S)), BINS=bins,
+                             BLOCK_P=max(1, min(64, next_power_of_2(programs), TILE_ELEMENTS // bins)),
                              BLOCK_M=block_m, num_warps=1 if triton_interpreted() else 8)
 
 

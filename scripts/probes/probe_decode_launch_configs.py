@@ -10,7 +10,7 @@ import triton
 
 from hf_scatter.bench import moe as bm
 from hf_scatter.kernels import scatter2scatter as s2s
-from hf_scatter.common.timing import median_ms, run_header
+from hf_scatter.common.timing import captured_graph, median_ms, run_header
 
 CFGS = [(128, 128, 4, 4), (128, 128, 4, 2), (128, 128, 4, 3), (128, 64, 4, 3), (128, 64, 4, 4), (128, 64, 4, 6),
         (64, 128, 4, 2), (64, 128, 4, 3), (64, 128, 4, 4), (64, 256, 4, 2), (64, 256, 4, 3), (128, 256, 8, 2),
@@ -30,14 +30,7 @@ for name in ("qwen3-decode", "mixtral-decode"):
             with torch.no_grad():
                 fn(x, idx, gates)  # compiles this config
                 torch.cuda.synchronize()
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
-                    fn(x, idx, gates)
-                torch.cuda.current_stream().wait_stream(s)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    fn(x, idx, gates)
+                g = captured_graph(lambda: fn(x, idx, gates))
                 ms = median_ms(g.replay, 50, 300)
                 del g
         except Exception as error:  # noqa: BLE001 - a config that cannot run is recorded as such

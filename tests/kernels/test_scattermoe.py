@@ -59,9 +59,9 @@ def test_flatten_sort_count_contract(device):
 
 
 @pytest.mark.parametrize("slots,experts,pattern", [(6, 4, "random"), (1, 1, "random"), (512, 128, "random"),
-                                                   (128, 8, "random"), (37, 5, "one-expert"), (4096, 16, "random"),
+                                                   (128, 8, "random"), (37, 5, "one-expert"), (2048, 16, "random"),
                                                    (64, 256, "random"), (300, 64, "half-empty"),
-                                                   (4096, 128, "random")])
+                                                   (4096, 128, "random"), (200, 512, "random")])
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
 def test_small_batch_sort_kernel_equals_torch_sort_and_hands_over_its_tile_table(device, slots, experts, pattern,
                                                                                   dtype):
