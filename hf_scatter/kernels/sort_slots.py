@@ -21,6 +21,10 @@ from .scatter2scatter import expert_tiles_reference, num_tile_programs, remember
 MAX_SLOTS = 4096  # slots one program sorts (a decode step's or a short prompt's; larger batches: torch's sort)
 MAX_EXPERTS = 512  # experts whose counts one program holds (histogram bins: the next power of two above E)
 TILE_ELEMENTS = 32768  # (tile programs x bins) compared per step of the tile table's loop
+# Whether Triton's interpreter runs this kernel too (its tests set it). Interpreted, tl.sort's network runs op by
+# op in numpy: 0.25 s a call at 128 slots, 13 s at 4096 (the one-hot ranking it replaced: 0.02 and 0.6 s), which
+# every interpreted MoE test would pay per layer; interpreted runs take torch's sort otherwise.
+INTERPRET_KERNEL = False
 
 if kernels_enabled():
     import triton
@@ -94,11 +98,12 @@ def sort_slots(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torc
     """``flat`` [S] expert ids (in range) -> (sorted expert ids in ``flat``'s dtype, sorted slots, end offsets).
 
     One kernel where the batch fits one program on a Triton device; the tile table the expert GEMMs will ask
-    for is made in the same launch and handed to them. Otherwise, and under ``torch.compile``, torch's sort.
+    for is made in the same launch and handed to them. Otherwise, under ``torch.compile`` and under Triton's
+    interpreter (unless ``INTERPRET_KERNEL``), torch's sort.
     """
     S = flat.numel()
     if torch.compiler.is_compiling() or S == 0 or not fits_one_program(S, num_experts) \
-            or not use_triton(flat, "sort_slots"):
+            or not use_triton(flat, "sort_slots") or (triton_interpreted() and not INTERPRET_KERNEL):
         return sort_slots_reference(flat, num_experts)
     block_m = tile_rows(S, num_experts)
     sorted_expert = torch.empty_like(flat)

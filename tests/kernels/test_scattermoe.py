@@ -64,13 +64,15 @@ def test_flatten_sort_count_contract(device):
                                                    (4096, 128, "random"), (200, 512, "random")])
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
 def test_small_batch_sort_kernel_equals_torch_sort_and_hands_over_its_tile_table(device, slots, experts, pattern,
-                                                                                  dtype):
+                                                                                  dtype, monkeypatch):
     """The one-launch routing sort of small batches: the same stable order, offsets and dtypes as torch's sort
     (empty experts, every slot on one expert, E = 256 included), and the expert GEMMs reuse the tile table it
     made instead of launching their own."""
     from hf_scatter.kernels import scatter2scatter as s2s
+    from hf_scatter.kernels import sort_slots as kernel
     from hf_scatter.kernels.sort_slots import fits_one_program, sort_slots, sort_slots_reference
 
+    monkeypatch.setattr(kernel, "INTERPRET_KERNEL", True)  # on the CPU too: the kernel, not torch's sort
     assert fits_one_program(slots, experts)
     flat = torch.randint(0, experts, (slots,), device=device, dtype=dtype)
     if pattern == "one-expert":
@@ -93,7 +95,7 @@ def test_small_batch_sort_kernel_equals_torch_sort_and_hands_over_its_tile_table
     assert torch.equal(tile_expert.cpu(), ref_expert.cpu()) and torch.equal(tile_row.cpu(), ref_row.cpu())
 
 
-def test_a_routing_with_a_skip_bin_reuses_the_sorts_tile_table(device):
+def test_a_routing_with_a_skip_bin_reuses_the_sorts_tile_table(device, monkeypatch):
     """Expert parallelism's skip bin (one routing bin more than the weight has experts): the expert GEMM finds
     the tile table the small-batch routing sort made instead of launching its own. 24 slots over 5 experts
     and a skip bin: 4.8 rows per expert but 4 per bin, on either side of a tile-size step."""
@@ -101,6 +103,9 @@ def test_a_routing_with_a_skip_bin_reuses_the_sorts_tile_table(device):
     from hf_scatter.kernels.backend import use_triton
     from hf_scatter.moe.routing import flatten_sort_count
 
+    from hf_scatter.kernels import sort_slots
+
+    monkeypatch.setattr(sort_slots, "INTERPRET_KERNEL", True)
     E, T, k, d = 5, 12, 2, 16
     idx = torch.randint(0, E + 1, (T, k), generator=torch.Generator().manual_seed(0)).to(device)
     routing = flatten_sort_count(idx, E + 1, validate=False)
