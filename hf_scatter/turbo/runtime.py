@@ -127,7 +127,7 @@ class UnpaddedRuntime:
         self.exact_gelu = exact_gelu
         self.params = list(model.parameters())  # .to()/.half() swap their data in place: watched per call
         self._signature = None
-        self.qkv: unpadded.QkvWeights | None = None  # made with each set of parameters
+        self.qkv: unpadded.QkvWeights | None = None  # made with each set of parameters (which it regroups)
         self.mixed_dtypes = False
         self._reset()
 
@@ -157,9 +157,8 @@ class UnpaddedRuntime:
             self._reset()
             self._signature = signature
             self.mixed_dtypes = len({p.dtype for p in self.params}) > 1
-            self.qkv = None if self.mixed_dtypes else unpadded.QkvWeights(self.model)
-        elif self.qkv is not None:
-            self.qkv.refresh()  # weights written in place (load_state_dict, an optimizer step)
+            self.qkv = unpadded.QkvWeights(self.model)
+            self._signature = self._params_signature()  # Q/K/V now view one tensor per layer
 
     def graphs_enabled(self) -> bool:
         wanted = self.device.type == "cuda" if self.cuda_graphs is None else self.cuda_graphs

@@ -2,8 +2,8 @@
 
 Between the GEMMs run the fused kernels: residual add + LayerNorm in one pass, and variable-length
 attention straight from the Q/K/V projections (no score matrix, no [B, S, S] mask). Q, K and V come from
-one GEMM over the three weights concatenated (:class:`QkvWeights`, a copy the caller keeps): a small
-batch's GEMMs are bound by their launch, not their size, so one GEMM for three saves two per layer. Every intermediate
+one GEMM over the three weights as one tensor (:class:`QkvWeights`: the parameters become views of it): a
+small batch's GEMMs are bound by their launch, not their size, so one GEMM for three saves two per layer. Every intermediate
 comes from an *allocator* ``alloc(name, shape, dtype, device)`` and every op writes into it (``out=``), so
 the memory planner can place all of them in one arena and a CUDA graph can replay the whole encoder.
 
@@ -55,35 +55,47 @@ def unsupported_architecture(config) -> str | None:
 
 
 class QkvWeights:
-    """Each layer's query, key and value weights (and biases) concatenated: [3 * all_head_size, hidden], made
-    once and refreshed in place when a source parameter changes (its version counter moves: ``load_state_dict``,
-    an optimizer step), so graphs captured on them stay valid. Costs 3 * hidden * all_head_size elements of
-    device memory per layer (BERT-base: 21M, 19% of its parameters)."""
+    """Each layer's query, key and value weights (and biases) as one [3 * all_head_size, hidden] tensor, for one
+    GEMM instead of three.
 
-    def __init__(self, model: nn.Module):
-        self.sources = [(attn.query, attn.key, attn.value) for attn in
-                        (layer.attention.self for layer in model.encoder.layer)]
-        self.tensors = [p for projs in self.sources for lin in projs for p in (lin.weight, lin.bias) if p is not None]
-        with torch.no_grad():
-            self.fused = [(torch.cat([lin.weight for lin in projs]),
-                           None if any(lin.bias is None for lin in projs) else torch.cat([lin.bias for lin in projs]))
-                          for projs in self.sources]
-        self._versions = self.versions()
+    Where the three share dtype, device and width, their parameters become views of that tensor: no copy is
+    kept, and every later write to them (``load_state_dict``, an optimizer step, a LoRA merge through ``.data``,
+    which moves no version counter) lands in the tensor the GEMM reads. The parameters stay the same objects
+    with the same names and values; a checkpoint saves them as before (disjoint views of one storage). A swap of
+    their data (``.to()``, ``.half()``) gives them new addresses, which the runtime notices and fuses afresh.
+    Otherwise (mixed dtypes, or ``share=False``) each call concatenates them anew."""
 
-    def versions(self) -> list[int]:
-        return [t._version for t in self.tensors]
+    def __init__(self, model: nn.Module, share: bool = True):
+        self.layers = [(attn.query, attn.key, attn.value) for attn in
+                       (layer.attention.self for layer in model.encoder.layer)]
+        self.shared = [self._share(projs) if share else None for projs in self.layers]
 
-    def refresh(self) -> None:
-        """Copy the sources again where any of them changed since the last copy."""
-        versions = self.versions()
-        if versions == self._versions:
-            return
-        with torch.no_grad():
-            for projs, (weight, bias) in zip(self.sources, self.fused):
-                torch.cat([lin.weight for lin in projs], out=weight)
+    @staticmethod
+    def _share(projs) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        params = [p for lin in projs for p in (lin.weight, lin.bias) if p is not None]
+        same = len({(p.dtype, p.device) for p in params}) == 1 and len({lin.weight.shape[1] for lin in projs}) == 1
+        if not same or any(type(p.data) is not torch.Tensor or p.device.type == "meta" for p in params) \
+                or len({lin.bias is None for lin in projs}) != 1:
+            return None
+        with torch.inference_mode(False), torch.no_grad():  # plain tensors: the parameters may train later
+            weight = torch.cat([lin.weight for lin in projs])  # [3 * width, H]
+            bias = None if projs[0].bias is None else torch.cat([lin.bias for lin in projs])  # [3 * width]
+            start = 0
+            for lin in projs:
+                rows = slice(start, start + lin.weight.shape[0])
+                lin.weight.data = weight[rows]
                 if bias is not None:
-                    torch.cat([lin.bias for lin in projs], out=bias)
-        self._versions = versions
+                    lin.bias.data = bias[rows]
+                start = rows.stop
+        return weight, bias
+
+    def of_layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Layer ``i``'s (weight [3 * width, H], bias [3 * width] or None)."""
+        if self.shared[i] is not None:
+            return self.shared[i]
+        projs = self.layers[i]
+        return (torch.cat([lin.weight for lin in projs]),
+                None if projs[0].bias is None else torch.cat([lin.bias for lin in projs]))
 
 
 def _linear(x: torch.Tensor, linear: nn.Linear, out: torch.Tensor) -> torch.Tensor:
@@ -184,13 +196,13 @@ def encode(model: nn.Module, batch: PackedBatch, alloc: Alloc = fresh, blocks: t
 
     ``blocks``/``first_token``: prebuilt device tables (the CUDA-graph runtime passes fixed-size ones).
     ``fast_gelu``: the FFN's bias + GELU inside the GEMM (``torch._addmm_activation``; on CUDA that is
-    cuBLASLt's epilogue, GELU's tanh form), for half precision. ``qkv``: the concatenated Q/K/V weights
-    (made here, for this call only, when not given: the runtime keeps one).
+    cuBLASLt's epilogue, GELU's tanh form), for half precision. ``qkv``: the layers' Q/K/V weights as one
+    tensor each (the runtime keeps one; without it each call concatenates them).
     """
-    qkv = QkvWeights(model) if qkv is None else qkv
+    qkv = QkvWeights(model, share=False) if qkv is None else qkv  # (a caller's model is not regrouped)
     h = embed(model.embeddings, batch, alloc)
     for i, layer in enumerate(model.encoder.layer):
-        h = layer_forward(layer, h, batch, alloc, qkv.fused[i], blocks, model.config.hidden_act, fast_gelu)
+        h = layer_forward(layer, h, batch, alloc, qkv.of_layer(i), blocks, model.config.hidden_act, fast_gelu)
     pooled = None
     if model.pooler is not None:
         pooled = pool(model.pooler, h, batch.first_token_index() if first_token is None else first_token, alloc)

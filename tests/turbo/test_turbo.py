@@ -163,26 +163,43 @@ def test_patched_bert_inference_is_packed_and_equals_vanilla_at_real_positions(h
     assert runtime.stats()["plans"] >= 1, "the calls ran packed, on planned memory"
 
 
-def test_weights_changed_in_place_are_used_by_the_next_call(device):
-    """The runtime's concatenated Q/K/V weights follow their sources: a load_state_dict (an in-place copy, same
-    addresses) or an optimizer step between calls must not leave the next call on stale weights."""
+def test_weights_changed_in_place_are_used_by_the_next_call(device, tmp_path):
+    """The runtime reads Q, K and V through one tensor per layer, which their parameters become views of: a
+    load_state_dict, a write through ``.data`` (a LoRA merge's; it moves no version counter) or an optimizer step
+    between calls reaches the next call, the model still trains, and a checkpoint saves and loads as before."""
     vanilla = tiny_bert(hidden=72, heads=4, intermediate=100).to(device)
     patched = hf_scatter.patch_model(copy.deepcopy(vanilla))
     ids, mask, types = (t.to(device) for t in _batch([7, 3, 12]))
     with torch.inference_mode():
         patched(ids, attention_mask=mask)
+    attn = patched.encoder.layer[1].attention.self
+    assert attn.query.weight.untyped_storage().data_ptr() == attn.value.weight.untyped_storage().data_ptr()
     other = tiny_bert(seed=1, hidden=72, heads=4, intermediate=100).to(device)
     patched.load_state_dict(other.state_dict())
-    with torch.no_grad():
-        patched.encoder.layer[1].attention.self.value.bias.add_(0.5)
-        other.encoder.layer[1].attention.self.value.bias.add_(0.5)
-    for m in (patched, other):
+    delta = torch.randn_like(attn.value.weight) * 0.1
+    for m in (patched, other):  # a LoRA merge's write
+        m.encoder.layer[1].attention.self.value.weight.data += delta
+        m.encoder.layer[0].attention.self.key.bias.data.mul_(2)
         m.eval()
-    with torch.inference_mode():
-        got, want = (m(ids, attention_mask=mask, token_type_ids=types) for m in (patched, other))
-    keep = mask.bool()
-    assert _rel(got.last_hidden_state[keep], want.last_hidden_state[keep]) < 1e-5
-    assert _rel(got.pooler_output, want.pooler_output) < 1e-5
+
+    def agree():
+        with torch.inference_mode():
+            got, want = (m(ids, attention_mask=mask, token_type_ids=types) for m in (patched, other))
+        keep = mask.bool()
+        assert _rel(got.last_hidden_state[keep], want.last_hidden_state[keep]) < 1e-5
+        assert _rel(got.pooler_output, want.pooler_output) < 1e-5
+
+    agree()
+    for m in (patched, other):  # one optimizer step on each (eval mode: no dropout): the views train as before
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        m(ids, attention_mask=mask).last_hidden_state.square().mean().backward()
+        assert m.encoder.layer[1].attention.self.query.weight.grad.abs().sum() > 0
+        opt.step()
+    agree()
+    patched.save_pretrained(tmp_path)
+    reloaded = type(other).from_pretrained(tmp_path).to(device).eval()
+    for name, value in reloaded.state_dict().items():
+        assert torch.equal(value, patched.state_dict()[name]), name
 
 
 def test_padded_positions_are_zeros_and_patch_report_says_so(device):
