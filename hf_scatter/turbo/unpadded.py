@@ -3,9 +3,10 @@
 Between the GEMMs run the fused kernels: residual add + LayerNorm in one pass, and variable-length
 attention straight from the Q/K/V projections (no score matrix, no [B, S, S] mask). Q, K and V come from
 one GEMM over the three weights as one tensor (:class:`QkvWeights`: the parameters become views of it): a
-small batch's GEMMs are bound by their launch, not their size, so one GEMM for three saves two per layer. Every intermediate
-comes from an *allocator* ``alloc(name, shape, dtype, device)`` and every op writes into it (``out=``), so
-the memory planner can place all of them in one arena and a CUDA graph can replay the whole encoder.
+small batch's GEMMs are bound by their launch, not their size, so one GEMM for three saves two per layer.
+Every intermediate comes from an *allocator* ``alloc(name, shape, dtype, device)`` and every op writes into
+it (``out=``), so the memory planner can place all of them in one arena and a CUDA graph can replay the
+whole encoder.
 
 Inference only (eval mode, no autograd): training keeps transformers' padded path with the fused norms.
 The arithmetic and its rounding follow transformers' BertModel op for op (bias inside the GEMM, the
@@ -94,8 +95,11 @@ class QkvWeights:
         if self.shared[i] is not None:
             return self.shared[i]
         projs = self.layers[i]
-        return (torch.cat([lin.weight for lin in projs]),
-                None if projs[0].bias is None else torch.cat([lin.bias for lin in projs]))
+        weight = torch.cat([lin.weight for lin in projs])
+        if all(lin.bias is None for lin in projs):
+            return weight, None
+        return weight, torch.cat([weight.new_zeros(lin.out_features) if lin.bias is None else lin.bias.to(weight.dtype)
+                                  for lin in projs])
 
 
 def _linear(x: torch.Tensor, linear: nn.Linear, out: torch.Tensor) -> torch.Tensor:

@@ -202,6 +202,24 @@ def test_weights_changed_in_place_are_used_by_the_next_call(device, tmp_path):
         assert torch.equal(value, patched.state_dict()[name]), name
 
 
+def test_qkv_weights_of_mixed_layers_are_concatenated_per_call():
+    """Q/K/V the runtime cannot regroup (mixed dtypes, a missing bias) are concatenated per call, a missing bias
+    as zeros, and the parameters are left alone."""
+    from hf_scatter.turbo.unpadded import QkvWeights
+
+    model = tiny_bert(hidden=32, heads=2, intermediate=48, layers=2)
+    attn = model.encoder.layer[0].attention.self
+    attn.key.bias = None
+    model.encoder.layer[1].attention.self.value.double()
+    before = [p.data_ptr() for p in model.parameters()]
+    qkv = QkvWeights(model)
+    assert [p.data_ptr() for p in model.parameters()] == before
+    weight, bias = qkv.of_layer(0)
+    assert torch.equal(weight, torch.cat([attn.query.weight, attn.key.weight, attn.value.weight]))
+    assert torch.equal(bias, torch.cat([attn.query.bias, torch.zeros(32), attn.value.bias]))
+    assert qkv.of_layer(1)[0].dtype == torch.float64
+
+
 def test_padded_positions_are_zeros_and_patch_report_says_so(device):
     """The one difference from vanilla a patched BERT shows: packed calls return zero hidden states at padded
     positions (a head reads zero rows there), where vanilla computes those positions attending over the real
