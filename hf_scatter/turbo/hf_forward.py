@@ -38,6 +38,9 @@ def packed_outputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
 
 
 def _parameter_blocker(runtime: UnpaddedRuntime) -> str | None:
+    wrapped = runtime.check_modules()
+    if wrapped is not None:
+        return f"a layer that is not plain ({wrapped}: an adapter or a quantized layer)"
     runtime.check_params()  # the dtypes are worked out once per set of parameters
     if torch.is_grad_enabled() and any(p.requires_grad for p in runtime.params):
         return "gradients enabled (use torch.no_grad() or torch.inference_mode())"
@@ -48,7 +51,7 @@ def _parameter_blocker(runtime: UnpaddedRuntime) -> str | None:
 
 def packed_bert_forward(model, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds=None):
     """HF outputs of an inference call, or None where the padded forward must answer instead: gradients
-    wanted, mixed parameter dtypes, ``inputs_embeds`` of another dtype, an empty batch, or (for packed
+    wanted, layers that are not plain (PEFT's adapters, quantized layers), mixed parameter dtypes, ``inputs_embeds`` of another dtype, an empty batch, or (for packed
     batches) a row whose first column is padding while the model pools (vanilla pools that padded position,
     which packing never computes; a batch run row for row computes it). A batch of at most
     ``PADDED_ROWS_LIMIT`` positions runs row for row; larger ones of token ids with CUDA graphs are packed

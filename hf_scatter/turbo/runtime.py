@@ -126,6 +126,8 @@ class UnpaddedRuntime:
         self.chunk_bytes = chunk_bytes
         self.exact_gelu = exact_gelu
         self.params = list(model.parameters())  # .to()/.half() swap their data in place: watched per call
+        self._read = unpadded.modules_read(model)  # layers replaced later (an adapter): watched per call
+        self.wrapped = unpadded.wrapped_module(self._read)
         self._signature = None
         self.qkv: unpadded.QkvWeights | None = None  # made with each set of parameters (which it regroups)
         self.mixed_dtypes = False
@@ -149,6 +151,24 @@ class UnpaddedRuntime:
         """Where every parameter's data lives: a conversion (``.to``, ``.half``) gives each a new storage while the
         old one is still alive, so any swap of a parameter's data changes its address."""
         return list(map(torch.Tensor.data_ptr, self.params))
+
+    def check_modules(self) -> str | None:
+        """Notice layers replaced since the last call (PEFT wraps its targets, quantizers swap theirs): plan
+        afresh. Returns why the model cannot run packed (a layer that is not a plain Linear, LayerNorm or
+        Embedding: the packed encoder reads weights, not what a wrapper computes), or None."""
+        if not all(parent.get(name) is module for parent, name, module in self._read):
+            self._read = unpadded.modules_read(self.model)
+            self.wrapped = unpadded.wrapped_module(self._read)
+            self.params = list(self.model.parameters())
+            self._signature = None
+        return self.wrapped
+
+    def _refuse_wrapped(self) -> None:
+        if self.check_modules() is not None:
+            raise ValueError(f"UnpaddedRuntime: {self.wrapped} is not a plain layer (an adapter's wrapper or a "
+                             "quantized layer); the packed runtime reads plain weights. Merge the adapters first "
+                             "(PEFT: merge_and_unload()), or call the model itself, which takes transformers' "
+                             "forward for it")
 
     def check_params(self) -> None:
         """Notice parameters that moved (another device or dtype, new tensors): plan and capture afresh."""
@@ -175,6 +195,7 @@ class UnpaddedRuntime:
         With the planner the results are views of planned memory, valid until the next call: copy what
         you keep (``PackedBatch.unpack`` / ``split`` + ``clone`` do).
         """
+        self._refuse_wrapped()
         self.check_params()
         if batch.device != self.device and batch.device.type != "cpu":
             raise ValueError(f"UnpaddedRuntime: the batch is on {batch.device} but the model is on {self.device}; "
@@ -196,6 +217,7 @@ class UnpaddedRuntime:
         returns the seconds it took."""
         from tqdm.auto import tqdm
 
+        self._refuse_wrapped()
         self.check_params()
         start = time.perf_counter()
         sizes = buckets_up_to(max_tokens)
@@ -350,6 +372,7 @@ class UnpaddedRuntime:
         costs the mask's copy to the host, two copies to the device, the gathers and one graph launch. Needs
         CUDA graphs (:meth:`graphs_enabled`); the results are views valid until the next call, as in :meth:`run`.
         ``index``: each packed row's flat position in B*S (``unpack_rows`` puts them back)."""
+        self._refuse_wrapped()
         self.check_params()
         if layout.num_tokens == 0:
             raise ValueError("UnpaddedRuntime: the batch has no tokens (every sequence is empty)")
@@ -371,6 +394,7 @@ class UnpaddedRuntime:
         then costs the copies of the given tensors and one graph launch. Results are views valid until the next
         call, as in :meth:`run`. ``check=False``: the caller ran :meth:`check_params` and the input checks."""
         if check:
+            self._refuse_wrapped()
             self.check_params()
             check_padded(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
         tokens_of = input_ids if input_ids is not None else inputs_embeds

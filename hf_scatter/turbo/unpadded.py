@@ -55,6 +55,35 @@ def unsupported_architecture(config) -> str | None:
     return None
 
 
+# What the packed encoder reads weights from directly. An adapter's wrapper (PEFT's LoRA layers) or a quantized
+# layer is another class, whose weight alone does not say what it computes: such a model is not run packed.
+PLAIN_MODULES = (nn.Linear, nn.LayerNorm, nn.Embedding)
+
+
+def modules_read(model: nn.Module) -> list[tuple[dict, str, nn.Module | None]]:
+    """``(parent's _modules, name, module)`` of every layer whose weights the packed encoder reads: comparing
+    ``_modules[name] is module`` tells, for a few dictionary lookups, whether any of them has been replaced."""
+    found = []
+    for parent, names in ((model.embeddings, ("word_embeddings", "position_embeddings", "token_type_embeddings",
+                                              "LayerNorm")),
+                          *((part, names) for layer in model.encoder.layer
+                            for part, names in ((layer.attention.self, ("query", "key", "value")),
+                                                (layer.attention.output, ("dense", "LayerNorm")),
+                                                (layer.intermediate, ("dense",)),
+                                                (layer.output, ("dense", "LayerNorm")))),
+                          *(((model.pooler, ("dense",)),) if model.pooler is not None else ())):
+        found.extend((parent._modules, name, parent._modules.get(name)) for name in names)
+    return found
+
+
+def wrapped_module(found: list[tuple[dict, str, nn.Module | None]]) -> str | None:
+    """``"name: Class"`` of the first module read that is not a plain Linear, LayerNorm or Embedding, or None."""
+    for _, name, module in found:
+        if type(module) not in PLAIN_MODULES:
+            return f"{name}: {type(module).__name__}"
+    return None
+
+
 class QkvWeights:
     """Each layer's query, key and value weights (and biases) as one [3 * all_head_size, hidden] tensor, for one
     GEMM instead of three.

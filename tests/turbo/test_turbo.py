@@ -220,6 +220,37 @@ def test_qkv_weights_of_mixed_layers_are_concatenated_per_call():
     assert qkv.of_layer(1)[0].dtype == torch.float64
 
 
+def test_peft_adapters_take_the_padded_forward_until_merged():
+    """PEFT wraps its target layers: the packed encoder reads plain weights and would drop the adapters, so a
+    wrapped model takes transformers' forward (the Encoder refuses it by name); merged, it runs packed again."""
+    from peft import LoraConfig, get_peft_model
+
+    from hf_scatter.turbo import Encoder
+
+    base = tiny_bert(hidden=64, heads=4, intermediate=96)
+    config = LoraConfig(r=4, target_modules=["query", "value", "dense"], init_lora_weights=False)
+    vanilla = get_peft_model(copy.deepcopy(base), config).eval()
+    patched = hf_scatter.patch_model(copy.deepcopy(base))
+    ids, mask, _ = _batch([9, 4])
+    with torch.no_grad():
+        patched(input_ids=ids, attention_mask=mask)  # a runtime exists before the adapters come
+    patched = get_peft_model(patched, config).eval()
+    patched.load_state_dict(vanilla.state_dict())
+    with torch.no_grad():
+        want = vanilla(input_ids=ids, attention_mask=mask).last_hidden_state
+        got = patched(input_ids=ids, attention_mask=mask).last_hidden_state
+    keep = mask.bool()
+    assert _rel(got[keep], want[keep]) < 1e-5, "the adapters count"
+    with pytest.raises(ValueError, match=r"query: .*not a plain layer.*merge_and_unload"):
+        Encoder(patched.base_model.model, progress=False).encode([[5, 6, 7]])
+    merged = patched.merge_and_unload()
+    runtime = merged.__dict__["_hf_scatter_runtime"]
+    with torch.no_grad():
+        again = merged(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert runtime.wrapped is None and runtime.stats()["plans"] >= 1, "merged: packed again"
+    assert _rel(again[keep], want[keep]) < 1e-5 and (again[~keep] == 0).all()
+
+
 def test_padded_positions_are_zeros_and_patch_report_says_so(device):
     """The one difference from vanilla a patched BERT shows: packed calls return zero hidden states at padded
     positions (a head reads zero rows there), where vanilla computes those positions attending over the real
