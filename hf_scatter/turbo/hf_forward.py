@@ -4,8 +4,9 @@
 zeros where vanilla BERT computes them (each attends over its row's real tokens at every layer: the padded
 work packing skips), the one difference from vanilla, which ``patch_report`` states. Small batches (at most
 ``PADDED_ROWS_LIMIT`` positions) run row for row instead of packed, so no call waits for its mask on the host;
-their padded positions come back as zeros too, so outputs do not depend on the batch's size. Callers that want the
-packed rows use :func:`packed_outputs` (or :class:`~hf_scatter.turbo.encoder.Encoder` for lists of requests).
+their padded positions come back as zeros too, so outputs do not depend on the batch's size. Callers that
+want the packed rows use :func:`packed_outputs` (or :class:`~hf_scatter.turbo.encoder.Encoder` for lists of
+requests).
 """
 
 from __future__ import annotations
@@ -51,9 +52,10 @@ def _parameter_blocker(runtime: UnpaddedRuntime) -> str | None:
 
 def packed_bert_forward(model, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds=None):
     """HF outputs of an inference call, or None where the padded forward must answer instead: gradients
-    wanted, layers that are not plain (PEFT's adapters, quantized layers), mixed parameter dtypes, ``inputs_embeds`` of another dtype, an empty batch, or (for packed
-    batches) a row whose first column is padding while the model pools (vanilla pools that padded position,
-    which packing never computes; a batch run row for row computes it). A batch of at most
+    wanted, layers that are not plain (PEFT's adapters, quantized layers), mixed parameter dtypes,
+    ``inputs_embeds`` of another dtype, an empty batch, or (for packed batches) a row whose first column is
+    padding while the model pools (vanilla pools that padded position, which packing never computes; a batch
+    run row for row computes it). A batch of at most
     ``PADDED_ROWS_LIMIT`` positions runs row for row; larger ones of token ids with CUDA graphs are packed
     straight into the graph's inputs (``run_padded``)."""
     runtime = runtime_of(model)

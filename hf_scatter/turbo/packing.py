@@ -93,7 +93,7 @@ def unpack_rows(packed: torch.Tensor, index: torch.Tensor, shape: tuple[int, int
 def unpack_padded_rows(rows: torch.Tensor, key_mask: torch.Tensor | None, shape: tuple[int, int],
                        fill: float = 0.0) -> torch.Tensor:
     """[>= B*S, ...] rows of a batch run row for row -> a new [B, S, ...] tensor with ``fill`` where ``key_mask``
-    ([B*S]) is 0; one kernel."""
+    ([B*S]) is 0 (a comparison and a select; a copy without a mask)."""
     B, S = shape
     out = rows[:B * S].view(B, S, *rows.shape[1:])
     if key_mask is None:
