@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from ..common.atomic_files import save_figure
 from ..common.markdown import markdown_table
 from ..common.shapes import MIXTRAL_8X7B, MOE_BLOCKS, moe_block
-from ..common.timing import is_oom, median_ms, peak_extra_gib, run_header
+from ..common.timing import captured_graph, is_oom, median_ms, peak_extra_gib, run_header
 from .availability import check_names, require_cuda
 
 
@@ -314,21 +314,14 @@ def _call_costs(impl: str, fn, x, idx, gates, calls: int = 100) -> dict:
             torch.cuda.synchronize()
         out["launches"] = sum(e.count for e in prof.key_averages() if e.device_time_total > 0) / 10
         if impl in _GRAPHABLE:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                fn(x, idx, gates)  # warm-up off the default stream, as CUDA graph capture wants
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
             try:
-                with torch.cuda.graph(graph):
-                    fn(x, idx, gates)
+                graph = captured_graph(lambda: fn(x, idx, gates))
             except Exception as error:  # noqa: BLE001 - a host sync inside the call: no GPU-only time, said so
                 torch.cuda.synchronize()
                 out["gpu_ms_error"] = f"no CUDA graph of the call: {str(error).splitlines()[0][:160]}"
             else:
                 out["gpu_ms"] = median_ms(graph.replay)
-            del graph
+                del graph
     return out
 
 
