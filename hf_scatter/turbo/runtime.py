@@ -366,14 +366,16 @@ class UnpaddedRuntime:
         return captured.hidden, None if captured.pooled is None else captured.pooled[:N]
 
     def run_padded(self, input_ids: torch.Tensor, layout: PaddedLayout, token_type_ids: torch.Tensor | None = None,
-                   position_ids: torch.Tensor | None = None):
+                   position_ids: torch.Tensor | None = None, check: bool = True):
         """``(hidden [T, H], pooled [N, H] or None, index [T])`` of a padded batch of token ids on the model's
         device (``layout`` from :func:`~.packing.padded_layout`), packed inside its bucket's graph inputs: a call
         costs the mask's copy to the host, two copies to the device, the gathers and one graph launch. Needs
         CUDA graphs (:meth:`graphs_enabled`); the results are views valid until the next call, as in :meth:`run`.
-        ``index``: each packed row's flat position in B*S (``unpack_rows`` puts them back)."""
-        self._refuse_wrapped()
-        self.check_params()
+        ``index``: each packed row's flat position in B*S (``unpack_rows`` puts them back). ``check=False``: the
+        caller ran :meth:`check_modules` and :meth:`check_params`."""
+        if check:
+            self._refuse_wrapped()
+            self.check_params()
         if layout.num_tokens == 0:
             raise ValueError("UnpaddedRuntime: the batch has no tokens (every sequence is empty)")
         tokens = token_bucket(layout.num_tokens)
@@ -392,7 +394,8 @@ class UnpaddedRuntime:
         on the host, so the call never waits for the device. With CUDA graphs the host work of a shape (block
         table, first rows, default positions) is staged once and kept while that bucket serves that shape; a call
         then costs the copies of the given tensors and one graph launch. Results are views valid until the next
-        call, as in :meth:`run`. ``check=False``: the caller ran :meth:`check_params` and the input checks."""
+        call, as in :meth:`run`. ``check=False``: the caller ran :meth:`check_modules`, :meth:`check_params` and
+        the input checks."""
         if check:
             self._refuse_wrapped()
             self.check_params()
