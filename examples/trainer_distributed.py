@@ -128,9 +128,9 @@ def main(argv: list[str] | None = None) -> None:
     trainer.save_model(args.out)  # a vanilla checkpoint: the same parameter names as the unpatched model
     import torch.distributed as dist
 
-    if dist.is_initialized():  # the backend's threads end before the interpreter's teardown, the ranks together
-        dist.barrier()  # (a rank that went ahead while rank 0 still wrote aborted twice in 2-core CI runs with
-        dist.destroy_process_group()  # "terminate called without an active exception")
+    if dist.is_initialized():  # no rank tears its group down while rank 0 still writes the checkpoint
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

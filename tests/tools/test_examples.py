@@ -35,10 +35,12 @@ def test_trainer_recipes_of_every_engine_train_alike_and_save_vanilla_checkpoint
     trained = {}
     for engine in engines:
         out = tmp_path / engine
-        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                              str(script), "--engine", engine, "--model", str(tmp_path / "model"), "--random-rows", "8",
-                              "--length", "12", "--batch", "2", "--max-steps", "2", "--lr", "1e-3", "--cpu",
-                              "--out", str(out)], env=env, capture_output=True, text=True, timeout=300)
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+                   "--engine", engine, "--model", str(tmp_path / "model"), "--random-rows", "8", "--length", "12",
+                   "--batch", "2", "--max-steps", "2", "--lr", "1e-3", "--cpu", "--out", str(out)]
+        run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+        if _aborted_in_teardown(run, out):  # torch's gloo threads, not the recipe: a second run must pass
+            run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, f"{engine}:\n{run.stderr[-3000:]}"
         model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
         assert not info["missing_keys"] and not info["unexpected_keys"], (engine, info)
@@ -47,3 +49,13 @@ def test_trainer_recipes_of_every_engine_train_alike_and_save_vanilla_checkpoint
         assert any(not torch.equal(trained[engine][name], start[name]) for name in start), f"{engine} did not train"
         for name, value in trained["fsdp2"].items():  # AdamW in fp32: agreement to rounding, not bitwise
             torch.testing.assert_close(trained[engine][name], value, rtol=1e-4, atol=2e-5, msg=f"{engine}: {name}")
+
+
+def _aborted_in_teardown(run: subprocess.CompletedProcess, out: Path) -> bool:
+    """A rank that aborted after the checkpoint was complete, with libstdc++'s message for a thread left running.
+
+    After FSDP2 on gloo, torch keeps the group's worker threads running past ``destroy_process_group`` (gdb shows
+    them; a plain all-reduce does not leave them). In a few loaded 2-core runs a rank then died of SIGABRT while the
+    interpreter shut down, every step done and the checkpoint written. One more run must pass; anything else fails."""
+    return (run.returncode != 0 and "terminate called without an active exception" in run.stderr
+            and (out / "config.json").is_file() and any(out.glob("*.safetensors")))
