@@ -25,6 +25,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=1, help="rows per process and step")
     parser.add_argument("--max-steps", type=int, default=100)
     parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--optim", default="adamw_torch",
+                        help="the optimizer, by its TrainingArguments name (adamw_torch_fused, adafactor, sgd, ...)")
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (GPUs)")
     parser.add_argument("--out", default="trained", help="where the final vanilla checkpoint is written")
     parser.add_argument("--cpu", action="store_true", help="CPU processes with gloo (tests, no GPU)")
@@ -119,8 +121,8 @@ def main(argv: list[str] | None = None) -> None:
 
     engine = {"fsdp2": fsdp2_arguments(), "zero3": {"deepspeed": zero3_config()}, "ep": {}}[args.engine]
     training = TrainingArguments(args.out, per_device_train_batch_size=args.batch, max_steps=args.max_steps,
-                                 learning_rate=args.lr, bf16=args.bf16, use_cpu=args.cpu, logging_steps=1,
-                                 save_strategy="no", report_to=[], **engine)
+                                 learning_rate=args.lr, optim=args.optim, bf16=args.bf16, use_cpu=args.cpu,
+                                 logging_steps=1, save_strategy="no", report_to=[], **engine)
     model = load_model(args, int(os.environ["WORLD_SIZE"]))
     rows, collate = dataset(args, model.config.vocab_size)
     trainer = Trainer(model=model, args=training, train_dataset=rows, data_collator=collate)

@@ -17,6 +17,7 @@ from hf_scatter.bench.engines import expert_parallel_config
 from hf_scatter.models.training_graphs import graphs_of
 from hf_scatter.models.sharding import FSDP2, ZERO3, sharded_by
 from hf_scatter.tiny import DECODER_FAMILIES, TINY_BUILDERS
+from spawned_ranks import leave_rank
 
 SIZES = dict(hidden=72, experts=6, top_k=3, intermediate=40)  # odd sizes; 6 experts: 3 per rank
 WORLD, STEPS, ROWS, LENGTH = 2, 3, 4, 12
@@ -84,6 +85,7 @@ def _fsdp_worker(rank: int, init_file: str, out: str) -> None:
             torch.save(found, out)
     finally:
         dist.destroy_process_group()
+    leave_rank()
 
 
 def _patch_after_fully_shard() -> dict:
@@ -217,6 +219,7 @@ def _zero3_worker(rank: int, root: str, init_file: str, out: str) -> None:
             torch.save(found, out)
     finally:
         dist.destroy_process_group()
+    leave_rank()
 
 
 @pytest.fixture(scope="module")
@@ -401,6 +404,7 @@ def _expert_parallel_worker(rank: int, root: str, init_file: str, out: str) -> N
         torch.save(found, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
+    leave_rank()
 
 
 def _expert_parallel_model(path: str, config):

@@ -29,8 +29,12 @@ def _recording_trainer(**kwargs):
 def _train(model, tmp_path, steps, tokens):
     from transformers import TrainingArguments
 
+    # SGD with momentum, not AdamW: AdamW's first steps move every weight by about the learning rate whatever
+    # the gradient's size, so rounding noise in near-zero gradients grew into router-probability differences of
+    # 2e-5 by step 11, against a Qwen3-MoE routing margin of 2.7e-5 (another summation order flipped a route)
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=4,
-                             learning_rate=3e-3, warmup_steps=0, weight_decay=0.01, logging_steps=1,
+                             optim="sgd", optim_args="momentum=0.9", learning_rate=0.2, warmup_steps=0,
+                             weight_decay=0.01, logging_steps=1,
                              save_strategy="no", report_to=[], seed=11, data_seed=11, dataloader_num_workers=0,
                              disable_tqdm=True, use_cpu=not torch.cuda.is_available())
     data = [{"input_ids": row, "labels": row} for row in tokens]
@@ -61,7 +65,7 @@ INTERPRETED_PEFT_FAMILY = "mixtral"
 @pytest.mark.parametrize("family", TRAINER_FAMILIES)
 def test_trainer_side_by_side_losses_and_final_weights_match(family, device, tmp_path):
     """The Trainer's steps (the fused training loss, the aux loss where the family has one) give vanilla's
-    losses, and final weights within what 12 AdamW steps make of float rounding."""
+    losses, and final weights within what 12 SGD steps make of float rounding."""
     vanilla, patched = vanilla_and_patched(family, device, output_router_logits=family in AUX_LOSS)
     tokens = _ids(torch.device("cpu"), batch=16, length=12, seed=3)
     steps = 12  # three epochs: the reference learns (loss -12%)
@@ -70,10 +74,11 @@ def test_trainer_side_by_side_losses_and_final_weights_match(family, device, tmp
     assert len(got) == len(want) == steps
     assert want[-1] < 0.9 * want[0], "the reference run must actually learn for the comparison to mean something"
     for step, (a, b) in enumerate(zip(got, want)):
-        assert abs(a - b) <= 1e-4 * abs(b), f"step {step}: loss {a} vs vanilla {b}"
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: loss {a} vs vanilla {b}"
     final_v, final_p = vanilla.state_dict(), patched.state_dict()
     worst = max(final_v, key=lambda k: _rel(final_p[k], final_v[k]))
-    assert _rel(final_p[worst], final_v[worst]) < 3e-4, worst
+    # measured: at most 2.6e-7 (loss) and 8e-7 (weights) over the six families, also under another summation order
+    assert _rel(final_p[worst], final_v[worst]) < 1e-5, worst
     assert patched_experts(patched) == MOE_LAYERS
 
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hf_scatter.cli import main
+from spawned_ranks import leave_rank
 
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
 
@@ -339,6 +340,7 @@ def _engines_worker(rank: int, init_file: str, baseline: str, out: str, port: in
             json.dump(found, f)  # the reports are JSON: that is how --out writes them
     finally:
         dist.destroy_process_group()
+    leave_rank()
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from offload_cases import BUILDERS, padded, requests
+from spawned_ranks import leave_rank
 
 WORLD = 2
 # every family that splits over GPUs; OLMoE and DeepSeek are refused (their q/k norms span the heads; MLA)
@@ -161,6 +162,7 @@ def _worker(rank: int, init_file: str, out: str, backend: str, device: str, root
         dist.destroy_process_group()
     with open(f"{out}.{rank}", "w") as f:
         json.dump(results, f)
+    leave_rank()
 
 
 def _run(tmp_path, backend: str, device: str) -> list[dict]:
