@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
 
-from .packing import (PackedBatch, check_padded, key_mask_of, pack_padded, pack_with_layout, padded_layout,
+from .packing import (PackedBatch, check_padded, key_mask_of, mask_layout, pack_padded, pack_with_layout,
                       unpack_padded_rows, unpack_rows)
 from .runtime import PADDED_ROWS_LIMIT, UnpaddedRuntime
 
@@ -72,7 +72,7 @@ def packed_bert_forward(model, input_ids, attention_mask, token_type_ids, positi
         return BaseModelOutputWithPoolingAndCrossAttentions(
             last_hidden_state=unpack_padded_rows(hidden, key_mask_of(attention_mask), (B, S)),
             pooler_output=None if pooled is None else pooled.clone())
-    layout = padded_layout(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
+    layout = mask_layout(attention_mask, (B, S))
     if layout.num_tokens == 0 or (layout.first_column_padded and model.pooler is not None):
         return None
     if inputs_embeds is None and runtime.graphs_enabled() and input_ids.device == runtime.device:

@@ -165,7 +165,13 @@ def padded_layout(input_ids: torch.Tensor | None, attention_mask: torch.Tensor |
                   inputs_embeds: torch.Tensor | None = None) -> PaddedLayout:
     """The :class:`PaddedLayout` of a padded HF batch (tokens with ``attention_mask`` 1, in row order: left, right or
     any padding), after :func:`check_padded`. Costs one device-to-host copy of the mask."""
-    B, S = check_padded(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
+    return mask_layout(attention_mask, check_padded(input_ids, attention_mask, token_type_ids, position_ids,
+                                                    inputs_embeds))
+
+
+def mask_layout(attention_mask: torch.Tensor | None, shape: tuple[int, int]) -> PaddedLayout:
+    """:func:`padded_layout` of a batch of ``shape`` (B, S) whose inputs :func:`check_padded` already passed."""
+    B, S = shape
     if attention_mask is None:
         return PaddedLayout((B, S), [S] * B, np.arange(B * S, dtype=np.int64), False)
     keep = attention_mask.detach().cpu().numpy() != 0

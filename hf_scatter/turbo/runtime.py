@@ -163,19 +163,20 @@ class UnpaddedRuntime:
             self._signature = None
         return self.wrapped
 
-    def _refuse_wrapped(self) -> None:
+    def _check_model(self) -> None:
+        """The entry points' first step: refuse a model whose layers are wrapped, then :meth:`check_params`."""
         if self.check_modules() is not None:
             raise ValueError(f"UnpaddedRuntime: {self.wrapped} is not a plain layer (an adapter's wrapper or a "
                              "quantized layer); the packed runtime reads plain weights. Merge the adapters first "
                              "(PEFT: merge_and_unload()), or call the model itself, which takes transformers' "
                              "forward for it")
+        self.check_params()
 
     def check_params(self) -> None:
         """Notice parameters that moved (another device or dtype, new tensors): plan and capture afresh."""
         signature = self._params_signature()
         if signature != self._signature:
             self._reset()
-            self._signature = signature
             self.mixed_dtypes = len({p.dtype for p in self.params}) > 1
             self.qkv = unpadded.QkvWeights(self.model)
             self._signature = self._params_signature()  # Q/K/V now view one tensor per layer
@@ -195,8 +196,7 @@ class UnpaddedRuntime:
         With the planner the results are views of planned memory, valid until the next call: copy what
         you keep (``PackedBatch.unpack`` / ``split`` + ``clone`` do).
         """
-        self._refuse_wrapped()
-        self.check_params()
+        self._check_model()
         if batch.device != self.device and batch.device.type != "cpu":
             raise ValueError(f"UnpaddedRuntime: the batch is on {batch.device} but the model is on {self.device}; "
                              "pack it on the host or on the model's device")
@@ -217,8 +217,7 @@ class UnpaddedRuntime:
         returns the seconds it took."""
         from tqdm.auto import tqdm
 
-        self._refuse_wrapped()
-        self.check_params()
+        self._check_model()
         start = time.perf_counter()
         sizes = buckets_up_to(max_tokens)
         if len(sizes) > self.max_graphs:
@@ -374,8 +373,7 @@ class UnpaddedRuntime:
         ``index``: each packed row's flat position in B*S (``unpack_rows`` puts them back). ``check=False``: the
         caller ran :meth:`check_modules` and :meth:`check_params`."""
         if check:
-            self._refuse_wrapped()
-            self.check_params()
+            self._check_model()
         if layout.num_tokens == 0:
             raise ValueError("UnpaddedRuntime: the batch has no tokens (every sequence is empty)")
         tokens = token_bucket(layout.num_tokens)
@@ -397,8 +395,7 @@ class UnpaddedRuntime:
         call, as in :meth:`run`. ``check=False``: the caller ran :meth:`check_modules`, :meth:`check_params` and
         the input checks."""
         if check:
-            self._refuse_wrapped()
-            self.check_params()
+            self._check_model()
             check_padded(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
         tokens_of = input_ids if input_ids is not None else inputs_embeds
         B, S = tokens_of.shape[:2]

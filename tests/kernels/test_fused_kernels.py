@@ -474,12 +474,13 @@ def _untied_logits(T: int, E: int, device, seed: int) -> torch.Tensor:
     in 100 at E=256 held an exact float32 tie)."""
     g = torch.Generator().manual_seed(seed)
     logits = 2 * torch.randn(T, E, generator=g)
-    while True:
+    for _ in range(1000):
         p = torch.softmax(logits, -1).sort(-1, descending=True).values
         tied = ((p[:, :-1] - p[:, 1:]) <= 1e-6 * p[:, :-1]).any(-1)
         if not tied.any():
             return logits.to(device)
         logits[tied] = 2 * torch.randn(int(tied.sum()), E, generator=g)
+    raise AssertionError("no untied logits in 1000 draws")
 
 
 @pytest.mark.parametrize("T,E,k", ROUTER_CASES, ids=[f"T{t}E{e}k{k}" for t, e, k in ROUTER_CASES])
