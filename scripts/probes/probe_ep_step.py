@@ -4,9 +4,12 @@ for every rows setting each rank reports the step time, the host's time to issue
 kernels), NCCL's time and the part of it no other kernel overlaps, the GPU's idle gaps with the kernel before
 each, the top kernels and the top host ops by self time, and the host syncs per step (torch profiler, CPU and
 CUDA). SHAPE (default deepseek-v2-lite), LAYERS (default: all), ROWS (default "2 4"); arguments: implementations
-(default the family's default and hf-scatter). PYPROFILE=1 adds cProfile's view of one step; MEMORY=1 what the
+(default the family's default and hf-scatter; ``<family>-hf-scatter-off-norms+router`` is the full patch less
+those options). PYPROFILE=1 adds cProfile's view of one step; MEMORY=1 what the
 step's own allocations held at their peak, by where they were made (the allocator's history). Writes
-$OUT/ep-step-<SHAPE>.json.
+$OUT/ep-step-<SHAPE>.json. STEPS: timed steps (default 5); the allocator's retries and cudaMalloc/cudaFree
+counts over them, the Triton kernel variants compiled or loaded during them and the time in Python's garbage
+collector are reported.
 
     torchrun --nproc_per_node 2 scripts/probes/probe_ep_step.py
 """
@@ -20,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from hf_scatter.bench import engines
+from hf_scatter.bench import engines, train
 from hf_scatter.bench.train import SHAPES, build_model, published_shape
 from hf_scatter.common.intervals import length, overlap, union
 
@@ -113,6 +116,43 @@ def memory_at_peak(step) -> dict:
     return peak_allocations(snapshot["device_traces"][torch.cuda.current_device()])
 
 
+def triton_variants() -> int:
+    """Compiled variants held by every Triton JIT function of the process (a new one means a compile or a disk-cache
+    load during the step: Triton specialises integer arguments on divisibility by 16 and pointers on alignment)."""
+    import gc
+    import warnings
+
+    from triton.runtime.jit import JITFunction
+
+    with warnings.catch_warnings():  # isinstance() on some of torch's deprecated objects warns
+        warnings.simplefilter("ignore")
+        return sum(len(cache[0]) for fn in gc.get_objects() if isinstance(fn, JITFunction)
+                   for cache in fn.device_caches.values())
+
+
+class GcTimer:
+    """Time the interpreter spends in its garbage collector (all generations) while active."""
+
+    def __init__(self):
+        self.ms, self.collections, self._t0 = 0.0, 0, None
+
+    def __call__(self, phase, info):
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.ms += (time.perf_counter() - self._t0) * 1e3
+            self.collections += 1
+
+    def __enter__(self):
+        import gc
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        import gc
+        gc.callbacks.remove(self)
+
+
 def python_profile(step) -> dict:
     """cProfile's view of one step: the Python functions the host time goes to (self and cumulative)."""
     import cProfile
@@ -142,6 +182,10 @@ def main() -> None:
     rows = [int(r) for r in os.environ.get("ROWS", "2 4").split()]
     family = SHAPES[shape_name]
     impls = sys.argv[1:] or [f"{family}-grouped_mm", f"{family}-hf-scatter"]
+    for impl in impls:  # "<family>-hf-scatter-off-norms+router": the full patch less the named pieces
+        if "-hf-scatter-off-" in impl:
+            variant = impl.split("-hf-scatter-", 1)[1]
+            train._VARIANT_OPTIONS[variant] = {name: False for name in variant.removeprefix("off-").split("+")}
     report: dict = {"shape": shape_name, "layers": layers, "torch": torch.__version__}
     with engines.process_group(True):
         world, me = engines.world_size(), engines.rank()
@@ -161,7 +205,10 @@ def main() -> None:
                     step()
                 torch.cuda.synchronize()
                 host, total = [], []
-                for _ in range(5):
+                before = torch.cuda.memory_stats()
+                variants = triton_variants()
+                gc_timer = GcTimer().__enter__()
+                for _ in range(int(os.environ.get("STEPS", 5))):
                     dist.barrier()
                     torch.cuda.synchronize()
                     a = time.perf_counter()
@@ -170,6 +217,9 @@ def main() -> None:
                     torch.cuda.synchronize()
                     host.append((b - a) * 1e3)
                     total.append((time.perf_counter() - a) * 1e3)
+                after = torch.cuda.memory_stats()  # the allocator's retries and cudaMalloc/cudaFree in the timed steps
+                gc_timer.__exit__()
+                new_variants = triton_variants() - variants
                 dist.barrier()
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                     for _ in range(2):
@@ -177,7 +227,11 @@ def main() -> None:
                     torch.cuda.synchronize()
                 python = python_profile(step) if os.environ.get("PYPROFILE") else {}
                 memory = memory_at_peak(step) if os.environ.get("MEMORY") else {}
+                allocator = {k: after.get(k, 0) - before.get(k, 0)
+                             for k in ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")}
                 found = {"rows": r, "build_s": built_s, "step_ms": statistics.median(total),
+                         "reserved_gib": torch.cuda.max_memory_reserved() / 2**30, **allocator,
+                         "triton_new_variants": new_variants, "gc_ms": gc_timer.ms, "gc_collections": gc_timer.collections,
                          "host_issue_ms": statistics.median(host), "step_ms_all": total,
                          "peak_gib": torch.cuda.max_memory_allocated() / 2**30, **summarise(prof, 2), **python,
                          **memory}
