@@ -42,6 +42,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..kernels.skinny_linear import SkinnyWorkspace
 from ..kernels.varlen_attention import block_m_for, block_table, max_blocks
 from .packing import (PackedBatch, PaddedLayout, check_padded, first_token_rows, key_mask_of, pack_with_layout,
                       padded_rows, positions_of)
@@ -146,6 +147,9 @@ class UnpaddedRuntime:
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.captures = 0
         self.capture_ms_total = 0.0
+        # the few-rows kernel's split-K counters and partials, shared by every graph (they replay one at a time);
+        # made at a capture's warm-up, outside the capture
+        self.skinny = SkinnyWorkspace()
 
     def _params_signature(self) -> list[int]:
         """Where every parameter's data lives: a conversion (``.to``, ``.half``) gives each a new storage while the
@@ -185,9 +189,9 @@ class UnpaddedRuntime:
         wanted = self.device.type == "cuda" if self.cuda_graphs is None else self.cuda_graphs
         return bool(wanted and self.use_planner and self.device.type == "cuda")
 
-    def _encode(self, batch, alloc, blocks=None, first=None):
+    def _encode(self, batch, alloc, blocks=None, first=None, skinny=None):
         fast_gelu = not self.exact_gelu and self.params[0].dtype in (torch.float16, torch.bfloat16)
-        return encode(self.model, batch, alloc, blocks, first, fast_gelu=fast_gelu, qkv=self.qkv)
+        return encode(self.model, batch, alloc, blocks, first, fast_gelu=fast_gelu, qkv=self.qkv, skinny=skinny)
 
     # -------------------------------------------------------------------------------------- running
     def run(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -433,7 +437,7 @@ class UnpaddedRuntime:
         self._fill(captured, batch)
         static, blocks, first = captured.batch, captured.blocks, captured.first
         allocator = self._allocator(tokens)
-        forward = lambda: self._encode(static, allocator.reset(), blocks, first)  # noqa: E731
+        forward = lambda: self._encode(static, allocator.reset(), blocks, first, self.skinny)  # noqa: E731
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # warm-up (compiles and tunes the kernels) on the stream capture uses

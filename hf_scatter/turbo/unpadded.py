@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..kernels.norms import fused_add_layer_norm
+from ..kernels.skinny_linear import SkinnyWorkspace, runs_skinny, skinny_linear
 from ..kernels.varlen_attention import varlen_attention
 from .packing import PackedBatch
 
@@ -44,6 +45,7 @@ _INPLACE_ACTIVATIONS = {
     "silu": lambda t: torch.ops.aten.silu_(t),
     "swish": lambda t: torch.ops.aten.silu_(t),
 }
+_SKINNY_ACTIVATIONS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh"}  # hidden_act -> the kernel's epilogue
 
 
 def unsupported_architecture(config) -> str | None:
@@ -131,7 +133,17 @@ class QkvWeights:
                                   for lin in projs])
 
 
-def _linear(x: torch.Tensor, linear: nn.Linear, out: torch.Tensor) -> torch.Tensor:
+def _skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, skinny: SkinnyWorkspace | None) -> bool:
+    """Whether this projection runs on the few-rows kernel: a caller that keeps a workspace (the graphed runtime,
+    where the GPU time is what is left), at most 64 half-precision rows, weights of the same dtype."""
+    return (skinny is not None and runs_skinny(x) and weight.dtype == x.dtype
+            and (bias is None or bias.dtype == x.dtype))
+
+
+def _linear(x: torch.Tensor, linear: nn.Linear, out: torch.Tensor, skinny: SkinnyWorkspace | None = None
+            ) -> torch.Tensor:
+    if _skinny(x, linear.weight, linear.bias, skinny):
+        return skinny_linear(x, linear.weight, linear.bias, out=out, workspace=skinny)
     if linear.bias is None:
         return torch.mm(x, linear.weight.t(), out=out)
     return torch.addmm(linear.bias, x, linear.weight.t(), out=out)
@@ -171,9 +183,10 @@ def embed(embeddings: nn.Module, batch: PackedBatch, alloc: Alloc) -> torch.Tens
 
 def layer_forward(layer: nn.Module, h: torch.Tensor, batch: PackedBatch, alloc: Alloc,
                   qkv_weights: tuple[torch.Tensor, torch.Tensor | None], blocks: torch.Tensor | None,
-                  hidden_act="gelu", fast_gelu: bool = False) -> torch.Tensor:
+                  hidden_act="gelu", fast_gelu: bool = False, skinny: SkinnyWorkspace | None = None) -> torch.Tensor:
     """One BertLayer on packed rows [T, H]: Q/K/V in one GEMM (``qkv_weights``: the layer's entry of
-    :class:`QkvWeights`), varlen attention, out-proj + add&norm, FFN + add&norm."""
+    :class:`QkvWeights`), varlen attention, out-proj + add&norm, FFN + add&norm. ``skinny``: at most 64 rows
+    run the projections on :func:`skinny_linear` (the FFN's GELU, either form, in its epilogue)."""
     T, H = h.shape
     dtype, dev = h.dtype, h.device
     attn = layer.attention.self
@@ -181,7 +194,9 @@ def layer_forward(layer: nn.Module, h: torch.Tensor, batch: PackedBatch, alloc: 
     width = heads * head_dim
     qkv = alloc("attention.qkv", (T, 3 * width), dtype, dev)  # [T, q | k | v]
     weight, bias = qkv_weights  # [3 * width, H], [3 * width]
-    if bias is None:
+    if _skinny(h, weight, bias, skinny):
+        skinny_linear(h, weight, bias, out=qkv, workspace=skinny)
+    elif bias is None:
         torch.mm(h, weight.t(), out=qkv)
     else:
         torch.addmm(bias, h, weight.t(), out=qkv)
@@ -191,7 +206,7 @@ def layer_forward(layer: nn.Module, h: torch.Tensor, batch: PackedBatch, alloc: 
                      key_mask=batch.key_mask)
 
     out = layer.attention.output
-    projected = _linear(context, out.dense, alloc("attention.dense", (T, H), dtype, dev))
+    projected = _linear(context, out.dense, alloc("attention.dense", (T, H), dtype, dev), skinny)
     h1 = fused_add_layer_norm(projected, h, out.LayerNorm.weight, out.LayerNorm.bias, eps=out.LayerNorm.eps,
                               validate=False, out=alloc("attention.norm", (T, H), dtype, dev))
 
@@ -203,20 +218,25 @@ def layer_forward(layer: nn.Module, h: torch.Tensor, batch: PackedBatch, alloc: 
     for r0 in range(0, T, rows):
         r1 = min(T, r0 + rows)
         inter = intermediate[:r1 - r0]
-        if fast_gelu and hidden_act == "gelu" and inner.bias is not None:  # bias + GELU in the GEMM's epilogue
+        fused = _SKINNY_ACTIVATIONS.get(hidden_act) if isinstance(hidden_act, str) else None
+        if fused and _skinny(h1[r0:r1], inner.weight, inner.bias, skinny):  # GELU exactly as named, one rounding
+            skinny_linear(h1[r0:r1], inner.weight, inner.bias, fused, out=inter, workspace=skinny)
+        elif fast_gelu and hidden_act == "gelu" and inner.bias is not None:  # bias + GELU in the GEMM's epilogue
             torch._addmm_activation(inner.bias, h1[r0:r1], inner.weight.t(), use_gelu=True, out=inter)
         else:
-            _activation_(hidden_act, layer.intermediate, _linear(h1[r0:r1], inner, inter))
-        _linear(inter, ffn.dense, projected[r0:r1])
+            _activation_(hidden_act, layer.intermediate, _linear(h1[r0:r1], inner, inter, skinny))
+        _linear(inter, ffn.dense, projected[r0:r1], skinny)
     return fused_add_layer_norm(projected, h1, ffn.LayerNorm.weight, ffn.LayerNorm.bias, eps=ffn.LayerNorm.eps,
                                 validate=False, out=alloc("ffn.norm", (T, H), dtype, dev))
 
 
-def pool(pooler: nn.Module, h: torch.Tensor, first_token: torch.Tensor, alloc: Alloc) -> torch.Tensor:
+def pool(pooler: nn.Module, h: torch.Tensor, first_token: torch.Tensor, alloc: Alloc,
+         skinny: SkinnyWorkspace | None = None) -> torch.Tensor:
     """BertPooler on each sequence's first token: tanh(dense(h[CLS]))."""
     N = first_token.shape[0]
     cls = torch.index_select(h, 0, first_token, out=alloc("pooler.cls", (N, h.shape[1]), h.dtype, h.device))
-    pooled = _linear(cls, pooler.dense, alloc("pooler.out", (N, pooler.dense.out_features), h.dtype, h.device))
+    pooled = _linear(cls, pooler.dense, alloc("pooler.out", (N, pooler.dense.out_features), h.dtype, h.device),
+                     skinny)
     if isinstance(pooler.activation, nn.Tanh):
         return pooled.tanh_()
     return pooled.copy_(pooler.activation(pooled))
@@ -224,19 +244,23 @@ def pool(pooler: nn.Module, h: torch.Tensor, first_token: torch.Tensor, alloc: A
 
 def encode(model: nn.Module, batch: PackedBatch, alloc: Alloc = fresh, blocks: torch.Tensor | None = None,
            first_token: torch.Tensor | None = None, fast_gelu: bool = False,
-           qkv: QkvWeights | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+           qkv: QkvWeights | None = None, skinny: SkinnyWorkspace | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(last hidden state [T, H], pooled output [N, H] or None)`` of a BertModel on a packed batch.
 
     ``blocks``/``first_token``: prebuilt device tables (the CUDA-graph runtime passes fixed-size ones).
     ``fast_gelu``: the FFN's bias + GELU inside the GEMM (``torch._addmm_activation``; on CUDA that is
     cuBLASLt's epilogue, GELU's tanh form), for half precision. ``qkv``: the layers' Q/K/V weights as one
-    tensor each (the runtime keeps one; without it each call concatenates them).
+    tensor each (the runtime keeps one; without it each call concatenates them). ``skinny``: a workspace for
+    :func:`skinny_linear`, which then runs every projection of at most 64 half-precision rows (the graphed
+    runtime passes one: in a graph the GPU's time is what is left, and cuBLAS spends 4-8 us on each).
     """
     qkv = QkvWeights(model, share=False) if qkv is None else qkv  # (a caller's model is not regrouped)
     h = embed(model.embeddings, batch, alloc)
     for i, layer in enumerate(model.encoder.layer):
-        h = layer_forward(layer, h, batch, alloc, qkv.of_layer(i), blocks, model.config.hidden_act, fast_gelu)
+        h = layer_forward(layer, h, batch, alloc, qkv.of_layer(i), blocks, model.config.hidden_act, fast_gelu, skinny)
     pooled = None
     if model.pooler is not None:
-        pooled = pool(model.pooler, h, batch.first_token_index() if first_token is None else first_token, alloc)
+        pooled = pool(model.pooler, h, batch.first_token_index() if first_token is None else first_token, alloc,
+                      skinny)
     return h, pooled

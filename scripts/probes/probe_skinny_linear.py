@@ -2,9 +2,10 @@
 
 At 40 tokens the packed encoder's graph spends about 22 us per layer in cuBLAS (QKV 4.8, out-proj 4.3, FFN-in
 with GELU 5.2, FFN-out 5.4 + a split-K reduce 2.1 on an H200) against about 5 us of reading the weights once.
-The kernel here streams weight rows on every SM: a column tile of the output per program, the K range split
-over programs, and the last program of each tile (an arrival counter it leaves at zero again) sums the fp32
-partials in a fixed order and applies bias and activation: one launch, no memset, deterministic.
+The kernel (now hf_scatter/kernels/skinny_linear.py, swept here over its tile sizes) streams weight rows on
+every SM: a column tile of the output per program, the K range split over programs, and the last program of
+each tile (an arrival counter it leaves at zero again) sums the fp32 partials in a fixed order and applies bias
+and activation: one launch, no memset, deterministic.
 
 Run on the GPU: PYTHONPATH=. python3 scripts/probes/probe_skinny_linear.py   (writes $OUT/skinny_linear.json)
 Check on CPU:   TRITON_INTERPRET=1 PYTHONPATH=. python3 scripts/probes/probe_skinny_linear.py --check
@@ -16,54 +17,9 @@ import sys
 
 import torch
 import triton
-import triton.language as tl
 
-ACTS = {"none": 0, "gelu": 1, "gelu_tanh": 2}
-
-
-@triton.jit
-def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
-                          stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on, K_PER_SPLIT,
-                          SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rm = tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    k_start = pid_k * K_PER_SPLIT
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k_step in range(0, K_PER_SPLIT, BLOCK_K):
-        k = k_start + k_step + rk
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :] * stride_xk,
-                    mask=(rm[:, None] < M) & (k[None, :] < K), other=0.0)  # [BLOCK_M, BLOCK_K]
-        w = tl.load(w_ptr + rn[:, None] * stride_wn + k[None, :] * stride_wk,
-                    mask=(rn[:, None] < N) & (k[None, :] < K), other=0.0)  # [BLOCK_N, BLOCK_K]
-        acc += tl.dot(x, tl.trans(w), out_dtype=tl.float32)
-    tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]  # offsets in a partial
-    last = True
-    if SPLIT > 1:
-        tl.store(part_ptr + (pid_n * SPLIT + pid_k) * BLOCK_M * BLOCK_N + tile, acc)
-        tl.debug_barrier()  # every thread's partial is written before the arrival is published
-        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
-        last = arrived == SPLIT - 1
-    if last:
-        if SPLIT > 1:
-            tl.debug_barrier()
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in range(SPLIT):  # a fixed order: the same sum whichever program arrives last
-                acc += tl.load(part_ptr + (pid_n * SPLIT + s) * BLOCK_M * BLOCK_N + tile, cache_modifier=".cg")
-            tl.atomic_xchg(count_ptr + pid_n, 0)  # ready for the next call (and the next graph replay)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        if ACT == 1:
-            acc = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))
-        elif ACT == 2:
-            inner = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
-            acc = acc * tl.sigmoid(2.0 * inner)  # 0.5 * (1 + tanh(u)) = sigmoid(2u)
-        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :] * stride_on, acc.to(out_ptr.dtype.element_ty),
-                 mask=(rm[:, None] < M) & (rn[None, :] < N))
-
+from hf_scatter.kernels.skinny_linear import ACTIVATIONS as ACTS
+from hf_scatter.kernels.skinny_linear import _skinny_linear_kernel  # the kernel kernels/skinny_linear.py runs
 
 _COUNTERS: dict = {}
 

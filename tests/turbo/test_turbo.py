@@ -17,6 +17,8 @@ from hf_scatter.tiny import tiny_bert
 from hf_scatter.turbo.packing import pack_padded, pack_sequences
 from hf_scatter.turbo.planner import MemoryPlanner, UsageRecord, plan_records, record_usage
 from hf_scatter.turbo.runtime import PADDED_ROWS_LIMIT, UnpaddedRuntime, token_bucket
+from hf_scatter.kernels.skinny_linear import SkinnyWorkspace
+from hf_scatter.turbo import unpadded
 from hf_scatter.turbo.unpadded import encode
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
@@ -396,6 +398,27 @@ def test_planner_never_overlaps_live_tensors_and_never_needs_more_than_the_naive
         assert chunks[cid] == max(2 << 20, -(-int(1.2 * opener.size) // 512) * 512)
 
 
+@pytest.mark.kernel_bodies("interpreted")
+def test_a_short_request_with_a_workspace_runs_every_projection_on_the_few_rows_kernel(monkeypatch):
+    """What the graphed runtime does at most 64 tokens (there on a GPU, here under the interpreter): the four
+    projections of every layer and the pooler's go to skinny_linear, the FFN's GELU in its epilogue and its output
+    projection's K split over programs, and the encoder answers as the cuBLAS path does, within fp16 rounding."""
+    model = tiny_bert(hidden=64, heads=4, intermediate=800, layers=2).half()  # the FFN's K of 800 splits in two
+    batch = pack_sequences([list(range(3, 40)), list(range(7, 12))])
+    workspaces = []
+    kernel = unpadded.skinny_linear
+    monkeypatch.setattr(unpadded, "runs_skinny", lambda x: x.shape[0] <= 64 and x.dtype == torch.float16)
+    monkeypatch.setattr(unpadded, "skinny_linear", lambda *a, **k: workspaces.append(k["workspace"]) or kernel(*a, **k))
+    workspace = SkinnyWorkspace()
+    with torch.inference_mode():
+        want, want_pooled = encode(model, batch)
+        assert not workspaces, "without a workspace the projections stay on torch's GEMMs"
+        got, got_pooled = encode(model, batch, skinny=workspace)
+    assert len(workspaces) == 4 * 2 + 1 and all(w is workspace for w in workspaces)
+    assert workspace._buffers, "no projection split its K"
+    assert _rel(got, want) < 1e-2 and _rel(got_pooled, want_pooled) < 1e-2
+
+
 def test_usage_records_come_from_the_real_computation_and_plans_reuse_memory():
     model = tiny_bert(hidden=64, heads=4, intermediate=96, layers=3)
     batch = pack_sequences([list(range(3, 40)), list(range(5, 20))])
@@ -487,6 +510,30 @@ def test_cuda_graph_replays_equal_vanilla_for_changing_batches():
         for r, out in zip(reqs, outs):
             want = vanilla(torch.tensor([r], device="cuda")).last_hidden_state[0]
             assert _rel(out["last_hidden_state"], want) < 1e-2
+
+
+@pytest.mark.gpu
+def test_a_short_request_replays_its_projections_on_the_few_rows_kernel():
+    """One request of 40 tokens (the 64-token bucket): the graph runs every projection on skinny_linear, the FFN's
+    output projection split over programs, and the answer is vanilla's."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import AutoModel
+
+    config = tiny_bert(hidden=256, heads=4, intermediate=1024, layers=2).config
+    vanilla = AutoModel.from_config(config, attn_implementation="sdpa").cuda().half().eval()
+    patched = hf_scatter.patch_model(copy.deepcopy(vanilla))
+    ids, mask, types = (t.cuda() for t in _batch([40]))
+    with torch.inference_mode():
+        patched(ids, attention_mask=mask, token_type_ids=types)  # captures the bucket's graph
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            got = patched(ids, attention_mask=mask, token_type_ids=types)
+            torch.cuda.synchronize()
+        want = vanilla(ids, attention_mask=mask, token_type_ids=types)
+    launched = [e.name for e in prof.events() if "skinny_linear" in e.name]
+    assert len(launched) == 4 * 2 + 1, launched
+    assert patched.__dict__["_hf_scatter_runtime"].skinny._buffers, "the FFN's K of 1024 was not split"
+    assert _rel(got.last_hidden_state, want.last_hidden_state) < 1e-2
+    assert _rel(got.pooler_output, want.pooler_output) < 1e-2
 
 
 @pytest.mark.gpu
