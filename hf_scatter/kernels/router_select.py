@@ -1,4 +1,4 @@
-"""Routers that choose on something other than the softmax probabilities, in one kernel; backward in torch.
+"""Routers that choose on something other than the softmax probabilities, in one kernel each way.
 
 ``router.py`` covers softmax -> top-k -> renormalise (Mixtral, DBRX, Qwen, OLMoE). The families here choose
 differently, and a :class:`Selection` says how:
@@ -169,6 +169,57 @@ if kernels_enabled():
         tl.store(idx_ptr + r64 * K + slots, expert, mask=out_mask)
 
 
+    @triton.jit
+    def _router_select_bwd_kernel(z_ptr, idx_ptr, dw_ptr, dz_ptr, T, E, K, stride_t, scale,
+                                  SCORE: tl.constexpr, WEIGHTS: tl.constexpr, BLOCK_T: tl.constexpr,
+                                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+        """d(logits) [T, E] through the kept weights, recomputed from the logits (see router_select_backward)."""
+        rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        cols = tl.arange(0, BLOCK_E)[None, :]
+        row_mask = rows < T
+        col_ok = cols < E
+        r64 = rows.to(tl.int64)[:, None]
+        z = tl.load(z_ptr + r64 * stride_t + cols, mask=row_mask[:, None] & col_ok, other=0.0).to(tl.float32)
+        if SCORE == 1:
+            s = 1.0 / (1.0 + tl.exp(-z))
+        elif SCORE == 2:
+            zm = tl.where(col_ok, z, float("-inf"))
+            e = tl.exp(zm - tl.max(zm, axis=1)[:, None])
+            s = e / tl.sum(e, axis=1)[:, None]
+        else:
+            s = z
+        slots = tl.arange(0, BLOCK_K)[None, :]
+        kept = slots < K
+        mask_k = row_mask[:, None] & kept
+        idx = tl.load(idx_ptr + r64 * K + slots, mask=mask_k, other=-1)  # [BLOCK_T, BLOCK_K]
+        dw = tl.load(dw_ptr + r64 * K + slots, mask=mask_k, other=0.0).to(tl.float32)
+        kept_s = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
+        for j in range(K):  # the kept experts' scores, slot by slot
+            col = tl.sum(tl.where(slots == j, idx, 0), axis=1)[:, None]
+            kept_s = tl.where(slots == j, tl.sum(tl.where(cols == col, s, 0.0), axis=1)[:, None], kept_s)
+        if WEIGHTS == 0:  # softmax over the kept logits
+            top = tl.where(kept, kept_s, float("-inf"))
+            e = tl.where(kept, tl.exp(top - tl.max(top, axis=1)[:, None]), 0.0)
+            w = e / tl.sum(e, axis=1)[:, None]
+            dkept = w * (dw - tl.sum(dw * w, axis=1)[:, None])
+        elif WEIGHTS == 2:  # renormalised kept scores
+            d = tl.sum(tl.where(kept, kept_s, 0.0), axis=1)[:, None] + 1e-20
+            dkept = scale * (dw * d - tl.sum(dw * kept_s, axis=1)[:, None]) / (d * d)
+        else:
+            dkept = scale * dw
+        ds = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
+        for j in range(K):  # a row's k indices are distinct: each slot writes its own column
+            col = tl.sum(tl.where(slots == j, idx, 0), axis=1)[:, None]
+            ds = tl.where(cols == col, tl.sum(tl.where(slots == j, dkept, 0.0), axis=1)[:, None], ds)
+        if SCORE == 1:
+            dz = ds * s * (1.0 - s)
+        elif SCORE == 2:
+            dz = s * (ds - tl.sum(ds * s, axis=1)[:, None])
+        else:
+            dz = ds
+        tl.store(dz_ptr + r64 * E + cols, dz.to(dz_ptr.dtype.element_ty), mask=row_mask[:, None] & col_ok)
+
+
 # ------------------------------------------------------------------------------------------- launcher
 def router_select_triton(logits: torch.Tensor, top_k: int, sel: Selection, bias: torch.Tensor | None,
                          weights: torch.Tensor, indices: torch.Tensor) -> None:
@@ -183,6 +234,20 @@ def router_select_triton(logits: torch.Tensor, top_k: int, sel: Selection, bias:
         HAS_BIAS=bias is not None, WEIGHTS=WEIGHTS.index(sel.weights), N_GROUP=sel.n_group,
         TOPK_GROUP=sel.topk_group, GROUP_TOP2=sel.group_score == "top2", BLOCK_T=block_t, BLOCK_E=block_e,
         BLOCK_K=next_power_of_2(top_k), BLOCK_G=next_power_of_2(sel.n_group), num_warps=warps)
+
+
+def router_select_backward_triton(logits: torch.Tensor, indices: torch.Tensor, dweights: torch.Tensor,
+                                   sel: Selection, dlogits: torch.Tensor) -> None:
+    """d(logits) into contiguous ``dlogits`` [T, E] from contiguous ``indices`` and ``dweights`` [T, k]."""
+    T, E = logits.shape
+    if T == 0:
+        return
+    block_t, block_e, warps = router_blocks(E)
+    k = indices.shape[1]
+    _router_select_bwd_kernel[(cdiv(T, block_t),)](
+        logits, indices, dweights, dlogits, T, E, k, logits.stride(0), float(sel.scale),
+        SCORE=SCORES.index(sel.score), WEIGHTS=WEIGHTS.index(sel.weights), BLOCK_T=block_t, BLOCK_E=block_e,
+        BLOCK_K=next_power_of_2(k), num_warps=warps)
 
 
 # ------------------------------------------------------------------------------------------ references
@@ -266,6 +331,19 @@ def _router_select_impl(logits: torch.Tensor, top_k: int, score: str, weights_ki
 _router_select_op = mutating_op("router_select", "weights", "indices")(_router_select_impl)
 
 
+def _router_select_bwd_impl(logits: torch.Tensor, indices: torch.Tensor, dweights: torch.Tensor, score: str,
+                            weights_kind: str, scale: float, dlogits: torch.Tensor) -> None:
+    sel = Selection(score, weights_kind, scale=scale)
+    if (logits.shape[1] <= MAX_TRITON_EXPERTS and logits.dtype != torch.float64 and dweights.dtype != torch.float64
+            and triton_runs(logits, "router_select")):
+        router_select_backward_triton(logits, indices, dweights, sel, dlogits)
+        return
+    dlogits.copy_(router_select_backward(logits, indices, dweights, sel))
+
+
+_router_select_bwd_op = mutating_op("router_select_bwd", "dlogits")(_router_select_bwd_impl)
+
+
 class _RouterSelect(torch.autograd.Function):
     @staticmethod
     @profiled("hf_scatter::router_select.forward")
@@ -287,7 +365,11 @@ class _RouterSelect(torch.autograd.Function):
         logits, indices = ctx.saved_tensors
         if dweights is None:
             return None, None, None, None, None
-        return router_select_backward(logits, indices, dweights, ctx.sel).to(logits.dtype), None, None, None, None
+        sel = ctx.sel
+        dlogits = logits.new_empty(logits.shape)
+        run_op(_router_select_bwd_op, _router_select_bwd_impl, logits, indices, dweights.contiguous(), sel.score,
+               sel.weights, float(sel.scale), dlogits)
+        return dlogits, None, None, None, None
 
 
 # ------------------------------------------------------------------------------------ public call
