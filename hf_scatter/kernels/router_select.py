@@ -99,6 +99,20 @@ if kernels_enabled():
         return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _row_scores(z_ptr, r64, cols, row_mask, col_ok, stride_t, SCORE: tl.constexpr):
+        """The rows' scores in float32: SCORE 0 the logits, 1 their sigmoid, 2 their softmax over the E experts."""
+        z = tl.load(z_ptr + r64 * stride_t + cols, mask=row_mask[:, None] & col_ok, other=0.0).to(tl.float32)
+        if SCORE == 1:
+            s = 1.0 / (1.0 + tl.exp(-z))
+        elif SCORE == 2:
+            zm = tl.where(col_ok, z, float("-inf"))
+            e = tl.exp(zm - tl.max(zm, axis=1)[:, None])
+            s = e / tl.sum(e, axis=1)[:, None]
+        else:
+            s = z
+        return s
+
+    @triton.jit
     def _router_select_kernel(z_ptr, bias_ptr, w_ptr, idx_ptr, T, E, K, group_size, stride_t, masked, scale,
                               SCORE: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHTS: tl.constexpr,
                               N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_TOP2: tl.constexpr,
@@ -110,15 +124,7 @@ if kernels_enabled():
         row_mask = rows < T
         col_ok = cols < E
         r64 = rows.to(tl.int64)[:, None]
-        z = tl.load(z_ptr + r64 * stride_t + cols, mask=row_mask[:, None] & col_ok, other=0.0).to(tl.float32)
-        if SCORE == 1:
-            s = 1.0 / (1.0 + tl.exp(-z))
-        elif SCORE == 2:
-            zm = tl.where(col_ok, z, float("-inf"))
-            e = tl.exp(zm - tl.max(zm, axis=1)[:, None])
-            s = e / tl.sum(e, axis=1)[:, None]
-        else:
-            s = z
+        s = _row_scores(z_ptr, r64, cols, row_mask, col_ok, stride_t, SCORE)  # [BLOCK_T, BLOCK_E] float32
         c = s
         if HAS_BIAS:
             c = s + tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
@@ -179,15 +185,7 @@ if kernels_enabled():
         row_mask = rows < T
         col_ok = cols < E
         r64 = rows.to(tl.int64)[:, None]
-        z = tl.load(z_ptr + r64 * stride_t + cols, mask=row_mask[:, None] & col_ok, other=0.0).to(tl.float32)
-        if SCORE == 1:
-            s = 1.0 / (1.0 + tl.exp(-z))
-        elif SCORE == 2:
-            zm = tl.where(col_ok, z, float("-inf"))
-            e = tl.exp(zm - tl.max(zm, axis=1)[:, None])
-            s = e / tl.sum(e, axis=1)[:, None]
-        else:
-            s = z
+        s = _row_scores(z_ptr, r64, cols, row_mask, col_ok, stride_t, SCORE)  # [BLOCK_T, BLOCK_E] float32
         slots = tl.arange(0, BLOCK_K)[None, :]
         kept = slots < K
         mask_k = row_mask[:, None] & kept
