@@ -1,4 +1,4 @@
-"""How a test's spawned rank ends once its results are on disk.
+"""How a test's spawned ranks meet (a rendezvous port) and how each ends once its results are on disk.
 
 After FSDP2 or DeepSpeed on gloo, torch keeps the group's worker threads running past
 ``destroy_process_group`` (gdb shows them; a plain all-reduce leaves none). In a few loaded 2-core runs a rank
@@ -10,7 +10,13 @@ has nothing left to do: it leaves without the interpreter's teardown. Tests only
 from __future__ import annotations
 
 import os
+import random
+import socket
 import sys
+
+# Below Linux's ephemeral range (32768-60999): a port the kernel hands out for bind(0) or an outgoing connection is
+# never one of these, so between finding one free and the rank binding it only an explicit bind can take it.
+RENDEZVOUS_PORTS = range(20000, 32000)
 
 
 def leave_rank() -> None:
@@ -19,3 +25,16 @@ def leave_rank() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now, for ``MASTER_PORT`` (as torchrun sets it), drawn outside the
+    ephemeral range so that no other process's automatic port can land on it before the ranks bind it."""
+    for port in random.Random(os.getpid()).sample(RENDEZVOUS_PORTS, 200):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {RENDEZVOUS_PORTS} after 200 tries")

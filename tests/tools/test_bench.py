@@ -7,7 +7,6 @@ import importlib.util
 import io
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hf_scatter.cli import main
-from spawned_ranks import leave_rank
+from spawned_ranks import free_port, leave_rank
 
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
 
@@ -357,9 +356,7 @@ def engine_runs(tmp_path_factory):
         env.setenv("CUDA_VISIBLE_DEVICES", "")
         reference = train.run(VARIANTS, shape="smoke", device="cpu", warmup=1, steps=2)
         write_json(tmp / "baseline.json", reference, default=float)
-        with socket.socket() as free:  # the command line's rendezvous, as torchrun's MASTER_PORT
-            free.bind(("127.0.0.1", 0))
-            port = free.getsockname()[1]
+        port = free_port()  # the command line's rendezvous, as torchrun's MASTER_PORT
         mp.start_processes(_engines_worker, args=(str(tmp / "init"), str(tmp / "baseline.json"), str(tmp / "r"), port),
                            nprocs=2, start_method="spawn", join=True)
     ranks = [json.loads((tmp / f"r.{rank}").read_text()) for rank in range(2)]
