@@ -174,7 +174,6 @@ if kernels_enabled():
         tl.store(w_ptr + r64 * K + slots, w.to(w_ptr.dtype.element_ty), mask=out_mask)
         tl.store(idx_ptr + r64 * K + slots, expert, mask=out_mask)
 
-
     @triton.jit
     def _router_select_bwd_kernel(z_ptr, idx_ptr, dw_ptr, dz_ptr, T, E, K, stride_t, scale,
                                   SCORE: tl.constexpr, WEIGHTS: tl.constexpr, BLOCK_T: tl.constexpr,
