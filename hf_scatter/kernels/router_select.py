@@ -99,8 +99,15 @@ if kernels_enabled():
         return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _row_scores(z_ptr, r64, cols, row_mask, col_ok, stride_t, SCORE: tl.constexpr):
-        """The rows' scores in float32: SCORE 0 the logits, 1 their sigmoid, 2 their softmax over the E experts."""
+    def _row_scores(z_ptr, T, E, stride_t, SCORE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+        """This program's block of rows: (scores [BLOCK_T, BLOCK_E] in float32, int64 rows [BLOCK_T, 1], columns
+        [1, BLOCK_E], row mask [BLOCK_T], column mask). SCORE 0 the logits, 1 their sigmoid, 2 their softmax over
+        the E experts."""
+        rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        cols = tl.arange(0, BLOCK_E)[None, :]
+        row_mask = rows < T
+        col_ok = cols < E
+        r64 = rows.to(tl.int64)[:, None]
         z = tl.load(z_ptr + r64 * stride_t + cols, mask=row_mask[:, None] & col_ok, other=0.0).to(tl.float32)
         if SCORE == 1:
             s = 1.0 / (1.0 + tl.exp(-z))
@@ -110,7 +117,7 @@ if kernels_enabled():
             s = e / tl.sum(e, axis=1)[:, None]
         else:
             s = z
-        return s
+        return s, r64, cols, row_mask, col_ok
 
     @triton.jit
     def _router_select_kernel(z_ptr, bias_ptr, w_ptr, idx_ptr, T, E, K, group_size, stride_t, masked, scale,
@@ -119,12 +126,7 @@ if kernels_enabled():
                               BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                               BLOCK_G: tl.constexpr):
         # SCORE 0 logits, 1 sigmoid, 2 softmax; WEIGHTS 0 softmax over kept, 1 scores, 2 renormalised scores
-        rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-        cols = tl.arange(0, BLOCK_E)[None, :]
-        row_mask = rows < T
-        col_ok = cols < E
-        r64 = rows.to(tl.int64)[:, None]
-        s = _row_scores(z_ptr, r64, cols, row_mask, col_ok, stride_t, SCORE)  # [BLOCK_T, BLOCK_E] float32
+        s, r64, cols, row_mask, col_ok = _row_scores(z_ptr, T, E, stride_t, SCORE, BLOCK_T, BLOCK_E)
         c = s
         if HAS_BIAS:
             c = s + tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
@@ -179,12 +181,7 @@ if kernels_enabled():
                                   SCORE: tl.constexpr, WEIGHTS: tl.constexpr, BLOCK_T: tl.constexpr,
                                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
         """d(logits) [T, E] through the kept weights, recomputed from the logits (see router_select_backward)."""
-        rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-        cols = tl.arange(0, BLOCK_E)[None, :]
-        row_mask = rows < T
-        col_ok = cols < E
-        r64 = rows.to(tl.int64)[:, None]
-        s = _row_scores(z_ptr, r64, cols, row_mask, col_ok, stride_t, SCORE)  # [BLOCK_T, BLOCK_E] float32
+        s, r64, cols, row_mask, col_ok = _row_scores(z_ptr, T, E, stride_t, SCORE, BLOCK_T, BLOCK_E)
         slots = tl.arange(0, BLOCK_K)[None, :]
         kept = slots < K
         mask_k = row_mask[:, None] & kept
