@@ -483,62 +483,84 @@ def _multi_gpu(p: HardwareProfile, quick: bool) -> None:
 GROUP_ATTENTION_ROWS, GROUP_ATTENTION_CONTEXT = 256, 512  # one micro-batch of a decode step
 
 
-def _group_attention_rank(rank: int, ranks: int, calls: int, store: str, results, rows: int = GROUP_ATTENTION_ROWS,
-                          context: int = GROUP_ATTENTION_CONTEXT) -> None:
-    """One of ``ranks`` processes attending its share of the standard shape's heads on its share of the cores, in
-    lockstep with the others (a barrier per call, as the group's all-reduces make them), pinned copies to its GPU
-    running meanwhile where it has one; rank 0 puts every rank's call times on ``results``."""
+def _attend_in_lockstep(rank: int, ranks: int, calls: int, rows: int, context: int) -> list[float]:
+    """One of ``ranks`` processes attending its share of the standard shape's heads on its share of the cores, a
+    barrier per call (as the group's all-reduces make them), pinned copies to its GPU running meanwhile where it has
+    one: its call times after three warm-up calls."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=ranks)
+    heads, kv_heads, head_dim = STANDARD_ATTENTION_SHAPE[:3]
+    heads, kv_heads = heads // ranks, kv_heads // ranks
+    lens = [round(context * (1.1 - 0.2 * i / (rows - 1))) for i in range(rows)]
+    cache = KVCache([[(p, p + 1) for p in lens]], 1, kv_heads, head_dim, heads, torch.bfloat16)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim).to(torch.bfloat16)  # [rows, (H + 2 KV) * D]
+    out = torch.empty(rows, heads * head_dim, dtype=torch.bfloat16)  # [rows, H * D]
+    worker = AttentionWorker(attention_threads(os.cpu_count(), ranks))
+    busy = _link_traffic(rank) if torch.cuda.device_count() > rank else contextlib.nullcontext(False)
+    times = []
     try:
-        heads, kv_heads, head_dim = STANDARD_ATTENTION_SHAPE[:3]
-        heads, kv_heads = heads // ranks, kv_heads // ranks
-        lens = [round(context * (1.1 - 0.2 * i / (rows - 1))) for i in range(rows)]
-        cache = KVCache([[(p, p + 1) for p in lens]], 1, kv_heads, head_dim, heads, torch.bfloat16)
-        qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim).to(torch.bfloat16)
-        out = torch.empty(rows, heads * head_dim, dtype=torch.bfloat16)
-        worker = AttentionWorker(attention_threads(os.cpu_count(), ranks))
-        busy = _link_traffic(rank) if torch.cuda.device_count() > rank else contextlib.nullcontext(False)
-        times = []
         with busy:
-            for i in range(calls + 3):
+            for _ in range(calls + 3):
                 dist.barrier()
                 start = time.perf_counter()
                 worker.submit(cache.attend, 0, 0, 0, qkv, out).result()
                 times.append(time.perf_counter() - start)
+    finally:
         worker.close()
-        gathered = [None] * ranks
-        dist.all_gather_object(gathered, times[3:])
+    return times[3:]
+
+
+def _group_attention_rank(rank: int, world: int, sizes: list[int], rounds: int, calls: int, store: str, results,
+                          rows: int = GROUP_ATTENTION_ROWS, context: int = GROUP_ATTENTION_CONTEXT) -> None:
+    """Rank ``rank`` of ``world`` processes measuring the group's CPU attention at each of ``sizes`` ranks in turn,
+    ``rounds`` times over (ranks outside a size keep the barriers and idle): one process group for every
+    measurement, and the sizes interleaved so that a slow spell of the host falls on one round of each, not on one
+    size. Rank 0 puts ``{size: [the slowest rank's mean step, one per round]}`` on ``results``."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        steps = {n: [] for n in sizes}
+        for _ in range(rounds):
+            for n in sizes:
+                times = _attend_in_lockstep(rank, n, calls, rows, context) if rank < n else None
+                if times is None:
+                    for _ in range(calls + 3):
+                        dist.barrier()
+                gathered = [None] * world
+                dist.all_gather_object(gathered, times)
+                steps[n].append(statistics.mean(max(step) for step in zip(*gathered[:n])))
         if rank == 0:
-            results.put(gathered)
+            results.put(steps)
     finally:
         dist.destroy_process_group()
 
 
-def group_attention_seconds(ranks: int, calls: int = 30, rows: int = GROUP_ATTENTION_ROWS,
-                            context: int = GROUP_ATTENTION_CONTEXT) -> float:
-    """Mean time of a decode step's CPU attention (:data:`STANDARD_ATTENTION_SHAPE`, ``rows`` requests of about
-    ``context`` cached tokens: a micro-batch) for ``ranks`` processes of this host at once, each over its share of
-    the heads with the threads it keeps: the slowest rank's time per step, which the group waits for."""
-    import tempfile
-
+def group_attention_seconds(sizes, calls: int = 20, rounds: int = 5, rows: int = GROUP_ATTENTION_ROWS,
+                            context: int = GROUP_ATTENTION_CONTEXT) -> dict[int, list[float]]:
+    """A decode step's CPU attention (:data:`STANDARD_ATTENTION_SHAPE`, ``rows`` requests of about ``context``
+    cached tokens: a micro-batch) for each of ``sizes`` processes of this host at once, each over its share of the
+    heads with the threads it keeps: per size, the slowest rank's mean time per step (what the group waits for),
+    one figure per round, the sizes taking turns within each round."""
     import torch.multiprocessing as mp
 
+    sizes = [int(n) for n in sizes]
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"group attention sizes must be positive rank counts, got {sizes}")
+    world = max(sizes)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         procs = [ctx.Process(target=_group_attention_rank,
-                             args=(r, ranks, calls, f"{tmp}/store", results, rows, context))
-                 for r in range(ranks)]
+                             args=(r, world, sizes, rounds, calls, f"{tmp}/store", results, rows, context))
+                 for r in range(world)]
         for proc in procs:
             proc.start()
         try:
-            per_rank = _first_result(results, procs)
+            return _first_result(results, procs)
         finally:
             for proc in procs:
                 proc.join()
-    return statistics.mean(max(step) for step in zip(*per_rank))
 
 
 def _first_result(results, procs, timeout_s: float = 300.0):
@@ -563,18 +585,23 @@ def _first_result(results, procs, timeout_s: float = 300.0):
 
 def _group_attention(p: HardwareProfile, quick: bool) -> None:
     """The ranks' CPU attention at once, against one process's over every head (the planner's group attention):
-    for 2, 4, ... ranks up to the host's GPUs, measured the same way at one rank first."""
+    for 2, 4, ... ranks up to the host's GPUs. One process and each group take turns, five rounds; the ratio kept
+    is the median of the rounds' ratios, the notes give their range (a single pass of 30 calls a size put four ranks
+    at 0.84x and, on a later lease of the same host kind, 1.81x one process's)."""
     count = torch.cuda.device_count()
     kv_heads = STANDARD_ATTENTION_SHAPE[1]
     sizes = [n for n in (2, 4, 8) if n <= count and kv_heads % n == 0]
     if not sizes:
         return
-    calls = 10 if quick else 30
-    one = group_attention_seconds(1, calls)
-    p.cpu_attention_group = [[n, group_attention_seconds(n, calls) / one] for n in sizes]
+    rounds = 1 if quick else 5
+    steps = group_attention_seconds([1, *sizes], calls=10 if quick else 20, rounds=rounds)
+    ratios = {n: [group / one for group, one in zip(steps[n], steps[1])] for n in sizes}
+    p.cpu_attention_group = [[n, statistics.median(ratios[n])] for n in sizes]
+    spread = "; ".join(f"{n} ranks {min(r):.2f}-{max(r):.2f}x" for n, r in ratios.items())
     p.notes["cpu_attention_group"] = (
         f"measured: {GROUP_ATTENTION_ROWS} rows at context {GROUP_ATTENTION_CONTEXT}, that many processes at once, "
-        "each its share of the heads and cores and copies to its GPU; the slowest rank per step over one process")
+        "each its share of the heads and cores and copies to its GPU; the slowest rank per step over one process, "
+        f"median of {rounds} rounds taking turns (range: {spread})")
 
 
 # (label, step) pairs that fill the GPU and link fields, in order (the efficiency fits read the roofs).

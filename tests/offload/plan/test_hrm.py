@@ -782,12 +782,33 @@ def test_a_measured_group_attention_replaces_the_assumed_rate():
 
 
 def test_group_attention_is_measured_with_the_ranks_at_once():
-    """Two processes of this host attend their halves of the heads in lockstep (gloo barriers; no GPU here, so
-    no copies meanwhile): the slowest rank's time per step comes back (a small micro-batch: the plumbing is under
-    test, not this host's speed)."""
+    """One process and two processes of this host attend in lockstep (gloo barriers; no GPU here, so no copies
+    meanwhile), taking turns round after round: each size gets one step time per round, the slowest rank's (a
+    small micro-batch: the plumbing is under test, not this host's speed); a size that is no rank count is refused
+    before any process starts."""
     from hf_scatter.offload.measure import group_attention_seconds
 
-    assert 0 < group_attention_seconds(2, calls=3, rows=32, context=64) < 10
+    steps = group_attention_seconds([1, 2], calls=3, rounds=2, rows=32, context=64)
+    assert sorted(steps) == [1, 2]
+    assert all(len(per_round) == 2 and all(0 < s < 10 for s in per_round) for per_round in steps.values())
+    with pytest.raises(ValueError, match="rank counts"):
+        group_attention_seconds([0, 2])
+
+
+def test_one_slow_round_does_not_move_the_group_attention_ratio(monkeypatch):
+    """The profile keeps, per rank count, the median of the rounds' group-over-one ratios (each round's group
+    against the same round's one process), and its notes give the range: a round in which the host was slow for
+    the group alone does not decide the plan."""
+    from hf_scatter.offload import measure
+    from hf_scatter.offload.plan.profile import HardwareProfile
+
+    rounds = {1: [1.0, 1.0, 2.0, 1.0, 1.0], 2: [0.9, 5.0, 1.8, 1.0, 0.8]}  # ratios 0.9, 5, 0.9, 1.0, 0.8
+    monkeypatch.setattr(measure.torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(measure, "group_attention_seconds", lambda sizes, **kw: {n: rounds[n] for n in sizes})
+    p = HardwareProfile(name="host")
+    measure._group_attention(p, quick=False)
+    assert p.cpu_attention_group == [[2, pytest.approx(0.9)]]
+    assert "0.80-5.00x" in p.notes["cpu_attention_group"]
 
 
 @pytest.mark.kernel_bodies("reference")  # its subject is the timing's plumbing, not the kernels' arithmetic
