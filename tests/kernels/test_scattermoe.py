@@ -225,6 +225,20 @@ def test_gate_mix_and_gate_grad_against_float64(device, dtype):
         gate_mix(y[:-1], g)
 
 
+def test_gate_mix_with_the_gpu_s_one_row_tiles(device, monkeypatch):
+    """The GPU's tiles (one token row a program, 512 columns, the k slot rows unrolled) give the same mix as the
+    interpreter's 16-row tiles, at sizes that leave partial column blocks, poisoned output included."""
+    from hf_scatter.kernels import gating
+
+    monkeypatch.setattr(gating, "triton_interpreted", lambda: False)
+    for T, k, N in ((5, 8, 700), (3, 1, 40)):
+        y = torch.randn(T * k, N, device=device).to(torch.bfloat16)
+        g = torch.rand(T, k, device=device)
+        out = torch.full((T, N), float("nan"), device=device, dtype=torch.bfloat16)
+        gate_mix(y, g, out=out)
+        assert rel_err(out, (y.double().view(T, k, N) * g.double()[..., None]).sum(1)) < TOL[torch.bfloat16] / 2
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gate_mix_reads_expert_ordered_rows_through_slot_positions(device, dtype):
     """Rows an expert GEMM wrote in expert order (the library grouped GEMM's output) mix per token through the
