@@ -116,27 +116,32 @@ def block_m_for(head_dim: int) -> int:
     return 64 if head_dim <= 128 else 32
 
 
-def block_table(lengths, block_m: int, capacity: int | None = None) -> np.ndarray:
+def block_table(lengths, block_m: int, capacity: int | None = None, out: np.ndarray | None = None) -> np.ndarray:
     """``[1 + blocks, 3]`` int32: the header ``(blocks, 0, 0)``, then (first query row, sequence start, sequence
     end) per block of ``block_m`` query rows of the packed sequences of ``lengths`` (zero-length sequences
     own none). ``capacity`` pads to that many block rows (a fixed-size table for a CUDA graph); it must be
-    at least :func:`max_blocks` of the batch's bucket."""
+    at least :func:`max_blocks` of the batch's bucket. ``out``: an int32 [1 + capacity, 3] array to write the
+    table into (a graph's pinned staging), returned; a batch's table is host time on the call's critical path,
+    so it is built in a few whole-array steps."""
     lengths = np.asarray(lengths, dtype=np.int64)
-    ends = np.cumsum(lengths)
-    starts = ends - lengths
     counts = -(-lengths // block_m)
-    seq = np.repeat(np.arange(len(lengths)), counts)
-    first_block = np.cumsum(counts) - counts
-    within = np.arange(int(counts.sum())) - np.repeat(first_block, counts)
-    table = np.stack([starts[seq] + within * block_m, starts[seq], ends[seq]], axis=1)
-    if capacity is not None:
-        if capacity < len(table):
-            raise ValueError(f"block_table: {len(table)} blocks do not fit a capacity of {capacity}")
-        table = np.concatenate([table, np.zeros((capacity - len(table), 3), dtype=table.dtype)])
-    if table.size and table.max() >= 2 ** 31:
+    ends = np.cumsum(lengths)
+    block_ends = np.cumsum(counts)
+    blocks = int(block_ends[-1]) if len(block_ends) else 0
+    rows = blocks if capacity is None else capacity
+    if blocks > rows:
+        raise ValueError(f"block_table: {blocks} blocks do not fit a capacity of {capacity}")
+    if len(ends) and ends[-1] >= 2 ** 31:
         raise ValueError("block_table: more than 2**31 packed tokens; split the batch")
-    header = np.array([[int(counts.sum()), 0, 0]])
-    return np.concatenate([header, table.reshape(-1, 3)]).astype(np.int32)
+    table = np.empty((1 + rows, 3), dtype=np.int32) if out is None else out
+    table[0] = (blocks, 0, 0)
+    seq = np.repeat(np.arange(len(lengths)), counts)  # the sequence of each block
+    body = table[1:1 + blocks]
+    body[:, 2] = ends[seq]
+    body[:, 1] = body[:, 2] - lengths[seq]
+    body[:, 0] = (np.arange(blocks) - (block_ends - counts)[seq]) * block_m + body[:, 1]
+    table[1 + blocks:] = 0
+    return table
 
 
 def grid_programs(num_tokens: int, block_rows: int, block_m: int) -> int:

@@ -97,6 +97,8 @@ class _Captured:
     staging: torch.Tensor
     staging_blocks: torch.Tensor
     copied: "torch.cuda.Event"
+    device_bytes: torch.Tensor  # inputs and blocks are views of it, staging and staging_blocks of staging_bytes:
+    staging_bytes: torch.Tensor  # one copy sends both
     hidden: torch.Tensor | None = None
     pooled: torch.Tensor | None = None
     staged: tuple | None = None  # what the device inputs hold from the staging, when a batch run row for row
@@ -284,12 +286,18 @@ class UnpaddedRuntime:
     def _static_inputs(self, tokens: int, key_masked: bool) -> _Captured:
         head_dim = self.model.encoder.layer[0].attention.self.attention_head_size
         nblocks = 1 + max_blocks(tokens, tokens, block_m_for(head_dim))  # header row + every possible block
-        inputs = torch.zeros((6, tokens), dtype=torch.int64, device=self.device)
+        split = 6 * tokens * 8  # bytes of the int64 input rows; the int32 block table follows them
+
+        def views(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return raw[:split].view(torch.int64).view(6, tokens), raw[split:].view(torch.int32).view(nblocks, 3)
+
+        device_bytes = torch.zeros(split + nblocks * 3 * 4, dtype=torch.uint8, device=self.device)
+        staging_bytes = torch.zeros(device_bytes.shape, dtype=torch.uint8, pin_memory=True)
+        (inputs, blocks), (staging, staging_blocks) = views(device_bytes), views(staging_bytes)
         batch = PackedBatch(inputs[IDS], inputs[POSITIONS], inputs[TYPES], [tokens],
                             key_mask=inputs[KEYS] if key_masked else None)
-        return _Captured(None, batch, inputs, torch.zeros((nblocks, 3), dtype=torch.int32, device=self.device),
-                         torch.zeros((6, tokens), dtype=torch.int64, pin_memory=True),
-                         torch.zeros((nblocks, 3), dtype=torch.int32, pin_memory=True), torch.cuda.Event())
+        return _Captured(None, batch, inputs, blocks, staging, staging_blocks, torch.cuda.Event(), device_bytes,
+                         staging_bytes)
 
     def _stage_tables(self, captured: _Captured, lengths: list[int]) -> np.ndarray:
         """Wait until the previous batch's copies have left the staging, write this batch's attention block table
@@ -297,8 +305,8 @@ class UnpaddedRuntime:
         captured.staged = None
         captured.copied.synchronize()
         head_dim = self.model.encoder.layer[0].attention.self.attention_head_size
-        captured.staging_blocks.numpy()[:] = block_table(lengths, block_m_for(head_dim),
-                                                         capacity=captured.blocks.shape[0] - 1)
+        block_table(lengths, block_m_for(head_dim), capacity=captured.blocks.shape[0] - 1,
+                    out=captured.staging_blocks.numpy())
         rows = captured.staging.numpy()
         rows[FIRST, :len(lengths)] = first_token_rows(lengths)
         rows[FIRST, len(lengths):] = 0
@@ -306,9 +314,9 @@ class UnpaddedRuntime:
         return rows
 
     def _send_staging(self, captured: _Captured) -> None:
-        """Both staging tensors to the device in two asynchronous copies, then mark them in flight."""
-        captured.blocks.copy_(captured.staging_blocks, non_blocking=True)
-        captured.inputs.copy_(captured.staging, non_blocking=True)
+        """The staging (input rows and block table) to the device in one asynchronous copy, then mark it in
+        flight."""
+        captured.device_bytes.copy_(captured.staging_bytes, non_blocking=True)
         captured.copied.record()
 
     def _fill(self, captured: _Captured, batch: PackedBatch) -> None:

@@ -97,6 +97,10 @@ def test_block_table_covers_every_row_once_and_pads_to_capacity():
     assert (table[1 + count:] == 0).all() and len(table) == 1 + va.max_blocks(135, 5, 32)
     with pytest.raises(ValueError, match="do not fit a capacity"):
         va.block_table(lengths, 32, capacity=3)
+    stale = np.full_like(table, 7)  # a graph's staging still holding a larger batch's table
+    assert va.block_table(lengths, 32, capacity=len(table) - 1, out=stale) is stale
+    assert np.array_equal(stale, table)
+    assert va.block_table([], 32).tolist() == [[0, 0, 0]]
 
 
 def test_varlen_attention_rejects_bad_input():
