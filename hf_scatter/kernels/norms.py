@@ -44,7 +44,7 @@ from typing import Optional
 import torch
 from torch.autograd.function import once_differentiable
 
-from .backend import cdiv, kernels_enabled, next_power_of_2, triton_interpreted, triton_runs
+from .backend import cdiv, dependent_launch, kernels_enabled, next_power_of_2, triton_interpreted, triton_runs
 from .checks import check_eps, check_rows, check_same_place, check_tensor, check_vector, fail
 from .custom_ops import mutating_op, profiled, run_op
 
@@ -106,7 +106,11 @@ if kernels_enabled():
                              M, N, stride_x, stride_r, stride_y, stride_s, eps,
                              RMS: tl.constexpr, ROUND_NORMED: tl.constexpr, HAS_RES: tl.constexpr,
                              HAS_ABIAS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, STORE_SUM: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr):
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+                             USE_PDL: tl.constexpr = False):
+        if USE_PDL:  # a dependent launch (backend.dependent_launches): the kernel before must be done first
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_mask = rows < M
         r64 = rows[:, None].to(tl.int64)
@@ -344,7 +348,7 @@ def add_norm_fwd_triton(x: torch.Tensor, residual: torch.Tensor | None, add_bias
         RMS=rms, ROUND_NORMED=rms and not weight_first, HAS_RES=residual is not None,
         HAS_ABIAS=add_bias is not None, HAS_W=weight is not None,
         HAS_B=bias is not None, STORE_SUM=sum_out is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-        NUM_CHUNKS=chunks, num_warps=warps)
+        NUM_CHUNKS=chunks, num_warps=warps, **dependent_launch(x))
 
 
 def add_norm_bwd_triton(dy: torch.Tensor, s: torch.Tensor, weight: torch.Tensor | None, mean: torch.Tensor | None,

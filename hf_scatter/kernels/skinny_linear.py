@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from .backend import cdiv, kernels_enabled, next_power_of_2, triton_interpreted, triton_runs
+from .backend import cdiv, dependent_launch, kernels_enabled, next_power_of_2, triton_interpreted, triton_runs
 from .checks import check_like, check_out, fail
 from .custom_ops import mutating_op, run_op
 
@@ -36,7 +36,11 @@ if kernels_enabled():
     def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
                               stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on, K_PER_SPLIT,
                               SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                              USE_PDL: tl.constexpr = False):
+        if USE_PDL:  # a dependent launch (backend.dependent_launches): the kernel before must be done first
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
@@ -147,7 +151,7 @@ def _skinny_linear_impl(x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
         out if counters is None else counters, M, N, K, x.stride(0), x.stride(1), weight.stride(0),
         weight.stride(1), out.stride(0), out.stride(1), k_per_split, SPLIT=split, HAS_BIAS=bias is not None,
         ACT=act, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4,
-        **({} if triton_interpreted() else {"num_stages": 3}))
+        **({} if triton_interpreted() else {"num_stages": 3}), **dependent_launch(x))
 
 
 _skinny_linear_op = mutating_op("skinny_linear", "out", "partials", "counters")(_skinny_linear_impl)

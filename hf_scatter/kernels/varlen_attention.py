@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ..common.dtypes import FLOAT_DTYPES
-from .backend import kernels_enabled, launch, next_power_of_2, triton_interpreted, triton_runs
+from .backend import dependent_launch, kernels_enabled, launch, next_power_of_2, triton_interpreted, triton_runs
 from .checks import fail
 from .custom_ops import mutating_op, run_op
 
@@ -43,7 +43,11 @@ if kernels_enabled():
                                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                                      stride_ot, stride_oh, HEAD_DIM, SIZE_CLASS,
                                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                                     UPCAST: tl.constexpr, IEEE: tl.constexpr, KEY_MASK: tl.constexpr):
+                                     UPCAST: tl.constexpr, IEEE: tl.constexpr, KEY_MASK: tl.constexpr,
+                                     USE_PDL: tl.constexpr = False):
+        if USE_PDL:  # a dependent launch (backend.dependent_launches): the kernel before must be done first
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         head = tl.program_id(1).to(tl.int64)
         num_blocks = tl.load(blocks_ptr)
         for blk in range(tl.program_id(0), num_blocks, tl.num_programs(0)):
@@ -190,7 +194,8 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b
             v.stride(0), v.stride(1), out.stride(0), out.stride(1), head_dim,
             next_power_of_2(programs))
     meta = dict(BLOCK_M=block_m, BLOCK_D=max(16, next_power_of_2(head_dim)),
-                UPCAST=interpreted or q.dtype == torch.float32, IEEE=ieee or interpreted, KEY_MASK=key_mask is not None)
+                UPCAST=interpreted or q.dtype == torch.float32, IEEE=ieee or interpreted, KEY_MASK=key_mask is not None,
+                **dependent_launch(q))
     launch(_varlen_attention_fwd_kernel, _varlen_attention_tuned, _ATTN_CONFIGS, {}, lambda cfg: (programs, heads),
            args, meta, {"BLOCK_N": 32})
     return out

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..kernels.backend import dependent_launches
 from ..kernels.skinny_linear import SkinnyWorkspace
 from ..kernels.varlen_attention import block_m_for, block_table, max_blocks
 from .packing import (PackedBatch, PaddedLayout, check_padded, first_token_rows, key_mask_of, pack_with_layout,
@@ -448,13 +449,14 @@ class UnpaddedRuntime:
         forward = lambda: self._encode(static, allocator.reset(), blocks, first, self.skinny)  # noqa: E731
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):  # warm-up (compiles and tunes the kernels) on the stream capture uses
+        # a graph replays a chain of kernels that each wait for the one before: their launches may overlap
+        with torch.cuda.stream(stream), dependent_launches():  # warm-up (compiles, tunes) on the capture's stream
             forward()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+        with torch.cuda.graph(graph, pool=self._pool, stream=stream), dependent_launches():
             hidden, pooled = forward()
         captured.graph, captured.hidden, captured.pooled = graph, hidden, pooled
         self.graphs[(tokens, key_masked)] = captured

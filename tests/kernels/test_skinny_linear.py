@@ -88,3 +88,48 @@ def test_bad_input_is_refused_with_the_fix(args, kwargs, message):
     with pytest.raises(ValueError, match=None) as error:
         skinny_linear(*args, **kwargs)
     assert message in str(error.value)
+
+
+def test_dependent_launches_are_asked_for_only_inside_their_block_on_a_gpu(device):
+    from hf_scatter.kernels.backend import dependent_launch, dependent_launches
+
+    x = torch.zeros(2, 2, device=device)
+    assert dependent_launch(x) == {"USE_PDL": False}
+    with dependent_launches():
+        inside = dependent_launch(x)
+    assert dependent_launch(x) == {"USE_PDL": False}
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        assert inside == {"USE_PDL": False}
+
+
+@pytest.mark.gpu
+def test_a_chain_of_dependent_launches_in_a_graph_reads_each_result_after_it_is_written():
+    """Each kernel of a chain reads what the one before wrote (a projection of a projection, then the add & norm
+    of both): captured with dependent launches and replayed for fresh inputs, the chain gives the bits of the
+    same calls launched plainly."""
+    from hf_scatter.kernels.backend import dependent_launch, dependent_launches
+    from hf_scatter.kernels.norms import fused_add_layer_norm
+
+    dev, dtype = torch.device("cuda"), torch.float16
+    w1, w2 = (torch.randn(768, 768, device=dev, dtype=dtype) / 28 for _ in range(2))
+    gamma, beta = torch.ones(768, device=dev, dtype=dtype), torch.zeros(768, device=dev, dtype=dtype)
+    workspace = SkinnyWorkspace()
+    x = torch.randn(40, 768, device=dev, dtype=dtype)
+
+    def chain():
+        y1 = skinny_linear(x, w1, workspace=workspace)
+        y2 = skinny_linear(y1, w2, workspace=workspace)
+        return fused_add_layer_norm(y2, y1, gamma, beta, eps=1e-12, validate=False)
+
+    with dependent_launches():
+        assert dependent_launch(x)["USE_PDL"] == (torch.cuda.get_device_capability()[0] >= 9)
+        chain()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain()
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, chain())
+
