@@ -128,8 +128,10 @@ def dependent_launch(tensor: torch.Tensor) -> dict:
     """Launch options of a kernel that takes ``USE_PDL`` for a call on ``tensor``: ``{"USE_PDL": True,
     "launch_pdl": True}`` inside :func:`dependent_launches` where the GPU and Triton support it, else
     ``{"USE_PDL": False}``."""
-    if getattr(_dependent_launches, "depth", 0) and tensor.is_cuda and _pdl_supported(tensor.device.index or 0):
-        return {"USE_PDL": True, "launch_pdl": True}
+    if getattr(_dependent_launches, "depth", 0) and tensor.is_cuda:
+        index = tensor.device.index
+        if _pdl_supported(torch.cuda.current_device() if index is None else index):
+            return {"USE_PDL": True, "launch_pdl": True}
     return {"USE_PDL": False}
 
 
