@@ -44,13 +44,16 @@ from typing import Optional
 import torch
 from torch.autograd.function import once_differentiable
 
-from .backend import cdiv, dependent_launch, kernels_enabled, next_power_of_2, triton_interpreted, triton_runs
+from .backend import cdiv, kernels_enabled, next_power_of_2, triton_interpreted, triton_runs
 from .checks import check_eps, check_rows, check_same_place, check_tensor, check_vector, fail
 from .custom_ops import mutating_op, profiled, run_op
+from .dependent_launch import dependent_launch
 
 if kernels_enabled():
     import triton
     import triton.language as tl
+
+    from .dependent_launch import wait_for_predecessor
 
     @triton.jit
     def _load_sum(x_ptr, res_ptr, abias_ptr, r64, cols, col_mask, mask, stride_x, stride_r,
@@ -108,9 +111,7 @@ if kernels_enabled():
                              HAS_ABIAS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, STORE_SUM: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr,
                              USE_PDL: tl.constexpr = False):
-        if USE_PDL:  # a dependent launch (backend.dependent_launches): the kernel before must be done first
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        wait_for_predecessor(USE_PDL)  # a dependent launch waits for the kernel before
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_mask = rows < M
         r64 = rows[:, None].to(tl.int64)

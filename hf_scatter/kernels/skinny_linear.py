@@ -18,9 +18,10 @@ from typing import Optional
 
 import torch
 
-from .backend import cdiv, dependent_launch, kernels_enabled, next_power_of_2, triton_interpreted, triton_runs
+from .backend import cdiv, kernels_enabled, next_power_of_2, triton_interpreted, triton_runs
 from .checks import check_like, check_out, fail
 from .custom_ops import mutating_op, run_op
+from .dependent_launch import dependent_launch
 
 MAX_ROWS = 64  # one tile of rows; more rows are a GEMM cuBLAS runs at full speed
 ACTIVATIONS = {"none": 0, "gelu": 1, "gelu_tanh": 2}  # GELU's erf form and its tanh form
@@ -32,15 +33,15 @@ if kernels_enabled():
     import triton
     import triton.language as tl
 
+    from .dependent_launch import wait_for_predecessor
+
     @triton.jit
     def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
                               stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on, K_PER_SPLIT,
                               SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                               USE_PDL: tl.constexpr = False):
-        if USE_PDL:  # a dependent launch (backend.dependent_launches): the kernel before must be done first
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        wait_for_predecessor(USE_PDL)  # a dependent launch waits for the kernel before
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)

@@ -30,13 +30,16 @@ import numpy as np
 import torch
 
 from ..common.dtypes import FLOAT_DTYPES
-from .backend import dependent_launch, kernels_enabled, launch, next_power_of_2, triton_interpreted, triton_runs
+from .backend import kernels_enabled, launch, next_power_of_2, triton_interpreted, triton_runs
 from .checks import fail
 from .custom_ops import mutating_op, run_op
+from .dependent_launch import dependent_launch
 
 if kernels_enabled():
     import triton
     import triton.language as tl
+
+    from .dependent_launch import wait_for_predecessor
 
     @triton.jit
     def _varlen_attention_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, blocks_ptr, keys_ptr, scale_log2e,
@@ -45,9 +48,7 @@ if kernels_enabled():
                                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                                      UPCAST: tl.constexpr, IEEE: tl.constexpr, KEY_MASK: tl.constexpr,
                                      USE_PDL: tl.constexpr = False):
-        if USE_PDL:  # a dependent launch (backend.dependent_launches): the kernel before must be done first
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        wait_for_predecessor(USE_PDL)  # a dependent launch waits for the kernel before
         head = tl.program_id(1).to(tl.int64)
         num_blocks = tl.load(blocks_ptr)
         for blk in range(tl.program_id(0), num_blocks, tl.num_programs(0)):

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..kernels.backend import dependent_launches
+from ..kernels.dependent_launch import dependent_launches
 from ..kernels.skinny_linear import SkinnyWorkspace
 from ..kernels.varlen_attention import block_m_for, block_table, max_blocks
 from .packing import (PackedBatch, PaddedLayout, check_padded, first_token_rows, key_mask_of, pack_with_layout,

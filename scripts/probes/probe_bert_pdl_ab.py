@@ -16,7 +16,7 @@ import torch
 import hf_scatter
 from hf_scatter.bench.bert import bert_base
 from hf_scatter.common.timing import median_ms, run_header
-from hf_scatter.kernels import backend
+from hf_scatter.kernels import dependent_launch
 from hf_scatter.turbo import runtime
 
 
@@ -32,7 +32,7 @@ def main():
             off = mock.patch.object(runtime, "dependent_launches", contextlib.nullcontext)
             with off if name == "plain" else contextlib.nullcontext():
                 m(ids, attention_mask=mask)  # captures the 64-token bucket's graph
-    report = {**run_header(), "what": __doc__, "pdl_supported": backend._pdl_supported(0), "rounds": []}
+    report = {**run_header(), "what": __doc__, "pdl_supported": dependent_launch._pdl_supported(0), "rounds": []}
     with torch.inference_mode():
         for _ in range(2):
             row = {}

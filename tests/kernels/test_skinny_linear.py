@@ -91,7 +91,7 @@ def test_bad_input_is_refused_with_the_fix(args, kwargs, message):
 
 
 def test_dependent_launches_are_asked_for_only_inside_their_block_on_a_gpu(device):
-    from hf_scatter.kernels.backend import dependent_launch, dependent_launches
+    from hf_scatter.kernels.dependent_launch import dependent_launch, dependent_launches
 
     x = torch.zeros(2, 2, device=device)
     assert dependent_launch(x) == {"USE_PDL": False}
@@ -107,7 +107,7 @@ def test_a_chain_of_dependent_launches_in_a_graph_reads_each_result_after_it_is_
     """Each kernel of a chain reads what the one before wrote (a projection of a projection, then the add & norm
     of both): captured with dependent launches and replayed for fresh inputs, the chain gives the bits of the
     same calls launched plainly."""
-    from hf_scatter.kernels.backend import dependent_launch, dependent_launches
+    from hf_scatter.kernels.dependent_launch import dependent_launch, dependent_launches
     from hf_scatter.kernels.norms import fused_add_layer_norm
 
     dev, dtype = torch.device("cuda"), torch.float16
