@@ -14,8 +14,9 @@ Three forms, all invisible in rendered Markdown:
   "figures"}`` pair formatted as README's rows are, so a table row stays one readable line in the page.
 - An inline figure: ``1.43x<!--fig train-h100.json: v("results/mixtral-hf-scatter/tokens_per_s") /
   v("results/mixtral-grouped_mm/tokens_per_s")-->``. The expression is Python arithmetic over ``v(path)``
-  (a "/"-separated key path into the JSON, or several arguments for keys that contain "/"), ``min``,
-  ``max``, ``abs``, ``sum``, ``len`` and ``round``; its value must round to the number written right before
+  (a "/"-separated key path into the JSON, or several arguments for keys that contain "/"), ``at(FILE, path)``
+  (the same in another results file, for a before/after figure), ``min``, ``max``, ``abs``, ``sum``, ``len``
+  and ``round``; its value must round to the number written right before
   the comment, at the precision written (units and ``**`` around the number are ignored; "1,722" is 1722).
 
 A number that is not a measurement but looks like one (a target, a tolerance, a budget) is marked
@@ -84,8 +85,9 @@ def lookup(report: dict, *path: str):
 
 def evaluate(file: str, expr: str) -> float:
     report = load_results(file)
-    names = {"v": lambda *path: lookup(report, *path), "min": min, "max": max, "abs": abs, "sum": sum,
-             "len": len, "round": round}
+    # at(FILE, PATH): a value of another result file, for a figure that compares two runs
+    names = {"v": lambda *path: lookup(report, *path), "at": lambda other, *path: lookup(load_results(other), *path),
+             "min": min, "max": max, "abs": abs, "sum": sum, "len": len, "round": round}
     return float(eval(compile(expr, f"<figure in {file}>", "eval"), {"__builtins__": {}}, names))
 
 

@@ -57,6 +57,19 @@ def captured_graph(fn: Callable[[], object]) -> "torch.cuda.CUDAGraph":
     return graph
 
 
+def graph_replay_ms(fn: Callable[[], object], calls: int = 50) -> float:
+    """Mean time of back-to-back replays of a CUDA graph of ``fn()`` in ms: a kernel's GPU time alone, its launch
+    included and the L2 cache warm (a probe comparing one kernel's forms; ``median_ms`` times a whole call)."""
+    graph = captured_graph(fn)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls
+
+
 def peak_extra_gib(fn: Callable[[], object]) -> float:
     """Memory allocated at the peak of one ``fn()`` call beyond what was live before it, in GiB."""
     gc.collect()
@@ -72,4 +85,5 @@ def is_oom(error: BaseException) -> bool:
     return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
 
 
-__all__ = ["captured_graph", "git_revision", "is_oom", "median_ms", "peak_extra_gib", "run_header"]
+__all__ = ["captured_graph", "git_revision", "graph_replay_ms", "is_oom", "median_ms", "peak_extra_gib",
+           "run_header"]

@@ -34,6 +34,10 @@ if kernels_enabled():
     from .swiglu import swiglu_tile
     from .tiling import dot_accumulate, grouped_tile
 
+    # EVEN_K: every K step is whole, so the plain product's loads need no mask along K. A mask that varies along
+    # the loads' contiguous axis keeps them from being vectorised: Qwen3-30B-A3B's first projection took 1.64
+    # instead of 1.58 ms with it (H200, scripts/probes/probe_first_projection_loads.py).
+    @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
     @triton.jit
     def _scatter2scatter_kernel(
         x_ptr, w_ptr, b_ptr, y_ptr, h_ptr,
@@ -46,6 +50,7 @@ if kernels_enabled():
         STORE_Y: tl.constexpr, SKIP_BIN: tl.constexpr, W_MXFP4: tl.constexpr, SCALED_DOT: tl.constexpr,
         W_FP8: tl.constexpr, W_BLOCK_N: tl.constexpr, W_BLOCK_K: tl.constexpr, CONVERT: tl.constexpr,
         A_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        EVEN_K: tl.constexpr,
     ):
         # W_MXFP4: w_ptr holds the weight as MXFP4 bytes [E, N, K / 2] (two values of row n per byte, low nibble
         # first) and scales_ptr its exponents [E, N, K / 32]; each [BLOCK_K, BLOCK_N] tile is decoded in
@@ -75,8 +80,8 @@ if kernels_enabled():
             row_end = tl.load(expert_end_ptr + expert)
             rows = row0 + tl.arange(0, BLOCK_M)
             row_mask = rows < row_end
-            if X_GROUPED:
-                x_rows = rows
+            if X_GROUPED:  # a row past the expert's end reads its last row (in bounds; never stored)
+                x_rows = tl.minimum(rows, row_end - 1)
             else:
                 x_rows = tl.load(scattered_ptr + rows, mask=row_mask, other=0) // FAN_OUT
             cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -135,6 +140,10 @@ if kernels_enabled():
                                            stride_se, stride_sn, BLOCK_K, W_BLOCK_N, W_BLOCK_K, CONVERT)
                     if not UPCAST:  # the interpreter truncates a cast to bf16: it keeps the float32 values
                         w = w.to(x.dtype)  # the value transformers dequantizes to: float32 product, rounded once
+                    acc = dot_accumulate(acc, x, w, UPCAST, ALLOW_TF32)
+                elif EVEN_K:  # every row index is in bounds (a masked one reads row 0): x needs no mask
+                    x = tl.load(x_tile_ptr)
+                    w = tl.load(w_tile_ptr, mask=col_mask[None, :], other=0.0)
                     acc = dot_accumulate(acc, x, w, UPCAST, ALLOW_TF32)
                 else:
                     x = tl.load(x_tile_ptr, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
@@ -314,7 +323,9 @@ def expert_tiles(expert_offsets: torch.Tensor, block_m: int, num_rows: int) -> t
     programs = num_tile_programs(num_rows, num_experts, block_m)
     tile_expert = torch.empty(programs, dtype=torch.int32, device=expert_offsets.device)
     tile_row = torch.empty_like(tile_expert)
-    block_p = 128
+    # 16 programs' entries per program: each compares its programs against every expert, so wider blocks
+    # serialise that work on a few SMs (Qwen3-30B-A3B's 1,152 entries over 128 experts: 33 us at 128, 6 at 16)
+    block_p = 16
     _expert_tiles_kernel[(cdiv(programs, block_p),)](
         expert_offsets, tile_expert, tile_row, num_experts, programs, BLOCK_M=block_m,
         BLOCK_E=max(16, next_power_of_2(num_experts)), BLOCK_P=block_p, num_warps=4)
