@@ -34,9 +34,10 @@ if kernels_enabled():
     from .swiglu import swiglu_tile
     from .tiling import dot_accumulate, grouped_tile
 
-    # EVEN_K: every K step is whole, so the plain product's loads need no mask along K. A mask that varies along
-    # the loads' contiguous axis keeps them from being vectorised: Qwen3-30B-A3B's first projection took 1.64
-    # instead of 1.58 ms with it (H200, scripts/probes/probe_first_projection_loads.py).
+    # EVEN_K: every K step is whole, so the plain product's loads need no mask along K. The copies stay 16 bytes
+    # wide either way, but masked, the loop computes a byte count for each of its async copies at every step
+    # (sm90 PTX of the probe's kernel: 111 selects against 6): Qwen3-30B-A3B's first projection took 1.64
+    # instead of 1.58 ms with them (H200, scripts/probes/probe_first_projection_loads.py).
     @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
     @triton.jit
     def _scatter2scatter_kernel(
