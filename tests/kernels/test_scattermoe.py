@@ -207,6 +207,25 @@ def test_groupxty_reads_scattered_operands_in_place(device, x_fan_out, dy_fan_ou
         groupXTY(x, dy, off, x_fan_out=x_fan_out or 1)
 
 
+@pytest.mark.parametrize("K,N", [(64, 128), (33, 70)])
+@pytest.mark.parametrize("fan_out", [0, 2])
+def test_groupxty_full_row_blocks_and_a_partial_one(device, K, N, fan_out):
+    """Experts of about 100 rows: several whole row blocks (loaded without a row mask) and a partial last one,
+    with K and N that divide the tile evenly and that do not; grouped and scattered operands."""
+    T, k, E = 150, 2, 3
+    idx = routing_case(T, k, E, device, "random")
+    se, ss, off = flatten_sort_count(idx, E)
+    M = T * k
+    x = torch.randn(M // fan_out if fan_out else M, K, device=device)
+    dy = torch.randn(M // fan_out if fan_out else M, N, device=device)
+    x_g, dy_g = (x[ss // fan_out], dy[ss // fan_out]) if fan_out else (x, dy)
+    dw = torch.full((E, K, N), float("nan"), device=device)
+    db = torch.full((E, N), float("nan"), device=device)
+    groupXTY(x, dy, off, dw, db, sorted_scattered_idxs=ss if fan_out else None, x_fan_out=fan_out, dy_fan_out=fan_out)
+    assert min(torch.diff(off, prepend=off.new_zeros(1)).tolist()) > 64  # whole blocks at any block height up to 64
+    _assert_per_expert_xty(dw, db, x_g, dy_g, off)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gate_mix_and_gate_grad_against_float64(device, dtype):
     T, k, N = 37, 3, 300
