@@ -210,8 +210,8 @@ def test_groupxty_reads_scattered_operands_in_place(device, x_fan_out, dy_fan_ou
 @pytest.mark.parametrize("K,N", [(64, 128), (33, 70)])
 @pytest.mark.parametrize("fan_out", [0, 2])
 def test_groupxty_full_row_blocks_and_a_partial_one(device, K, N, fan_out):
-    """Experts of about 100 rows: several whole row blocks (loaded without a row mask) and a partial last one,
-    with K and N that divide the tile evenly and that do not; grouped and scattered operands."""
+    """Experts of about 100 rows: several whole row blocks and a partial last one, with K and N that divide the
+    tile evenly and that do not; grouped and scattered operands."""
     T, k, E = 150, 2, 3
     idx = routing_case(T, k, E, device, "random")
     se, ss, off = flatten_sort_count(idx, E)
