@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import threading
 
 import torch
 
-from .backend import kernels_enabled, triton_interpreted
+from .backend import env_switch, kernels_enabled, triton_interpreted
 
 _dependent_launches = threading.local()
 
@@ -45,7 +44,7 @@ def dependent_launch(tensor: torch.Tensor) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def _pdl_supported(device_index: int) -> bool:
-    if triton_interpreted() or os.environ.get("HF_SCATTER_PDL", "1").strip().lower() in {"0", "false", "no", "off"}:
+    if triton_interpreted() or env_switch("HF_SCATTER_PDL") is False:
         return False
     try:
         from triton.backends.nvidia.compiler import CUDAOptions
