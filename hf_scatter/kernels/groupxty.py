@@ -6,7 +6,8 @@ one [BLOCK_K, BLOCK_N] tile. Either operand may be grouped (row ``i``) or read f
 memory than it saves time (see ``moe/parallel_linear.py``). Experts without rows get exact zeros.
 
 On Hopper and Blackwell, bf16 gradients of two grouped operands run as the library grouped GEMM instead
-(``library_gemm.grouped_mm_weight_grad``).
+(``library_gemm.grouped_mm_weight_grad``); the bias gradient beside it is :func:`group_sum`, one pass over
+the grouped dY.
 """
 
 from __future__ import annotations
@@ -79,6 +80,25 @@ if kernels_enabled():
                 tl.store(db_ptr + expert * stride_dbe + ns * stride_dbn, db.to(db_ptr.dtype.element_ty),
                          mask=n_mask)
 
+
+    @triton.jit
+    def _group_sum_kernel(dy_ptr, db_ptr, expert_end_ptr, N, stride_dym, stride_dyn, stride_dbe, stride_dbn,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        # one program per (column block, expert): it streams the expert's rows once, no atomics
+        pid_n = tl.program_id(0)
+        expert = tl.program_id(1)
+        end = tl.load(expert_end_ptr + expert)
+        start = tl.load(expert_end_ptr + expert - 1, mask=expert > 0, other=0)
+        ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = ns < N
+        ms = tl.arange(0, BLOCK_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # reduced over rows once, after the loop
+        for m0 in range(start, end, BLOCK_M):
+            rows = m0 + ms
+            tile = dy_ptr + rows[:, None].to(tl.int64) * stride_dym + ns[None, :] * stride_dyn
+            acc += tl.load(tile, mask=(rows < end)[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
+        db = tl.sum(acc, axis=0)
+        tl.store(db_ptr + expert * stride_dbe + ns * stride_dbn, db.to(db_ptr.dtype.element_ty), mask=n_mask)
 
 if kernels_enabled():
     def _gxty_configs():
@@ -226,3 +246,60 @@ def groupxty_unchecked(x, dy, expert_offsets, dw=None, db=None, sorted_scattered
     run_op(_groupxty_op, _groupxty_impl, x, dy, expert_offsets, dw, db, tf32_allowed(), sorted_scattered_idxs,
            x_fan_out, dy_fan_out)
     return dw, db
+
+
+def group_sum_reference(dy_grouped: torch.Tensor, expert_offsets: torch.Tensor, db_out: torch.Tensor) -> torch.Tensor:
+    """Pure-torch definition of :func:`group_sum` into ``db_out`` [E, N] (fp32 sums)."""
+    start = 0
+    for e, end in enumerate(expert_offsets.tolist()[:db_out.shape[0]]):
+        db_out[e] = dy_grouped[start:end].float().sum(0).to(db_out.dtype)
+        start = end
+    return db_out
+
+
+def group_sum_triton(dy_grouped, expert_offsets, db_out):
+    """Launch the Triton kernel into ``db_out`` [E, N]; inputs are assumed validated."""
+    E, N = db_out.shape
+    if E == 0 or N == 0:
+        return db_out
+    # 64 x 64 bf16 steps (8 KB per load): E x N/64 programs, 720-1,536 of them on the library's shapes
+    block_m, block_n = (32, min(64, max(16, next_power_of_2(N)))) if triton_interpreted() else (64, 64)
+    _group_sum_kernel[(cdiv(N, block_n), E)](dy_grouped, db_out, expert_offsets, N, dy_grouped.stride(0),
+                                              dy_grouped.stride(1), db_out.stride(0), db_out.stride(1),
+                                              BLOCK_M=block_m, BLOCK_N=block_n)
+    return db_out
+
+
+def _group_sum_impl(dy_grouped: torch.Tensor, expert_offsets: torch.Tensor, db: torch.Tensor) -> None:
+    if triton_runs(dy_grouped, "group_sum"):
+        group_sum_triton(dy_grouped, expert_offsets, db)
+    else:
+        group_sum_reference(dy_grouped, expert_offsets, db)
+
+
+_group_sum_op = mutating_op("group_sum", "db")(_group_sum_impl)
+
+
+def group_sum(dy_grouped: torch.Tensor, expert_offsets: torch.Tensor, experts: int | None = None,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-expert row sums ``db[e] = sum dY_e`` ([E, N], the bias gradient) of expert-ordered rows: expert ``e``
+    owns rows ``[offsets[e-1], offsets[e])``; ``experts`` (default: all of ``expert_offsets``) leaves out a
+    trailing bin of skipped routes. Experts without rows get zeros; ``out`` may be any [E, N] buffer."""
+    op = "group_sum"
+    check_float(op, "dy_grouped", dy_grouped, 2)
+    check_index(op, "expert_offsets", expert_offsets, None, dy_grouped.device)
+    bins = expert_offsets.numel()
+    if experts is not None and not 0 <= experts <= bins:
+        fail(op, f"experts must be between 0 and the {bins} bins of expert_offsets, got {experts}")
+    experts = bins if experts is None else experts
+    if out is not None:
+        check_out(op, out, (experts, dy_grouped.shape[1]), dy_grouped)
+    return group_sum_unchecked(dy_grouped, expert_offsets, experts, out)
+
+
+def group_sum_unchecked(dy_grouped, expert_offsets, experts, out=None) -> torch.Tensor:
+    """:func:`group_sum` without the checks (see ``custom_ops``: for callers that validated already)."""
+    if out is None:
+        out = dy_grouped.new_empty((experts, dy_grouped.shape[1]))
+    run_op(_group_sum_op, _group_sum_impl, dy_grouped, expert_offsets, out)
+    return out

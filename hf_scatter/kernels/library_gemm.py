@@ -51,8 +51,8 @@ def grouped_mm_applies(weight: torch.Tensor, *operands: torch.Tensor) -> bool:
     tensors its operands come from are bf16 on a Hopper or Blackwell GPU, K and N keep rows 16-byte aligned,
     at most 1,023 experts (the library's limit), the expert matrix is at most ``LIBRARY_MAX_EXPERT_ELEMENTS``,
     the kernels are not forced to the torch reference, and ``HF_SCATTER_GROUPED_MM`` does not switch it off
-    (0, false, no or off). Callers then make the operands grouped. The weight gradient (no bias gradient)
-    takes it whenever this holds."""
+    (0, false, no or off). Callers then make the operands grouped. The weight gradient takes it whenever this
+    holds (a bias gradient is then summed apart, ``groupxty.group_sum``)."""
     if not isinstance(weight, torch.Tensor):  # a quantized weight: our kernels decode it
         return False
     E, K, N = weight.shape

@@ -19,10 +19,10 @@ from ..common.dtypes import autocast_operands
 from ..kernels.custom_ops import profiled
 from ..kernels.gating import gate_grad_unchecked, gate_mix_unchecked
 from ..kernels.group import group_unchecked
-from ..kernels.groupxty import groupxty_unchecked
+from ..kernels.groupxty import group_sum_unchecked, groupxty_unchecked
 from ..kernels.library_gemm import grouped_mm_applies, grouped_mm_weight_grad
 from ..kernels.scatter2scatter import scatter2scatter, scatter2scatter_unchecked
-from .routing import skips_routes
+from .routing import skips_routes, slot_experts
 
 
 def weight_to_save(weight: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
@@ -85,10 +85,11 @@ def expert_weight_grad(x_op: torch.Tensor, x_fan: int, dy_op: torch.Tensor, dy_f
                        need_b: bool, expert_offsets: torch.Tensor, sorted_scattered_idxs: torch.Tensor,
                        library: bool):
     """``(dW, db)`` of one expert projection, dW laid out like ``weight``: the library grouped GEMM when the
-    caller chose it (:func:`~hf_scatter.kernels.library_gemm.grouped_mm_applies`, no bias; its operands were made
-    grouped by :func:`dw_operand`), groupXTY otherwise."""
+    caller chose it (:func:`~hf_scatter.kernels.library_gemm.grouped_mm_applies`; its operands were made grouped
+    by :func:`dw_operand`) with db summed over dY's grouped rows apart, groupXTY (db in the same loop) otherwise."""
     if library:
-        return grouped_mm_weight_grad(x_op, dy_op, expert_offsets, weight), None
+        d_bias = group_sum_unchecked(dy_op, expert_offsets, weight.shape[0]) if need_b else None
+        return grouped_mm_weight_grad(x_op, dy_op, expert_offsets, weight), d_bias
     # empty_like keeps a dense weight's strides: the gradient of a transposed view needs no copy.
     return groupxty_unchecked(x_op, dy_op, expert_offsets, torch.empty_like(weight), bool(need_b),
                               sorted_scattered_idxs, x_fan, dy_fan)
@@ -124,7 +125,7 @@ class _ParallelLinear(torch.autograd.Function):
         x_fan_out = 0 if grouped_in else k  # slot s reads x[s // k]
         j = gates.shape[1] if gates is not None else 1  # gated: slot s sees dY[s // j]
         d_x = d_gates = dw_x = coeff = None
-        library = need_w and not need_b and grouped_mm_applies(weight, x, dy) and \
+        library = need_w and grouped_mm_applies(weight, x, dy) and \
             not skips_routes(expert_offsets, weight)  # the dW operands are then grouped
         if gates is None:
             if need_x:
@@ -177,8 +178,7 @@ def with_bias_term(d_gates: torch.Tensor, dy: torch.Tensor, bias: torch.Tensor |
     """With a bias, slot output is ``x W_e + b_e``: its gate gradient gains ``dY[s // j] . b_e`` (d_gates [S, j])."""
     if bias is None:
         return d_gates
-    sorted_expert_idxs, sorted_scattered_idxs, _ = routing
-    expert_of_slot = torch.empty_like(sorted_expert_idxs).index_copy_(0, sorted_scattered_idxs, sorted_expert_idxs)
+    expert_of_slot = slot_experts(*routing[:2])
     per_expert = dy.to(d_gates.dtype) @ bias.to(d_gates.dtype).t()  # [S, E]
     # a skipped route (id E, :func:`~hf_scatter.moe.routing.skips_routes`) has no output, so no bias term
     expert_of_slot = expert_of_slot.view(d_gates.shape).long()

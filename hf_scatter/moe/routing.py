@@ -47,3 +47,8 @@ def slot_positions(sorted_scattered_idxs: torch.Tensor) -> torch.Tensor:
     positions = torch.empty_like(sorted_scattered_idxs)
     return positions.index_copy_(0, sorted_scattered_idxs, torch.arange(
         sorted_scattered_idxs.numel(), device=sorted_scattered_idxs.device, dtype=sorted_scattered_idxs.dtype))
+
+
+def slot_experts(sorted_expert_idxs: torch.Tensor, sorted_scattered_idxs: torch.Tensor) -> torch.Tensor:
+    """The expert of each slot ``t*k + j`` ([T*k], slot order): the sort's expert ids put back in place."""
+    return torch.empty_like(sorted_expert_idxs).index_copy_(0, sorted_scattered_idxs, sorted_expert_idxs)

@@ -34,7 +34,7 @@ from ..kernels.weight_formats import is_quantized
 from ..common.dtypes import autocast_operands
 from .parallel_linear import (dw_operand, expert_weight_grad, grouped_copy_pays, saved_weight, weight_to_save,
                               with_bias_term)
-from .routing import skips_routes, slot_positions
+from .routing import skips_routes, slot_experts, slot_positions
 
 
 def _release(t: torch.Tensor) -> None:
@@ -47,14 +47,25 @@ def _per_token(rows, weight, routing, k, gates=None, bias=None):
     """``sum_j gates[t, j] * (rows[s] @ W[e] + b[e])`` over token t's slots s = t*k + j (a plain sum without
     gates), for ``rows`` [T*k, K] in expert order: the output projection (forward) and the input gradient
     (backward). Where it pays, the product runs on the library and comes in expert order, mixed through the
-    slot positions; our kernel writes it in slot order."""
-    if bias is None and grouped_mm_rows_apply(weight, rows) and not skips_routes(routing[2], weight):
+    slot positions (the bias added after the mix, :func:`_add_routed_bias`); our kernel writes it in slot
+    order, the bias in its epilogue."""
+    if grouped_mm_rows_apply(weight, rows) and not skips_routes(routing[2], weight):
         grouped = grouped_mm_rows(rows, weight, routing[2])  # [T*k, N] in expert order
-        return gate_mix_unchecked(grouped, gates, slot_rows=slot_positions(routing[1]), k=k)
+        mixed = gate_mix_unchecked(grouped, gates, slot_rows=slot_positions(routing[1]), k=k)  # [T, N]
+        return mixed if bias is None else _add_routed_bias(mixed, bias, gates, routing, k)
     slots = scatter2scatter_unchecked(rows, weight, *routing, 1, x_grouped=True, bias=bias)  # [T*k, N]
     if gates is not None:
         return gate_mix_unchecked(slots, gates)
     return slots.view(-1, k, slots.shape[1]).sum(1) if k > 1 else slots
+
+
+def _add_routed_bias(mixed, bias, gates, routing, k):
+    """``mixed[t] += sum_j gates[t, j] * bias[e(t, j)]`` as one [T, E] x [E, N] product: the per-token weights of
+    each expert's bias (at most k nonzeros a row), a few GFLOP against a pass over the [T*k, N] slots."""
+    experts = slot_experts(*routing[:2]).view(-1, k).long()  # [T, k]
+    weights = gates.to(mixed.dtype) if gates is not None else mixed.new_ones(experts.shape)  # [T, k]
+    per_expert = mixed.new_zeros((mixed.shape[0], bias.shape[0])).scatter_add_(1, experts, weights)  # [T, E]
+    return mixed.addmm_(per_expert, bias.to(mixed.dtype))  # [T, N]
 
 
 def _forward(x, w_in, w_out, gates, b_in, b_out, form, k, routing, keep_pre_activation=True):
@@ -110,8 +121,8 @@ class _SwiGLUExperts(torch.autograd.Function):
         # output bias's gradient needs the gate on dY's rows, so with it dY is copied.
         # The library grouped GEMM for a dW reads grouped operands only (both copies are then made).
         skips = skips_routes(expert_offsets, w_in)
-        library_in = need_w_in and not need_b_in and not skips and grouped_mm_applies(w_in, x, gate_up)
-        library_out = need_w_out and not need_b_out and not skips and grouped_mm_applies(w_out, gate_up, dy)
+        library_in = need_w_in and not skips and grouped_mm_applies(w_in, x, gate_up)
+        library_out = need_w_out and not skips and grouped_mm_applies(w_out, gate_up, dy)
         gather_dy = not grouped_copy_pays(d, inter) and not need_b_out and not library_out
         h = gate_up.new_empty((gate_up.shape[0], inter)) if need_w_out or need_b_out else None
         dots = swiglu_grad_gemm_unchecked(dy, w_out.transpose(1, 2), routing, k, gate_up, coeff, form, h_out=h,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hf_scatter.kernels.gating import gate_grad, gate_mix
-from hf_scatter.kernels.groupxty import groupXTY
+from hf_scatter.kernels.groupxty import group_sum, groupXTY
 from hf_scatter.kernels.scatter2scatter import scatter2scatter
 from hf_scatter.moe import flatten_sort_count, parallel_linear
 from moe_reference import reference_parallel_linear
@@ -224,6 +224,34 @@ def test_groupxty_full_row_blocks_and_a_partial_one(device, K, N, fan_out):
     groupXTY(x, dy, off, dw, db, sorted_scattered_idxs=ss if fan_out else None, x_fan_out=fan_out, dy_fan_out=fan_out)
     assert min(torch.diff(off, prepend=off.new_zeros(1)).tolist()) > 64  # whole blocks at any block height up to 64
     _assert_per_expert_xty(dw, db, x_g, dy_g, off)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N", [70, 200])
+def test_group_sum_is_each_experts_row_sum(device, dtype, N):
+    """The bias gradient beside the library weight gradient: each expert's grouped rows summed (float64
+    reference; an expert without rows gets zeros, an expert of over 100 rows spans several row blocks, N spans
+    one partial column block or several), into a fresh buffer; a skip bin past the experts is left out."""
+    T, k, E = 150, 2, 4
+    idx = routing_case(T, k, E, device, "empty-expert")
+    idx[: T // 2] = torch.tensor([2, 3], device=device)  # expert 2 and 3 get more than 75 rows each
+    _, _, off = flatten_sort_count(idx, E)
+    dy = torch.randn(T * k, N, device=device).to(dtype)
+    db = group_sum(dy, off, out=torch.full((E, N), float("nan"), device=device, dtype=dtype))
+    # fp32 sums: a bf16 result is off by its own rounding, under one bf16 unit (2^-7 relative: the interpreter
+    # truncates where a GPU rounds to nearest); an fp32 one by the summation order
+    rtol = 2.0 ** -7 if dtype == torch.bfloat16 else 1e-5
+    start = 0
+    for e, end in enumerate(off.tolist()):
+        want = dy[start:end].double().sum(0)
+        assert torch.allclose(db[e].double(), want, atol=1e-6 * (end - start + 1), rtol=rtol), e
+        start = end
+    counts = torch.diff(off, prepend=off.new_zeros(1))
+    assert counts.min() == 0 and counts.max() > 100 and torch.count_nonzero(db[counts == 0]) == 0
+    assert torch.equal(group_sum(dy, off, experts=E - 1), db[: E - 1])
+    assert group_sum(dy, off).shape == (E, N)
+    with pytest.raises(ValueError, match="experts must be between 0 and the 4 bins"):
+        group_sum(dy, off, experts=E + 1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -644,3 +672,4 @@ def test_scatter2scatter_swiglu_equals_the_definition_and_the_unfused_kernels(de
         scatter2scatter_swiglu(x, w[:, :, :-1], se, ss, off, k)
     with pytest.raises(ValueError, match="features"):
         scatter2scatter_swiglu(x[:, :-1], w, se, ss, off, k)
+

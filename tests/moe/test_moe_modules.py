@@ -341,22 +341,26 @@ def _force_library_gemm(monkeypatch, on: bool):
                         lambda weight, x_grouped: on)
 
 
-def _experts_grads(x, w_in, w_out, idx, gates, dy):
-    """The SwiGLU experts' output, then the gradients of x, w_in, w_out and the gates (float64)."""
+def _experts_grads(x, w_in, w_out, idx, gates, dy, b_in=None, b_out=None):
+    """The SwiGLU experts' output, then the gradients of x, w_in, w_out, the gates and any biases (float64)."""
     x, w_in, w_out, gates = (t.detach().clone().requires_grad_(True) for t in (x, w_in, w_out, gates))
-    y = glu_experts(x, w_in, w_out, idx, gates)
+    b_in, b_out = (b.detach().clone().requires_grad_(True) if b is not None else None for b in (b_in, b_out))
+    y = glu_experts(x, w_in, w_out, idx, gates, gate_up_bias=b_in, down_bias=b_out)
     y.backward(dy)
-    return [y.detach().double()] + [t.grad.double() for t in (x, w_in, w_out, gates)]
+    biases = [b for b in (b_in, b_out) if b is not None]
+    return [y.detach().double()] + [t.grad.double() for t in (x, w_in, w_out, gates, *biases)]
 
 
 # hidden > 2I: both dW operands are scattered (in place for groupXTY, copied for the library GEMM); hidden < I:
 # both copied either way. Expert 0 gets no rows: its gradients must be zeros.
 @pytest.mark.parametrize("hidden,intermediate", [(64, 24), (32, 48)])
-def test_weight_gradients_through_the_library_grouped_gemm(monkeypatch, hidden, intermediate):
+@pytest.mark.parametrize("biased", [False, True])
+def test_weight_gradients_through_the_library_grouped_gemm(monkeypatch, hidden, intermediate, biased):
     """The library grouped GEMM (torch._grouped_mm over grouped copies; CUTLASS on Hopper) gives the SwiGLU
     experts' output (output projection on it, mixed through the slot positions) and gradients (input gradient
-    on it, summed likewise), and the ParallelLinear chain's gradients, that our kernels give, in transformers' [E, N, K] layout
-    (transposed views, as patched models pass them) and in kernel layout, with an expert that gets no rows."""
+    on it, summed likewise), and the ParallelLinear chain's gradients, that our kernels give, in transformers'
+    [E, N, K] layout (transposed views, as patched models pass them) and in kernel layout, with an expert that
+    gets no rows; with biases (GPT-OSS's experts) too, added after the mix and their gradients summed apart."""
     from hf_scatter.moe import flatten_sort_count, parallel_linear
 
     torch.manual_seed(0)
@@ -369,15 +373,18 @@ def test_weight_gradients_through_the_library_grouped_gemm(monkeypatch, hidden, 
     gates, idx = F.softmax(logits, -1).topk(k, -1)
     gates = gates.to(torch.bfloat16)
     dy = torch.randn(T, hidden, dtype=torch.bfloat16)
+    biases = ((torch.randn(E, 2 * intermediate) * 0.5).to(torch.bfloat16),
+              (torch.randn(E, hidden) * 0.5).to(torch.bfloat16)) if biased else ()
     for w_in, w_out in ((hf_in, hf_out), (hf_in.transpose(1, 2).contiguous().transpose(1, 2),
                                           hf_out.transpose(1, 2).contiguous().transpose(1, 2))):
         _force_library_gemm(monkeypatch, False)
-        want = _experts_grads(x, w_in, w_out, idx, gates, dy)
+        want = _experts_grads(x, w_in, w_out, idx, gates, dy, *biases)
         _force_library_gemm(monkeypatch, True)
-        got = _experts_grads(x, w_in, w_out, idx, gates, dy)
+        got = _experts_grads(x, w_in, w_out, idx, gates, dy, *biases)
+        assert len(got) == 7 if biased else 5
         for g, w in zip(got, want):
             assert _rel(g, w) < 1e-2
-        assert got[2][0].abs().max() == 0 and got[3][0].abs().max() == 0
+        assert all(grad[0].abs().max() == 0 for grad in got[2:4] + got[5:])  # expert 0: no rows
 
     routing = flatten_sort_count(idx, E)
     weight = hf_out.transpose(1, 2)  # [E, I, hidden]
@@ -386,13 +393,14 @@ def test_weight_gradients_through_the_library_grouped_gemm(monkeypatch, hidden, 
         grads = []
         for on in (False, True):
             _force_library_gemm(monkeypatch, on)
-            hh, w, g = (t.detach().clone().requires_grad_(True) for t in (h, weight, gates))
-            y = parallel_linear(hh, w, 1, *routing, gates=g if gated else None, grouped_in=True)
+            hh, w, g, *b = (t.detach().clone().requires_grad_(True) for t in (h, weight, gates, *biases[1:]))
+            y = parallel_linear(hh, w, 1, *routing, bias=b[0] if b else None, gates=g if gated else None,
+                                grouped_in=True)
             y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(y.dtype))
-            grads.append([t.grad.double() for t in (hh, w)])
+            grads.append([t.grad.double() for t in (hh, w, *b)])
         for g, w in zip(grads[1], grads[0]):
             assert _rel(g, w) < 1e-2
-        assert grads[1][1][0].abs().max() == 0
+        assert all(grad[0].abs().max() == 0 for grad in grads[1][1:])
 
 
 @pytest.mark.gpu
@@ -427,16 +435,19 @@ def test_library_grouped_gemm_runs_on_hopper_and_matches_group_xty(monkeypatch):
     gates, idx = F.softmax(logits, -1).topk(k, -1)
     gates = gates.to(torch.bfloat16)
     dy = torch.randn(T, hidden, device="cuda", dtype=torch.bfloat16)
-    got = _experts_grads(x, w_in, w_out, idx, gates, dy)
+    biases = (torch.randn(E, 2 * inter, device="cuda").to(torch.bfloat16),
+              torch.randn(E, hidden, device="cuda").to(torch.bfloat16))  # GPT-OSS's experts have them
+    got = [_experts_grads(x, w_in, w_out, idx, gates, dy), _experts_grads(x, w_in, w_out, idx, gates, dy, *biases)]
     monkeypatch.setenv("HF_SCATTER_GROUPED_MM", "off")
     assert not grouped_mm_applies(w_in.transpose(1, 2), x)
     monkeypatch.setenv("HF_SCATTER_GROUPED_MM", "0")
     assert not grouped_mm_applies(w_in.transpose(1, 2), x)
-    want = _experts_grads(x, w_in, w_out, idx, gates, dy)
-    for g, w in zip(got, want):
-        assert _rel(g, w) < 1e-2
-    for dw in got[2:4]:
-        assert dw[:2].abs().max() == 0 and dw[2:].abs().amax((1, 2)).min() > 0
+    want = [_experts_grads(x, w_in, w_out, idx, gates, dy), _experts_grads(x, w_in, w_out, idx, gates, dy, *biases)]
+    for got_case, want_case in zip(got, want):
+        for g, w in zip(got_case, want_case):
+            assert _rel(g, w) < 1e-2
+        for dw in got_case[2:4] + got_case[5:]:
+            assert dw[:2].abs().max() == 0 and dw[2:].flatten(1).abs().amax(1).min() > 0
 
 
 @pytest.mark.parametrize("value,want", [(None, None), ("", None), ("0", False), ("off", False), ("FALSE", False),
