@@ -38,7 +38,14 @@ if kernels_enabled():
     # wide either way, but masked, the loop computes a byte count for each of its async copies at every step
     # (sm90 PTX of the probe's kernel: 111 selects against 6): Qwen3-30B-A3B's first projection took 1.64
     # instead of 1.58 ms with them (H200, scripts/probes/probe_first_projection_loads.py).
-    @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
+    # W_HALVES: a [gate; up] weight with N contiguous (plain weights only: the quantized ones keep K contiguous).
+    # A tile's gate/up pairs are then two contiguous runs of columns: each half loads whole rows into a product
+    # of its own, and the two accumulators are joined into pairs after the loop. Loaded column by column, the
+    # pairs cost 2-byte reads (12x the time; joined before each product, 1.7x: Qwen3-30B-A3B's shape, H200,
+    # scripts/probes/probe_first_projection_layout.py).
+    @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0,
+                        "W_HALVES": lambda args: bool(args["GLU_CONCAT"] and args["stride_wn"] == 1
+                                                      and not args["W_MXFP4"] and not args["W_FP8"])})
     @triton.jit
     def _scatter2scatter_kernel(
         x_ptr, w_ptr, b_ptr, y_ptr, h_ptr,
@@ -51,7 +58,7 @@ if kernels_enabled():
         STORE_Y: tl.constexpr, SKIP_BIN: tl.constexpr, W_MXFP4: tl.constexpr, SCALED_DOT: tl.constexpr,
         W_FP8: tl.constexpr, W_BLOCK_N: tl.constexpr, W_BLOCK_K: tl.constexpr, CONVERT: tl.constexpr,
         A_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-        EVEN_K: tl.constexpr,
+        EVEN_K: tl.constexpr, W_HALVES: tl.constexpr,
     ):
         # W_MXFP4: w_ptr holds the weight as MXFP4 bytes [E, N, K / 2] (two values of row n per byte, low nibble
         # first) and scales_ptr its exponents [E, N, K / 32]; each [BLOCK_K, BLOCK_N] tile is decoded in
@@ -93,9 +100,16 @@ if kernels_enabled():
                 col_mask = pairs < N // 2
             ks = tl.arange(0, BLOCK_K)
             x_tile_ptr = x_ptr + x_rows[:, None].to(tl.int64) * stride_xm + ks[None, :] * stride_xk
-            w_tile_ptr = w_ptr + tl.minimum(expert, E - 1).to(tl.int64) * stride_we + ks[:, None] * stride_wk + \
-                cols[None, :] * stride_wn
+            w_expert_ptr = w_ptr + tl.minimum(expert, E - 1).to(tl.int64) * stride_we
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            if W_HALVES:  # the tile's gate columns, contiguous; its up columns lie N / 2 further on
+                half_cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+                half_mask = half_cols < N // 2
+                w_tile_ptr = w_expert_ptr + ks[:, None] * stride_wk + half_cols[None, :]
+                acc_gate = tl.zeros((BLOCK_M, BLOCK_N // 2), dtype=tl.float32)
+                acc_up = tl.zeros((BLOCK_M, BLOCK_N // 2), dtype=tl.float32)
+            else:
+                w_tile_ptr = w_expert_ptr + ks[:, None] * stride_wk + cols[None, :] * stride_wn
             for k0 in range(0, tl.cdiv(K, BLOCK_K) * computed.to(tl.int32)):
                 k_mask = ks < K - k0 * BLOCK_K
                 if W_MXFP4 and SCALED_DOT:  # bf16 activations: Triton's microscaled product reads the bytes
@@ -142,6 +156,17 @@ if kernels_enabled():
                     if not UPCAST:  # the interpreter truncates a cast to bf16: it keeps the float32 values
                         w = w.to(x.dtype)  # the value transformers dequantizes to: float32 product, rounded once
                     acc = dot_accumulate(acc, x, w, UPCAST, ALLOW_TF32)
+                elif W_HALVES:
+                    if EVEN_K:
+                        x = tl.load(x_tile_ptr)
+                        w_mask = half_mask[None, :]
+                    else:
+                        x = tl.load(x_tile_ptr, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                        w_mask = k_mask[:, None] & half_mask[None, :]
+                    gate_w = tl.load(w_tile_ptr, mask=w_mask, other=0.0)
+                    up_w = tl.load(w_tile_ptr + N // 2, mask=w_mask, other=0.0)
+                    acc_gate = dot_accumulate(acc_gate, x, gate_w, UPCAST, ALLOW_TF32)
+                    acc_up = dot_accumulate(acc_up, x, up_w, UPCAST, ALLOW_TF32)
                 elif EVEN_K:  # every row index is in bounds (a masked one reads row 0): x needs no mask
                     x = tl.load(x_tile_ptr)
                     w = tl.load(w_tile_ptr, mask=col_mask[None, :], other=0.0)
@@ -152,6 +177,8 @@ if kernels_enabled():
                     acc = dot_accumulate(acc, x, w, UPCAST, ALLOW_TF32)
                 x_tile_ptr += BLOCK_K * stride_xk
                 w_tile_ptr += BLOCK_K * stride_wk
+            if W_HALVES:  # into the kernel's column order: [g0, u0, g1, u1, ...]
+                acc = tl.reshape(tl.join(acc_gate, acc_up), (BLOCK_M, BLOCK_N))
             if HAS_BIAS:
                 bias = tl.load(b_ptr + tl.minimum(expert, E - 1) * stride_be + cols * stride_bn, mask=col_mask,
                                other=0.0)

@@ -673,3 +673,28 @@ def test_scatter2scatter_swiglu_equals_the_definition_and_the_unfused_kernels(de
     with pytest.raises(ValueError, match="features"):
         scatter2scatter_swiglu(x[:, :-1], w, se, ss, off, k)
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [48, 64])  # K steps partial and whole
+def test_scatter2scatter_swiglu_reads_n_contiguous_weights_alike(device, dtype, d):
+    """A [gate; up] weight stored [E, d, 2I] contiguous (N contiguous: the kernels' own argument order) gives the
+    pre-activation and h of the same values in transformers' [E, 2I, d] layout, with odd I and an expert without
+    rows; outputs poisoned. Its gate and up halves are two products, whose sums may run in another order: fp32
+    results agree to the summation's rounding, bf16 ones to their own (an H200 gave equal bits)."""
+    from hf_scatter.kernels.scatter2scatter import scatter2scatter_swiglu
+
+    T, k, E, inter = 29, 2, 4, 75
+    idx = routing_case(T, k, E, device, "empty-expert")
+    se, ss, off = flatten_sort_count(idx, E)
+    x = torch.randn(T, d, device=device, dtype=dtype)
+    w_hf = (torch.randn(E, 2 * inter, d, device=device) * d ** -0.5).to(dtype).transpose(1, 2)  # K contiguous
+    w_rows = w_hf.contiguous()  # N contiguous
+    assert w_rows.stride(2) == 1 and w_hf.stride(1) == 1
+    with poisoned_empty():
+        want = scatter2scatter_swiglu(x, w_hf, se, ss, off, k)
+        got = scatter2scatter_swiglu(x, w_rows, se, ss, off, k)
+    close = 1e-5 if dtype == torch.float32 else 2.0 ** -8
+    assert rel_err(got[0], want[0].double()) < close and rel_err(got[1], want[1].double()) < close
+    rows = x.double()[ss // k]
+    pre_ref = torch.stack([rows[s] @ w_hf.double()[e] for s, e in enumerate(se.tolist())])
+    assert rel_err(got[0], pre_ref) < TOL[dtype]
