@@ -142,11 +142,10 @@ def groupxty_reference(x, dy, expert_offsets, dw_out, db_out=None, sorted_scatte
     dy_grouped = _sorted_rows(dy, sorted_scattered_idxs, dy_fan_out)
     start = 0
     for e, end in enumerate(expert_offsets.tolist()[:dw_out.shape[0]]):  # a skip bin past the experts: no weight
-        xs, dys = x_grouped[start:end], dy_grouped[start:end]
-        dw_out[e] = (xs.float().t() @ dys.float()).to(dw_out.dtype)
-        if db_out is not None:
-            db_out[e] = dys.float().sum(0).to(db_out.dtype)
+        dw_out[e] = (x_grouped[start:end].float().t() @ dy_grouped[start:end].float()).to(dw_out.dtype)
         start = end
+    if db_out is not None:
+        group_sum_reference(dy_grouped, expert_offsets, db_out)
     return dw_out, db_out
 
 
