@@ -128,6 +128,12 @@ def kernel_path(device: torch.device | str) -> str:
     return "torch"
 
 
+@functools.lru_cache(maxsize=None)
+def multiprocessors(device_index: int) -> int:
+    """The GPU's streaming multiprocessors: how many programs a persistent launch runs at once."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def cdiv(a: int, b: int) -> int:
     """Ceiling division for host-side grid sizes (``triton.cdiv`` is a constexpr function costing microseconds
     per call on the host in recent Triton releases; a training step makes hundreds of these calls)."""

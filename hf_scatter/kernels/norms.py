@@ -44,7 +44,7 @@ from typing import Optional
 import torch
 from torch.autograd.function import once_differentiable
 
-from .backend import cdiv, kernels_enabled, next_power_of_2, triton_interpreted, triton_runs
+from .backend import cdiv, kernels_enabled, multiprocessors, next_power_of_2, triton_interpreted, triton_runs
 from .checks import check_eps, check_rows, check_same_place, check_tensor, check_vector, fail
 from .custom_ops import mutating_op, profiled, run_op
 from .dependent_launch import dependent_launch
@@ -314,11 +314,6 @@ def _norm_blocks(N: int, backward: bool, interpreted: bool) -> tuple[int, int, i
     return block_m, block_n, cdiv(N, block_n), num_warps
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _bwd_programs(x: torch.Tensor, block_m: int, block_n: int) -> int:
     """Persistent programs for the backward, each adding one fp32 row to the partial-sum buffers: about as many
     as fit on the GPU at once (small tiles: 16 a multiprocessor, 16384-value tiles: 2). Few under the
@@ -327,7 +322,7 @@ def _bwd_programs(x: torch.Tensor, block_m: int, block_n: int) -> int:
     if x.device.type != "cuda":
         return max(1, min(row_blocks, 4))
     per_sm = max(2, 32768 // (block_m * block_n))
-    return max(1, min(row_blocks, per_sm * _sm_count(x.device.index or 0)))
+    return max(1, min(row_blocks, per_sm * multiprocessors(x.device.index or 0)))
 
 
 # ------------------------------------------------------------------------------------------ launchers

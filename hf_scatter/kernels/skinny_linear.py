@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from .backend import cdiv, kernels_enabled, next_power_of_2, triton_interpreted, triton_runs
+from .backend import cdiv, kernels_enabled, multiprocessors, next_power_of_2, triton_interpreted, triton_runs
 from .checks import check_like, check_out, fail
 from .custom_ops import mutating_op, run_op
 from .dependent_launch import dependent_launch
@@ -119,7 +119,7 @@ def skinny_plan(M: int, N: int, K: int, multiprocessors: int) -> tuple[int, int,
 def _multiprocessors(device: torch.device) -> int:
     if device.type != "cuda":
         return 8  # the interpreter: a few programs per tile are enough to split K in the tests
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return multiprocessors(device.index or 0)
 
 
 # ------------------------------------------------------------------------------------------ reference
