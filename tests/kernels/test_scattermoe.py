@@ -698,3 +698,40 @@ def test_scatter2scatter_swiglu_reads_n_contiguous_weights_alike(device, dtype, 
     rows = x.double()[ss // k]
     pre_ref = torch.stack([rows[s] @ w_hf.double()[e] for s, e in enumerate(se.tolist())])
     assert rel_err(got[0], pre_ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("layout", ["k_contiguous", "n_contiguous"])
+@pytest.mark.parametrize("glu", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_weights_through_tma_descriptors_in_persistent_programs(device, layout, glu, dtype):
+    """A 16-bit weight whose experts' rows one 2-D descriptor spans takes the TMA path (checked: transformers'
+    K-contiguous layout and the N-contiguous one), and the products equal float64 per slot with a last column tile
+    past the experts' columns (its extra columns read the next expert's rows and are never stored), an expert
+    without rows, and more tiles than programs (the interpreter runs 3: each program loops over row and column
+    tiles); outputs poisoned."""
+    from hf_scatter.kernels.scatter2scatter import _has_tma, _weight_descriptor, scatter2scatter_swiglu, tile_rows
+    from hf_scatter.kernels.swiglu import SILU, swiglu_reference
+
+    T, k, E, d, N = 300, 2, 4, 64, 208  # 128-column tiles (64 for a [gate; up] half) over 208 (104) columns
+    idx = routing_case(T, k, E, device, "empty-expert")
+    se, ss, off = flatten_sort_count(idx, E)
+    assert tile_rows(T * k, E) == 128  # training-sized tiles: the ones that take TMA
+    x = torch.randn(T, d, device=device, dtype=dtype)
+    if layout == "k_contiguous":
+        w = (torch.randn(E, N, d, device=device) * d ** -0.5).to(dtype).transpose(1, 2)
+    else:
+        w = (torch.randn(E, d, N, device=device) * d ** -0.5).to(dtype)
+    want_mode = ({"k_contiguous": 1, "n_contiguous": 2}[layout]) if _has_tma(device) else 0
+    assert _weight_descriptor(w, {"BLOCK_N": 128, "BLOCK_K": 64}, glu)[1] == want_mode
+    if layout == "n_contiguous" and glu:  # an up half starting off a 16-byte boundary keeps the plain loads
+        assert _weight_descriptor(w[:, :, :200].contiguous(), {"BLOCK_N": 128, "BLOCK_K": 64}, glu)[1] == 0
+    rows = x.double()[ss // k]
+    pre_ref = torch.stack([rows[s] @ w.double()[e] for s, e in enumerate(se.tolist())])  # expert order
+    with poisoned_empty():
+        if glu:
+            pre, h = scatter2scatter_swiglu(x, w, se, ss, off, k)
+            assert rel_err(pre, pre_ref) < TOL[dtype]
+            assert rel_err(h, swiglu_reference(*SILU.halves(pre_ref), *SILU.numbers)) < TOL[dtype]
+        else:
+            y = scatter2scatter(x, w, se, ss, off, fan_out=k)  # scattered out: row ss[i] of slot i
+            assert rel_err(y, torch.empty_like(pre_ref).index_copy_(0, ss, pre_ref)) < TOL[dtype]
