@@ -488,7 +488,7 @@ def scatter2scatter_triton(x, weight, sorted_expert_idxs, sorted_scattered_idxs,
     blocks = interpreter_blocks if interpreted else table.kwargs if autotune_setting() is not True else None
     # Training- and prefill-sized tiles of a plain weight take it through TMA, in persistent programs. Decode-sized
     # ones keep the plain loads: their GPU time was the same either way, and a descriptor costs host time per launch.
-    tiled = not (mxfp4 or fp8) and block_m >= 128 and blocks is not None
+    tiled = not (mxfp4 or fp8) and block_m >= 128 and blocks is not None and env_switch(_ENV_TMA) is not False
     w_desc, w_tma = _weight_descriptor(w, blocks, glu is not None and not glu.interleaved) if tiled else (None, 0)
     programs = _persistent_programs(x, table) if tiled else None
     args = (x, w, w_desc, b, y, h, tile_expert, tile_row, expert_offsets, sorted_scattered_idxs, num_tiles, K, N, E,
@@ -514,6 +514,9 @@ def scatter2scatter_triton(x, weight, sorted_expert_idxs, sorted_scattered_idxs,
     launch(_scatter2scatter_kernel, _scatter2scatter_tuned, _S2S_CONFIGS, {"BLOCK_N": N, "BLOCK_K": min(K, deepest)},
            grid, args, meta, interpreter_blocks, tune_key, table)
     return out
+
+
+_ENV_TMA = "HF_SCATTER_TMA"  # 0/false/no/off: plain weight loads and one program per tile (an A/B in one process)
 
 
 def _weight_descriptor(weight: torch.Tensor, blocks: dict | None, halves: bool):

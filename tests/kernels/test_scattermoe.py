@@ -735,3 +735,28 @@ def test_16_bit_weights_through_tma_descriptors_in_persistent_programs(device, l
         else:
             y = scatter2scatter(x, w, se, ss, off, fan_out=k)  # scattered out: row ss[i] of slot i
             assert rel_err(y, torch.empty_like(pre_ref).index_copy_(0, ss, pre_ref)) < TOL[dtype]
+
+
+def test_hf_scatter_tma_off_keeps_the_plain_loads(device, monkeypatch):
+    """``HF_SCATTER_TMA=0`` (an A/B in one process, or a way around a driver's TMA trouble) launches the product
+    without descriptors, with the same values; unset, the same call makes one."""
+    from hf_scatter.kernels import scatter2scatter as module
+
+    made = []
+
+    def counting(*args):
+        made.append(args[1])
+        return real(*args)
+
+    real = module.TensorDescriptor
+    monkeypatch.setattr(module, "TensorDescriptor", counting)
+    T, k, E, d, N = 300, 2, 4, 64, 64
+    se, ss, off = flatten_sort_count(routing_case(T, k, E, device), E)
+    x = torch.randn(T, d, device=device, dtype=torch.bfloat16)
+    w = torch.randn(E, N, d, device=device, dtype=torch.bfloat16).transpose(1, 2)
+    with_tma = scatter2scatter(x, w, se, ss, off, fan_out=k)
+    assert len(made) == (1 if module._has_tma(device) else 0)
+    monkeypatch.setenv("HF_SCATTER_TMA", "0")
+    made.clear()
+    plain = scatter2scatter(x, w, se, ss, off, fan_out=k)
+    assert made == [] and torch.equal(plain, with_tma)
