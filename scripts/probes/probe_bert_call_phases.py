@@ -20,6 +20,7 @@ from hf_scatter.common.timing import median_ms, run_header
 from hf_scatter.turbo.runtime import token_bucket
 from hf_scatter.turbo.hf_forward import runtime_of
 from hf_scatter.turbo.packing import mask_layout, unpack_rows
+from hf_scatter.common.atomic_files import write_json
 
 CALLS = 200
 
@@ -81,8 +82,7 @@ def main():
         patched(small, attention_mask=torch.ones_like(small))
         report["b1s40_graph"] = graph_figures(next(reversed(runtime.graphs.values())).graph)
     print(json.dumps({k: v for k, v in report.items() if k != "what"}, indent=1))
-    with open(os.path.join(os.environ.get("OUT", "."), "bert_call_phases.json"), "w") as f:
-        json.dump(report, f, indent=1)
+    write_json(os.path.join(os.environ.get("OUT", "."), "bert_call_phases.json"), report)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
 """How many kernels one packed BERT-base graph replays and their GPU time, at 40 and 500 tokens, with a kernel table of
 the same ops run eagerly on planned memory. Run: PYTHONPATH=. python3 scripts/probes/probe_bert_graph_kernels.py"""
-import copy, json, os, torch
+import copy, os, torch
 import hf_scatter
 from hf_scatter.bench.bert import bert_base
 from hf_scatter.turbo.packing import pack_sequences
 from hf_scatter.turbo.runtime import UnpaddedRuntime
 from hf_scatter.common.timing import median_ms
+from hf_scatter.common.atomic_files import write_json
 vanilla = bert_base("cuda")
 patched = hf_scatter.patch_model(copy.deepcopy(vanilla))
 res = {}
@@ -30,4 +31,4 @@ with torch.inference_mode():
         res[f"graph kernels per replay T={T}"] = len(evs) / 10
         res[f"graph kernel time sum us T={T}"] = sum(e.device_time for e in evs) / 10
         print(T, res[f"graph replay ms T={T}"], res[f"graph kernels per replay T={T}"], res[f"graph kernel time sum us T={T}"])
-json.dump(res, open(os.path.join(os.environ.get("OUT", "/tmp"), "bert_kernels.json"), "w"), indent=1)
+write_json(os.path.join(os.environ.get("OUT", "/tmp"), "bert_kernels.json"), res)

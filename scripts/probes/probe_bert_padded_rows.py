@@ -3,7 +3,6 @@ rather than packed (the mask read on the host, only real tokens computed): the p
 both ways, and vanilla's, for full and half-padded batches of several shapes. Sets PADDED_ROWS_LIMIT.
 Run: PYTHONPATH=. python3 scripts/probes/probe_bert_padded_rows.py (writes $OUT/bert_padded_rows.json)"""
 import copy
-import json
 import os
 
 import numpy as np
@@ -13,6 +12,7 @@ import hf_scatter
 import hf_scatter.turbo.hf_forward as hff
 from hf_scatter.bench.bert import bert_base
 from hf_scatter.common.timing import median_ms, run_header
+from hf_scatter.common.atomic_files import write_json
 vanilla = bert_base("cuda")
 patched = hf_scatter.patch_model(copy.deepcopy(vanilla))
 rng = np.random.default_rng(0)
@@ -34,5 +34,5 @@ with torch.inference_mode():
         row["vanilla"] = median_ms(lambda: vanilla(ids, attention_mask=mask), 100, 600)
         print(row, flush=True)
         res.append(row)
-json.dump({"what": __doc__.split("Run:")[0].strip(), "header": run_header(), "cases": res},
-          open(os.path.join(os.environ.get("OUT", "/tmp"), "bert_padded_rows.json"), "w"), indent=1)
+write_json(os.path.join(os.environ.get("OUT", "/tmp"), "bert_padded_rows.json"),
+           {"what": __doc__.split("Run:")[0].strip(), "header": run_header(), "cases": res})

@@ -18,6 +18,7 @@ from hf_scatter.bench.bert import bert_base
 from hf_scatter.common.timing import median_ms, run_header
 from hf_scatter.kernels import dependent_launch
 from hf_scatter.turbo import runtime
+from hf_scatter.common.atomic_files import write_json
 
 
 def main():
@@ -44,8 +45,7 @@ def main():
                                                           - want.float()).abs().max().item()}
             report["rounds"].append(row)
             print(json.dumps(row), flush=True)
-    with open(os.path.join(os.environ.get("OUT", "/tmp"), "bert_pdl_ab.json"), "w") as f:
-        json.dump(report, f, indent=1)
+    write_json(os.path.join(os.environ.get("OUT", "/tmp"), "bert_pdl_ab.json"), report)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import torch
 import hf_scatter
 from hf_scatter.bench.bert import bert_base
 from hf_scatter.common.timing import median_ms, run_header
+from hf_scatter.common.atomic_files import write_json
 
 dev = torch.device("cuda")
 vanilla = bert_base(dev)
@@ -42,4 +43,4 @@ with torch.inference_mode():
                          "graphs": list(map(str, rt.graphs.keys()))}
         report["rounds"].append(row)
         print(json.dumps(row), flush=True)
-json.dump(report, open(os.path.join(os.environ.get("OUT", "/tmp"), "bert_skinny_ab.json"), "w"), indent=1)
+write_json(os.path.join(os.environ.get("OUT", "/tmp"), "bert_skinny_ab.json"), report)

@@ -2,7 +2,6 @@
 a CUDA graph under the torch profiler: where the call's time goes beside the expert GEMMs.
 Run: PYTHONPATH=. python3 scripts/probes/probe_decode_kernels.py [CONFIG] (a `hf-scatter bench moe` config name)"""
 import collections
-import json
 import os
 import sys
 
@@ -10,6 +9,7 @@ import torch
 
 from hf_scatter.bench import moe as bm
 from hf_scatter.common.timing import captured_graph, run_header
+from hf_scatter.common.atomic_files import write_json
 
 name = sys.argv[1] if len(sys.argv) > 1 else "qwen3-decode"
 cfg = bm.CONFIGS[name]
@@ -34,5 +34,5 @@ for event in prof.events():
 kernels = {k: {"per_call": len(v) / 20, "mean_us": sum(v) / len(v)} for k, v in times.items()}
 for k, v in kernels.items():
     print(f"{v['per_call']:.0f} x {v['mean_us']:8.2f} us  {k}")
-json.dump({"what": __doc__.split("Run:")[0].strip(), "config": name, "header": run_header(), "kernels": kernels},
-          open(os.path.join(os.environ.get("OUT", "/tmp"), f"decode_kernels_{name}.json"), "w"), indent=1)
+write_json(os.path.join(os.environ.get("OUT", "/tmp"), f"decode_kernels_{name}.json"),
+           {"what": __doc__.split("Run:")[0].strip(), "config": name, "header": run_header(), "kernels": kernels})

@@ -2,7 +2,6 @@
 Qwen3-30B-A3B and Mixtral-8x7B expert call at 64 tokens (replayed from a CUDA graph) with each of 23 configs
 (BLOCK_N, BLOCK_K, warps, stages) forced on both GEMMs.
 Run: PYTHONPATH=. python3 scripts/probes/probe_decode_launch_configs.py (writes $OUT/decode_launch_configs.json)"""
-import json
 import os
 
 import torch
@@ -11,6 +10,7 @@ import triton
 from hf_scatter.bench import moe as bm
 from hf_scatter.kernels import scatter2scatter as s2s
 from hf_scatter.common.timing import captured_graph, median_ms, run_header
+from hf_scatter.common.atomic_files import write_json
 
 CFGS = [(128, 128, 4, 4), (128, 128, 4, 2), (128, 128, 4, 3), (128, 64, 4, 3), (128, 64, 4, 4), (128, 64, 4, 6),
         (64, 128, 4, 2), (64, 128, 4, 3), (64, 128, 4, 4), (64, 256, 4, 2), (64, 256, 4, 3), (128, 256, 8, 2),
@@ -38,4 +38,4 @@ for name in ("qwen3-decode", "mixtral-decode"):
         res[name][f"{bn}x{bk}w{w}s{st}"] = ms
         print(name, bn, bk, w, st, ms, flush=True)
 report = {"what": __doc__.split("Run:")[0].strip(), "header": run_header(), "default": "128x128w4s4", "gpu_ms": res}
-json.dump(report, open(os.path.join(os.environ.get("OUT", "/tmp"), "decode_launch_configs.json"), "w"), indent=1)
+write_json(os.path.join(os.environ.get("OUT", "/tmp"), "decode_launch_configs.json"), report)

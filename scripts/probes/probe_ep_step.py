@@ -26,6 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 from hf_scatter.bench import engines, train
 from hf_scatter.bench.train import SHAPES, build_model, published_shape
 from hf_scatter.common.intervals import length, overlap, union
+from hf_scatter.common.atomic_files import write_json
 
 SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense",
             "aten::item", "cudaMemcpyAsync")
@@ -252,8 +253,7 @@ def main() -> None:
             del model
             torch.cuda.empty_cache()
     if me == 0 and os.environ.get("OUT"):
-        with open(f"{os.environ['OUT']}/ep-step-{shape_name}.json", "w") as f:
-            json.dump(report, f, indent=1)
+        write_json(os.path.join(os.environ["OUT"], f"ep-step-{shape_name}.json"), report)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,6 @@ included), each checked against the torch form.
 
 Run on the GPU: PYTHONPATH=. python3 scripts/probes/probe_expert_tiles_width.py   (writes $OUT/expert_tiles_width.json)
 """
-import json
 import os
 
 import torch
@@ -13,6 +12,7 @@ import torch
 from hf_scatter.common.timing import graph_replay_ms, run_header
 from hf_scatter.kernels import scatter2scatter as s2s
 from hf_scatter.kernels.backend import cdiv, next_power_of_2
+from hf_scatter.common.atomic_files import write_json
 
 
 def main():
@@ -36,8 +36,7 @@ def main():
                 row[f"entries{per_program}_warps{warps}"] = {"us": graph_replay_ms(run, 200) * 1e3, "equal": equal}
         report["shapes"][f"E{E}_rows{M}"] = row
         print(E, M, {key: round(v["us"], 1) for key, v in row.items()}, flush=True)
-    with open(os.path.join(os.environ.get("OUT", "."), "expert_tiles_width.json"), "w") as f:
-        json.dump(report, f, indent=1)
+    write_json(os.path.join(os.environ.get("OUT", "."), "expert_tiles_width.json"), report)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ library grouped GEMM runs it (``torch._grouped_mm`` on grouped rows) over the sa
 Run on the GPU: PYTHONPATH=. python3 scripts/probes/probe_first_projection_layout.py
 (writes $OUT/first_projection_layout.json)
 """
-import json
 import os
 
 import torch
@@ -17,6 +16,7 @@ from hf_scatter.common.timing import graph_replay_ms, run_header
 from hf_scatter.kernels.scatter2scatter import scatter2scatter_swiglu
 from hf_scatter.kernels.swiglu import GateForm
 from hf_scatter.moe import flatten_sort_count
+from hf_scatter.common.atomic_files import write_json
 
 SHAPES = {"qwen3-30b-a3b": (16384, 128, 8, 2048, 768), "gpt-oss-20b": (16384, 32, 4, 2880, 2880)}
 
@@ -60,8 +60,7 @@ def main():
         report["shapes"][name] = rows
         del x, w, h, w_out
         torch.cuda.empty_cache()
-    with open(os.path.join(os.environ.get("OUT", "."), "first_projection_layout.json"), "w") as f:
-        json.dump(report, f, indent=1)
+    write_json(os.path.join(os.environ.get("OUT", "."), "first_projection_layout.json"), report)
 
 
 if __name__ == "__main__":

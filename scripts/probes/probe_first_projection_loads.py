@@ -6,7 +6,6 @@ descriptors with the two products. Bit-equal outputs are checked. Qwen3-30B-A3B 
 
 Run on the GPU: PYTHONPATH=. python3 scripts/probes/probe_first_projection_loads.py   (writes $OUT/first_projection_loads.json)
 """
-import json
 import os
 
 import torch
@@ -19,6 +18,7 @@ from hf_scatter.kernels.group import group
 from hf_scatter.kernels.scatter2scatter import expert_tiles, num_tile_programs, scatter2scatter_swiglu
 from hf_scatter.kernels.tiling import grouped_tile
 from hf_scatter.moe import flatten_sort_count
+from hf_scatter.common.atomic_files import write_json
 
 
 @triton.jit
@@ -144,8 +144,7 @@ def main():
         report["shapes"][name] = row
         del x, w, xg
         torch.cuda.empty_cache()
-    with open(os.path.join(os.environ.get("OUT", "."), "first_projection_loads.json"), "w") as f:
-        json.dump(report, f, indent=1)
+    write_json(os.path.join(os.environ.get("OUT", "."), "first_projection_loads.json"), report)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ forms are compared bit for bit. GPU time of CUDA-graph replays, 16k-token batche
 Run on the GPU: PYTHONPATH=. python3 scripts/probes/probe_first_projection_tma.py [SHAPE ...]
 (writes $OUT/first_projection_tma.json)
 """
-import json
 import os
 import sys
 
@@ -20,6 +19,7 @@ from hf_scatter.common.timing import alternating_replay_ms, run_header
 from hf_scatter.kernels.group import group
 from hf_scatter.kernels.scatter2scatter import scatter2scatter, scatter2scatter_swiglu
 from hf_scatter.moe import flatten_sort_count
+from hf_scatter.common.atomic_files import write_json
 
 SHAPES = {"qwen3-30b-a3b": (16384, 128, 8, 2048, 768), "fine-grained": (16384, 64, 8, 4096, 1024),
           "olmoe-1b-7b": (16384, 64, 8, 2048, 1024), "deepseek-v2-lite": (16384, 64, 6, 2048, 1408),
@@ -63,8 +63,7 @@ def main(names):
         report["shapes"][name] = row
         del x, dy, w_in, w_out_t, xg
         torch.cuda.empty_cache()
-    with open(os.path.join(os.environ.get("OUT", "."), "first_projection_tma.json"), "w") as f:
-        json.dump(report, f, indent=1)
+    write_json(os.path.join(os.environ.get("OUT", "."), "first_projection_tma.json"), report)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ Each variant's largest error against a float32 mix is kept beside its time (CUDA
 
 Run on the GPU: PYTHONPATH=. python3 scripts/probes/probe_gate_mix_blocks.py   (writes $OUT/gate_mix_blocks.json)
 """
-import json
 import os
 
 import torch
@@ -15,6 +14,7 @@ import triton.language as tl
 from triton.testing import do_bench_cudagraph
 
 from hf_scatter.kernels import gating
+from hf_scatter.common.atomic_files import write_json
 
 SHAPES = ((64, 2048, 8), (64, 4096, 2), (64, 2880, 4), (16384, 2048, 8), (8192, 4096, 2))
 TILES = ((16, 256), (4, 256), (4, 128), (2, 256), (8, 128), (1, 512), (16, 128))
@@ -65,8 +65,7 @@ def main():
         print(f"T {T} N {N} k {k}: current {row['current']['us']:.2f} us, rolled 16x256 "
               f"{row['rolled_16x256']['us']:.2f} us, {row['current_tb_per_s']:.2f} TB/s", flush=True)
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "gate_mix_blocks.json"), "w") as f:
-            json.dump(res, f, indent=1)
+        write_json(os.path.join(os.environ["OUT"], "gate_mix_blocks.json"), res)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,6 @@ arguments, and against launching the compiled kernel it returned (CompiledKernel
 
 Run on the GPU: PYTHONPATH=. python3 scripts/probes/probe_launch_cost.py   (writes $OUT/launch_cost.json)
 """
-import json
 import os
 import statistics
 import time
@@ -17,6 +16,7 @@ import triton.language as tl
 from hf_scatter.kernels.norms import fused_add_rms_norm
 from hf_scatter.kernels.router_select import router_select
 from hf_scatter.kernels.router_select import deepseek_v2_selection
+from hf_scatter.common.atomic_files import write_json
 
 
 @triton.jit
@@ -116,8 +116,7 @@ def main():
     for key, v in res.items():
         print(f"{key:28s} {v if not isinstance(v, dict) else round(v['median_us'], 1)}")
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "launch_cost.json"), "w") as f:
-            json.dump(res, f, indent=1)
+        write_json(os.path.join(os.environ["OUT"], "launch_cost.json"), res)
 
 
 if __name__ == "__main__":

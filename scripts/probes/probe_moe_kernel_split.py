@@ -5,16 +5,16 @@ everything else (routing, mixes, grouped copies, the SwiGLU passes; the dense ML
 Run on the GPU: PYTHONPATH=. python3 scripts/probes/probe_moe_kernel_split.py qwen3-30b-a3b fine-grained gpt-oss-20b
 (writes $OUT/moe_kernel_split.json)
 """
-import json
 import os
 import sys
 
 import torch
 
-from hf_scatter.bench.moe import CONFIGS, _dense_swiglu, hf_experts
+from hf_scatter.bench.moe import CONFIGS, _dense_swiglu
 from hf_scatter.bench.profile_moe import kernel_times, routed_layer
 from hf_scatter.common.timing import run_header
 from hf_scatter.moe import glu_experts
+from hf_scatter.common.atomic_files import write_json
 
 # the GEMM kernels by name: CUTLASS (torch._grouped_mm), cuBLAS on sm90 (nvjet) and sm80 (xmma, s16816gemm), ours
 GEMM_KERNELS = ("cutlass", "nvjet", "xmma", "s16816gemm", "scatter2scatter", "groupxty")
@@ -52,8 +52,7 @@ def main(names):
             print(f"{name} {key}: {part['total_ms']:.2f} ms, GEMMs {part['gemm_ms']:.2f}, other {part['other_ms']:.2f}")
         del experts, dense, dense_params
         torch.cuda.empty_cache()
-    with open(os.path.join(os.environ.get("OUT", "."), "moe_kernel_split.json"), "w") as f:
-        json.dump(report, f, indent=1)
+    write_json(os.path.join(os.environ.get("OUT", "."), "moe_kernel_split.json"), report)
 
 
 if __name__ == "__main__":

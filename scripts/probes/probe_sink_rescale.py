@@ -1,9 +1,10 @@
 """CPU decode attention with GPT-OSS's sinks on the offload pipeline's attention worker (512 rows, 64 query heads over
 8 KV heads, head size 64, 96 keys): the whole call, ways to rescale by the sinks, and an op-level profile.
 Run (a GPU host's CPU, as the pipeline uses it): PYTHONPATH=. python3 scripts/probes/probe_sink_rescale.py"""
-import json, os, time, torch, torch.nn.functional as F
+import os, time, torch
 from hf_scatter.offload.runtime.attention import _FUSED_WITH_LSE, decode_attention
 from hf_scatter.offload.runtime.cpu_attention import AttentionWorker
+from hf_scatter.common.atomic_files import write_json
 n, H, Hkv, d, S = 512, 64, 8, 64, 96
 G = H // Hkv
 res = {}
@@ -45,4 +46,4 @@ for dtype in (torch.bfloat16, torch.float32):
     print(table)
     res[str(dtype) + " profile"] = table
 w.close()
-json.dump(res, open(os.path.join(os.environ.get("OUT", "/tmp"), "sink_probe2.json"), "w"), indent=1)
+write_json(os.path.join(os.environ.get("OUT", "/tmp"), "sink_probe2.json"), res)

@@ -10,7 +10,6 @@ and activation: one launch, no memset, deterministic.
 Run on the GPU: PYTHONPATH=. python3 scripts/probes/probe_skinny_linear.py   (writes $OUT/skinny_linear.json)
 Check on CPU:   TRITON_INTERPRET=1 PYTHONPATH=. python3 scripts/probes/probe_skinny_linear.py --check
 """
-import json
 import math
 import os
 import sys
@@ -20,6 +19,7 @@ import triton
 
 from hf_scatter.kernels.skinny_linear import ACTIVATIONS as ACTS
 from hf_scatter.kernels.skinny_linear import _skinny_linear_kernel  # the kernel kernels/skinny_linear.py runs
+from hf_scatter.common.atomic_files import write_json
 
 _COUNTERS: dict = {}
 
@@ -152,7 +152,7 @@ def bench():
             print(f"M{M} 12 layers x 4 GEMMs: cublas {row['chain_cublas_ms']:.3f} ms, "
                   f"ours {row['chain_triton_ms']:.3f} ms", flush=True)
         report["rows"][M] = row
-    json.dump(report, open(os.path.join(os.environ.get("OUT", "/tmp"), "skinny_linear.json"), "w"), indent=1)
+    write_json(os.path.join(os.environ.get("OUT", "/tmp"), "skinny_linear.json"), report)
 
 
 if __name__ == "__main__":

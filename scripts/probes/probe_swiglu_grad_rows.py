@@ -4,7 +4,6 @@ experts' training shapes (16,384 tokens); GPU time of CUDA-graph replays and the
 
 Run on the GPU: PYTHONPATH=. python3 scripts/probes/probe_swiglu_grad_rows.py   (writes $OUT/swiglu_grad_rows.json)
 """
-import json
 import os
 
 import torch
@@ -13,6 +12,7 @@ import triton
 from hf_scatter.common.timing import graph_replay_ms, run_header
 from hf_scatter.kernels import swiglu_grad_gemm as sg
 from hf_scatter.kernels.swiglu import SILU
+from hf_scatter.common.atomic_files import write_json
 
 
 
@@ -44,8 +44,7 @@ def main():
         print(name, "best", best, round(row[best]["us"], 1), "us", flush=True)
         del da, gate_up, h
         torch.cuda.empty_cache()
-    with open(os.path.join(os.environ.get("OUT", "."), "swiglu_grad_rows.json"), "w") as f:
-        json.dump(report, f, indent=1)
+    write_json(os.path.join(os.environ.get("OUT", "."), "swiglu_grad_rows.json"), report)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 from hf_scatter.bench import engines
 from hf_scatter.bench.engines import adamw_step, process_group
 from hf_scatter.bench.train import build_model, family_shape, published_shape
+from hf_scatter.common.atomic_files import write_json
 
 impls = sys.argv[1:] or ["mixtral-grouped_mm", "mixtral-hf-scatter-experts", "mixtral-hf-scatter", "mixtral-hf-scatter-graphs",
                          "dbrx-hf-scatter"]
@@ -89,4 +90,4 @@ for impl in impls:
     torch.cuda.empty_cache()
 group.__exit__(None, None, None)
 if os.environ.get("OUT"):
-    json.dump(out, open(os.environ["OUT"] + f"/train-host{os.environ.get('TAG', '')}.json", "w"), indent=1)
+    write_json(os.path.join(os.environ["OUT"], f"train-host{os.environ.get('TAG', '')}.json"), out)
