@@ -39,7 +39,11 @@ def plain_loads(fn):
 
 
 def main(names):
-    report = {**run_header(), "what": __doc__, "shapes": {}}
+    props = torch.cuda.get_device_properties(0)
+    # persistent programs need this property (0 or missing: one program per tile, TMA alone)
+    report = {**run_header(), "what": __doc__, "multiprocessors": props.multi_processor_count,
+              "shared_memory_per_multiprocessor": getattr(props, "shared_memory_per_multiprocessor", None),
+              "shapes": {}}
     for name in names:
         T, E, k, d, inter = SHAPES[name]
         torch.manual_seed(0)
