@@ -213,16 +213,15 @@ def launch(kernel, tuned, configs: list, block_limits: dict[str, int], grid, arg
     if triton_interpreted():
         kernel[grid(interpreter_blocks)](*args, **meta, **interpreter_blocks)
         return
-    if table_config is not None and autotune_setting() is not True:
-        cfg = table_config
-    elif autotune_enabled():
+    cfg = planned_config(table_config)
+    if cfg is None and autotune_enabled():
         cfg = _chosen_configs.get((id(tuned), tune_key)) if tune_key is not None else None
         if cfg is None:
             tuned[grid](*args, **meta)
             if tune_key is not None and getattr(tuned, "best_config", None) is not None:
                 _chosen_configs[(id(tuned), tune_key)] = tuned.best_config
             return
-    else:
+    elif cfg is None:
         cfg = fitting_configs(configs, block_limits)[0]
     stages = _fitted_stages.get((id(kernel), tune_key, cfg.num_stages), cfg.num_stages)
     while True:
@@ -235,6 +234,12 @@ def launch(kernel, tuned, configs: list, block_limits: dict[str, int], grid, arg
             stages -= 1
     if stages != cfg.num_stages:
         _fitted_stages[(id(kernel), tune_key, cfg.num_stages)] = stages
+
+
+def planned_config(table_config):
+    """The config :func:`launch` takes on a GPU without sweeping, known before it: the kernel's table config,
+    unless ``HF_SCATTER_AUTOTUNE=1`` asks Triton's autotuner to pick (None then, and without a table)."""
+    return table_config if table_config is not None and autotune_setting() is not True else None
 
 
 # (kernel, launch key, stages asked for) -> the stages that compiled. The tables were measured on an H100 (227 KiB

@@ -15,9 +15,8 @@ from typing import List, Optional
 
 import torch
 
-from .backend import (autotune_setting, cdiv, env_switch, fit_shared_memory, fitted_block, fitting_configs,
-                      kernels_enabled, launch, multiprocessors, next_power_of_2, triton_interpreted, triton_runs,
-                      use_triton)
+from .backend import (cdiv, env_switch, fit_shared_memory, fitted_block, fitting_configs, kernels_enabled, launch,
+                      multiprocessors, next_power_of_2, planned_config, triton_interpreted, triton_runs, use_triton)
 from .checks import check_float, check_index, check_like, check_out, fail
 from .custom_ops import mutating_op, run_op, tf32_allowed
 from .fp8_blocks import (FP8_DTYPE, Fp8BlockWeight, converts_e4m3, dequantize_fp8_rows, quantize_fp8_rows_reference,
@@ -484,13 +483,16 @@ def scatter2scatter_triton(x, weight, sorted_expert_idxs, sorted_scattered_idxs,
     interpreter_blocks = dict(BLOCK_N=min(128, max(16, next_power_of_2(N))),
                               BLOCK_K=min(deepest, max(16, next_power_of_2(K))), GROUP_M=4)
     table = None if interpreted else _table_config(K, N, block_m, x.element_size(), deepest if fp8_products else 0)
-    # the blocks the launch will take, where known before it (with HF_SCATTER_AUTOTUNE=1 Triton picks among several)
-    blocks = interpreter_blocks if interpreted else table.kwargs if autotune_setting() is not True else None
-    # Training- and prefill-sized tiles of a plain weight take it through TMA, in persistent programs. Decode-sized
-    # ones keep the plain loads: their GPU time was the same either way, and a descriptor costs host time per launch.
-    tiled = not (mxfp4 or fp8) and block_m >= 128 and blocks is not None and env_switch(_ENV_TMA) is not False
-    w_desc, w_tma = _weight_descriptor(w, blocks, glu is not None and not glu.interleaved) if tiled else (None, 0)
-    programs = _persistent_programs(x, table) if tiled else None
+    # Training- and prefill-sized tiles of a plain weight take it through TMA, in persistent programs, where the
+    # launch's blocks are known before it. Decode-sized ones keep the plain loads: their GPU time was the same either
+    # way, and a descriptor costs host time per launch.
+    w_desc, w_tma, programs = None, 0, None
+    if not (mxfp4 or fp8) and block_m >= 128 and env_switch(_ENV_TMA) is not False:
+        planned = None if interpreted else planned_config(table)
+        blocks = interpreter_blocks if interpreted else None if planned is None else planned.kwargs
+        if blocks is not None:
+            w_desc, w_tma = _weight_descriptor(w, blocks, glu is not None and not glu.interleaved)
+            programs = _persistent_programs(x, planned)
     args = (x, w, w_desc, b, y, h, tile_expert, tile_row, expert_offsets, sorted_scattered_idxs, num_tiles, K, N, E,
             x.stride(0), x.stride(1), *w_strides,
             b.stride(0), b.stride(-1), y.stride(0), y.stride(1), h.stride(0), *(glu or SILU).numbers, scales, *s_strides,
@@ -519,16 +521,14 @@ def scatter2scatter_triton(x, weight, sorted_expert_idxs, sorted_scattered_idxs,
 _ENV_TMA = "HF_SCATTER_TMA"  # 0/false/no/off: plain weight loads and one program per tile (an A/B in one process)
 
 
-def _weight_descriptor(weight: torch.Tensor, blocks: dict | None, halves: bool):
+def _weight_descriptor(weight: torch.Tensor, blocks: dict, halves: bool):
     """(TMA descriptor, W_TMA) for a plain 16-bit weight [E, K, N] whose rows one 2-D descriptor spans: [E * N, K]
     (K contiguous: transformers' layout read transposed) or [E * K, N] (N contiguous, whole K steps, every tile
-    starting on a 16-byte boundary), on a GPU with TMA (Hopper on) or the interpreter; (None, 0) otherwise, and
-    where the launch's blocks are not known yet. A [gate; up] weight (``halves``) is read half a tile wide at a
-    time. With :func:`_persistent_programs`, every training shape's fwd+bwd came 0.3-1.9% faster, the forward up
+    starting on a 16-byte boundary) in tiles of the launch's ``blocks``, on a GPU with TMA (Hopper on) or the
+    interpreter; (None, 0) otherwise. A [gate; up] weight (``halves``) is read half a tile wide at a time. With :func:`_persistent_programs`, every training shape's fwd+bwd came 0.3-1.9% faster, the forward up
     to 3.6% (H200; docs/moe-kernel-tiles.md)."""
     E, K, N = weight.shape
-    if (TensorDescriptor is None or blocks is None or weight.dtype not in (torch.bfloat16, torch.float16)
-            or not _has_tma(weight.device)):
+    if TensorDescriptor is None or weight.dtype not in (torch.bfloat16, torch.float16) or not _has_tma(weight.device):
         return None, 0
     bn, bk = blocks["BLOCK_N"] // (2 if halves else 1), blocks["BLOCK_K"]
     sk, sn = weight.stride(1), weight.stride(2)
@@ -555,19 +555,18 @@ def _compute_capability(index: int) -> int:
 INTERPRETER_PROGRAMS = 3
 
 
-def _persistent_programs(x: torch.Tensor, table) -> int | None:
-    """How many programs a launch of the plain product may run, each stepping through the tiles: one per
-    multiprocessor where its table config holds one program per multiprocessor anyway (a pipeline over half its
-    shared memory), so the programs' start-up is paid once per multiprocessor rather than once per tile (measured
-    together with :func:`_weight_descriptor`); None (one program per tile) otherwise."""
+def _persistent_programs(x: torch.Tensor, config) -> int | None:
+    """How many programs a launch of the plain product in ``config`` (its planned table config; None under the
+    interpreter) may run, each stepping through the tiles: one per multiprocessor where the config holds one
+    program per multiprocessor anyway (a pipeline over half its shared memory), so the programs' start-up is paid
+    once per multiprocessor rather than once per tile (measured together with :func:`_weight_descriptor`); None
+    (one program per tile) otherwise."""
     if x.device.type != "cuda":
         return INTERPRETER_PROGRAMS
-    if table is None:
-        return None
-    step_bytes = (128 + table.kwargs["BLOCK_N"]) * table.kwargs["BLOCK_K"] * x.element_size()
+    step_bytes = (128 + config.kwargs["BLOCK_N"]) * config.kwargs["BLOCK_K"] * x.element_size()
     index = x.device.index or 0
     shared = _shared_memory_per_multiprocessor(index)
-    return multiprocessors(index) if shared and step_bytes * table.num_stages * 2 > shared else None
+    return multiprocessors(index) if shared and step_bytes * config.num_stages * 2 > shared else None
 
 
 @functools.lru_cache(maxsize=None)
