@@ -128,10 +128,25 @@ def kernel_path(device: torch.device | str) -> str:
     return "torch"
 
 
+# The GPU's fixed facts, asked of the driver once per device: launch decisions read them on every call.
+@functools.lru_cache(maxsize=None)
+def compute_capability(device_index: int) -> tuple[int, int]:
+    """(major, minor): which instructions the kernels may use (TMA and dependent launches from 9.0, e4m3
+    conversion from 8.9) and whether torch's grouped GEMM is a CUTLASS kernel there."""
+    return torch.cuda.get_device_capability(device_index)
+
+
 @functools.lru_cache(maxsize=None)
 def multiprocessors(device_index: int) -> int:
     """The GPU's streaming multiprocessors: how many programs a persistent launch runs at once."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def shared_memory_per_multiprocessor(device_index: int) -> int:
+    """Bytes of shared memory a multiprocessor holds: how many programs of a pipeline fit on one at a time (0 where
+    torch does not report it)."""
+    return getattr(torch.cuda.get_device_properties(device_index), "shared_memory_per_multiprocessor", 0)
 
 
 def cdiv(a: int, b: int) -> int:

@@ -15,7 +15,7 @@ import threading
 
 import torch
 
-from .backend import env_switch, kernels_enabled, triton_interpreted
+from .backend import compute_capability, env_switch, kernels_enabled, triton_interpreted
 
 _dependent_launches = threading.local()
 
@@ -52,7 +52,7 @@ def _pdl_supported(device_index: int) -> bool:
     except ImportError:
         return False
     return ("launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
-            and torch.cuda.get_device_capability(device_index)[0] >= 9)
+            and compute_capability(device_index) >= (9, 0))
 
 
 if kernels_enabled():

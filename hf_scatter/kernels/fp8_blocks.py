@@ -23,7 +23,7 @@ from typing import List, Optional
 
 import torch
 
-from .backend import cdiv, kernels_enabled, triton_interpreted, triton_runs
+from .backend import cdiv, compute_capability, kernels_enabled, triton_interpreted, triton_runs
 from .checks import check_out, fail
 from .custom_ops import mutating_op, run_op
 
@@ -142,7 +142,7 @@ if kernels_enabled():
 @functools.cache
 def converts_e4m3(device_index: int) -> bool:
     """Whether the GPU converts e4m3 in hardware (compute capability 8.9 and later); older ones decode the bits."""
-    return torch.cuda.get_device_capability(device_index) >= (8, 9)
+    return compute_capability(device_index) >= (8, 9)
 
 
 def block_of(op: str, weight_shape, scale_shape, block: tuple[int, int] | None = None) -> tuple[int, int]:

@@ -20,7 +20,7 @@ import functools
 
 import torch
 
-from .backend import env_switch, use_triton
+from .backend import compute_capability, env_switch, use_triton
 
 _ENV_GROUPED_MM = "HF_SCATTER_GROUPED_MM"  # 0/false/no/off: every expert product runs our Triton kernels
 
@@ -29,7 +29,7 @@ _ENV_GROUPED_MM = "HF_SCATTER_GROUPED_MM"  # 0/false/no/off: every expert produc
 def _grouped_mm_device(index: int) -> bool:
     """torch's grouped GEMM is a CUTLASS kernel on compute capability 9.x and 10.x; elsewhere torch falls
     back to a loop of matmuls, slower than our kernels."""
-    return hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(index)[0] in (9, 10)
+    return hasattr(torch, "_grouped_mm") and compute_capability(index)[0] in (9, 10)
 
 
 # Largest expert matrix (K * N) whose gradient goes to the library: it was faster (H100, fwd+bwd of the SwiGLU

@@ -15,8 +15,9 @@ from typing import List, Optional
 
 import torch
 
-from .backend import (cdiv, env_switch, fit_shared_memory, fitted_block, fitting_configs, kernels_enabled, launch,
-                      multiprocessors, next_power_of_2, planned_config, triton_interpreted, triton_runs, use_triton)
+from .backend import (cdiv, compute_capability, env_switch, fit_shared_memory, fitted_block, fitting_configs,
+                      kernels_enabled, launch, multiprocessors, next_power_of_2, planned_config,
+                      shared_memory_per_multiprocessor, triton_interpreted, triton_runs, use_triton)
 from .checks import check_float, check_index, check_like, check_out, fail
 from .custom_ops import mutating_op, run_op, tf32_allowed
 from .fp8_blocks import (FP8_DTYPE, Fp8BlockWeight, converts_e4m3, dequantize_fp8_rows, quantize_fp8_rows_reference,
@@ -543,12 +544,7 @@ def _weight_descriptor(weight: torch.Tensor, blocks: dict, halves: bool):
 
 
 def _has_tma(device: torch.device) -> bool:
-    return device.type != "cuda" or _compute_capability(device.index or 0) >= 9
-
-
-@functools.lru_cache(maxsize=None)
-def _compute_capability(index: int) -> int:
-    return torch.cuda.get_device_capability(index)[0]
+    return device.type != "cuda" or compute_capability(device.index or 0) >= (9, 0)
 
 
 # Programs of the interpreter's persistent launches: fewer than the tiles, so its tests run the tile loop.
@@ -565,13 +561,8 @@ def _persistent_programs(x: torch.Tensor, config) -> int | None:
         return INTERPRETER_PROGRAMS
     step_bytes = (128 + config.kwargs["BLOCK_N"]) * config.kwargs["BLOCK_K"] * x.element_size()
     index = x.device.index or 0
-    shared = _shared_memory_per_multiprocessor(index)
+    shared = shared_memory_per_multiprocessor(index)
     return multiprocessors(index) if shared and step_bytes * config.num_stages * 2 > shared else None
-
-
-@functools.lru_cache(maxsize=None)
-def _shared_memory_per_multiprocessor(index: int) -> int:
-    return getattr(torch.cuda.get_device_properties(index), "shared_memory_per_multiprocessor", 0)
 
 
 # ---------------------------------------------------------------------------------------------- op
