@@ -1,0 +1,183 @@
+"""Can a warp-specialised Hopper kernel close the gap to SonicMoE on the experts' gathered first product?
+
+Triton 3.6 does not warp-specialise ``tl`` kernels on Hopper; its lower-level Gluon language does
+(``gl.warp_specialize``). This probe writes the plain product of the experts' first projection in Gluon and
+times it beside our ``scatter2scatter`` on the same routing: expert-sorted slot ``s`` reads token row
+``idx[s] // k`` of ``x`` (gathered), multiplies by its expert's [K, N] weight (N contiguous) and writes row ``s``
+in expert order. Partitions, persistent over 128-row tiles of one expert (our tile table) x 256-column tiles:
+
+- a loader of 4 warps: per K step, waits for the stage to be free, starts the weight tile's TMA copy (its
+  barrier expects the bytes) and copies the 128 gathered rows with ``cp.async``; each thread's copies arrive
+  on the stage's rows barrier when they land;
+- the default partition of 8 warps: waits for both barriers, issues the wgmma, keeps one in flight, frees the
+  stage the previous wgmma read, and stores each finished tile while the loader already fills the next one.
+
+Outputs are compared with the same product in float32 (per slot, bit-level agreement is not expected).
+GPU time of CUDA-graph replays, forms timed alternately (``alternating_replay_ms``).
+
+Run on a Hopper GPU: PYTHONPATH=. python3 scripts/probes/probe_gluon_gather_gemm.py [SHAPE ...]
+(writes $OUT/gluon_gather_gemm.json)
+"""
+import os
+import sys
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier, tma,
+                                                              warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+SHAPES = {"qwen3-30b-a3b": (16384, 128, 8, 2048, 1536), "fine-grained": (16384, 64, 8, 4096, 2048),
+          "gpt-oss-20b": (16384, 32, 4, 2880, 5760)}  # tokens, experts, top-k, d (K), 2 x d_expert (N)
+BM, BN, BK, STAGES = 128, 256, 64, 4
+LOADER_WARPS, LOADER_REGS, MMA_WARPS = 4, 88, 8
+
+
+@gluon.jit
+def _loader(x_ptr, scattered_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, w_desc, a_bufs, b_bufs,
+            a_ready, b_ready, empty, num_tiles, N, K, E, stride_xm, FAN_OUT: gl.constexpr, BM: gl.constexpr,
+            BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
+    # 4 warps: 16 rows x 64 columns a pass, 16 bytes a thread, 8 passes for the 128 rows
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    num_col_tiles = gl.cdiv(N, BN)
+    step = 0
+    for tile in range(gl.program_id(0), num_tiles * num_col_tiles, gl.num_programs(0)):
+        pid_m = tile // num_col_tiles
+        pid_n = tile % num_col_tiles
+        expert = gl.load(tile_expert_ptr + pid_m)
+        if expert < E:
+            row0 = gl.load(tile_row_ptr + pid_m)
+            row_end = gl.load(expert_end_ptr + expert)
+            rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+            row_mask = rows < row_end
+            src = gl.load(scattered_ptr + rows, mask=row_mask, other=0) // FAN_OUT  # [BM] token rows
+            cols = gl.arange(0, BK, layout=gl.SliceLayout(0, layout))
+            ptrs = x_ptr + src.to(gl.int64)[:, None] * stride_xm + cols[None, :]  # [BM, BK]
+            for k in range(0, K, BK):
+                s = step % STAGES
+                phase = (step // STAGES) & 1
+                mbarrier.wait(empty.index(s), phase ^ 1)  # barriers start with phase 1 complete
+                mbarrier.expect(b_ready.index(s), w_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(w_desc, [expert * K + k, pid_n * BN], b_ready.index(s),
+                                                b_bufs.index(s))
+                async_copy.async_copy_global_to_shared(a_bufs.index(s), ptrs + k, mask=row_mask[:, None])
+                async_copy.mbarrier_arrive(a_ready.index(s), increment_count=False)  # one arrival a thread
+                step += 1
+
+
+@gluon.jit
+def _mma_and_store(y_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, a_bufs, b_bufs, a_ready, b_ready, empty,
+                   num_tiles, N, K, E, stride_ym, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                   STAGES: gl.constexpr, num_warps: gl.constexpr):
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, BN, 16])
+    num_col_tiles = gl.cdiv(N, BN)
+    step = 0
+    for tile in range(gl.program_id(0), num_tiles * num_col_tiles, gl.num_programs(0)):
+        pid_m = tile // num_col_tiles
+        pid_n = tile % num_col_tiles
+        expert = gl.load(tile_expert_ptr + pid_m)
+        if expert < E:
+            row0 = gl.load(tile_row_ptr + pid_m)
+            row_end = gl.load(expert_end_ptr + expert)
+            acc = gl.zeros((BM, BN), dtype=gl.float32, layout=mma_layout)
+            for k in range(0, K, BK):
+                s = step % STAGES
+                phase = (step // STAGES) & 1
+                mbarrier.wait(a_ready.index(s), phase)
+                mbarrier.wait(b_ready.index(s), phase)
+                fence_async_shared()  # the rows came through cp.async (generic proxy); wgmma reads the async one
+                acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, is_async=True)
+                acc = warpgroup_mma_wait(1, (acc, ))  # the previous step's wgmma is done: free its stage
+                mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=k > 0)
+                step += 1
+            acc = warpgroup_mma_wait(0, (acc, ))
+            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
+            rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, mma_layout))
+            cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, mma_layout))
+            mask = (rows < row_end)[:, None] & (cols < N)[None, :]
+            gl.store(y_ptr + rows.to(gl.int64)[:, None] * stride_ym + cols[None, :], acc.to(gl.bfloat16), mask=mask)
+
+
+@gluon.jit
+def gather_gemm_kernel(x_ptr, scattered_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, w_desc, y_ptr,
+                       num_tiles, N, K, E, stride_xm, stride_ym, FAN_OUT: gl.constexpr, BM: gl.constexpr,
+                       BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr,
+                       LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.bfloat16)
+    a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], a_layout)
+    b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BK, BN], w_desc.layout)
+    a_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    b_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(a_ready.index(i), count=LOADER_WARPS * 32)  # every loader thread's cp.async arrival
+        mbarrier.init(b_ready.index(i), count=1)  # the expect, then the TMA bytes
+        mbarrier.init(empty.index(i), count=1)  # the consumer's one arrival
+    gl.warp_specialize([
+        (_mma_and_store, (y_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, a_bufs, b_bufs, a_ready, b_ready,
+                          empty, num_tiles, N, K, E, stride_ym, BM, BN, BK, STAGES, num_warps)),
+        (_loader, (x_ptr, scattered_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, w_desc, a_bufs, b_bufs,
+                   a_ready, b_ready, empty, num_tiles, N, K, E, stride_xm, FAN_OUT, BM, BN, BK, STAGES)),
+    ], [LOADER_WARPS], [LOADER_REGS])
+
+
+def gather_gemm(x, w, sorted_scattered_idxs, expert_offsets, fan_out, tile_expert, tile_row, programs):
+    """y [M, N] in expert order: row s = x[idx[s] // fan_out] @ w[e(s)], for w [E, K, N] (N contiguous)."""
+    E, K, N = w.shape
+    assert K % BK == 0 and w.is_contiguous() and x.stride(1) == 1
+    y = x.new_empty((sorted_scattered_idxs.numel(), N))
+    w_layout = gl.NVMMASharedLayout.get_default_for([BK, BN], gl.bfloat16)
+    w_desc = TensorDescriptor.from_tensor(w.view(E * K, N), [BK, BN], w_layout)
+    num_tiles = tile_expert.numel()
+    grid = (min(programs, num_tiles * triton.cdiv(N, BN)),)
+    gather_gemm_kernel[grid](x, sorted_scattered_idxs, tile_expert, tile_row, expert_offsets, w_desc, y, num_tiles,
+                             N, K, E, x.stride(0), y.stride(0), FAN_OUT=fan_out, BM=BM, BN=BN, BK=BK, STAGES=STAGES,
+                             LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS, num_warps=MMA_WARPS)
+    return y
+
+
+def main(names):
+    from hf_scatter.common.atomic_files import write_json
+    from hf_scatter.common.timing import alternating_replay_ms, run_header
+    from hf_scatter.kernels.backend import multiprocessors
+    from hf_scatter.kernels.scatter2scatter import _tiles_of, scatter2scatter
+    from hf_scatter.moe import flatten_sort_count
+
+    report = {**run_header(), "what": __doc__, "config": dict(BM=BM, BN=BN, BK=BK, STAGES=STAGES,
+                                                                 LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS,
+                                                                 MMA_WARPS=MMA_WARPS), "shapes": {}}
+    sms = multiprocessors(0)
+    for name in names:
+        T, E, k, d, n = SHAPES[name]
+        torch.manual_seed(0)
+        x = torch.randn(T, d, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(E, d, n, device="cuda", dtype=torch.bfloat16) * d ** -0.5  # [E, K, N], N contiguous
+        se, ss, off = flatten_sort_count(torch.rand(T, E, device="cuda").topk(k, -1).indices, E)
+        tile_expert, tile_row = _tiles_of(off, BM, T * k)
+        row = {"flops": 2 * T * k * d * n}
+        try:
+            ours_ws = gather_gemm(x, w, ss, off, k, tile_expert, tile_row, sms)
+            ref = torch.cat([x[ss[int(a):int(b)] // k].float() @ w[e].float()
+                             for e, (a, b) in enumerate(zip([0] + off[:-1].tolist(), off.tolist()))])
+            row["max_rel_err"] = float(((ours_ws.float() - ref).abs().max() / ref.abs().max()))
+            row["rel_err_triton"] = float(((scatter2scatter(x, w, se, ss, off, fan_out=k, y_grouped=True).float()
+                                            - ref).abs().max() / ref.abs().max()))
+            del ref
+            row["ms"] = alternating_replay_ms({
+                "gluon_warp_specialised": lambda: gather_gemm(x, w, ss, off, k, tile_expert, tile_row, sms),
+                "triton_scatter2scatter": lambda: scatter2scatter(x, w, se, ss, off, fan_out=k, y_grouped=True)})
+            row["tflops"] = {form: row["flops"] / ms / 1e9 for form, ms in row["ms"].items()}
+        except Exception as error:  # noqa: BLE001 - a probe: the failure is the result
+            row["error"] = f"{type(error).__name__}: {str(error)[:2000]}"
+        print(name, row, flush=True)
+        report["shapes"][name] = row
+        x = w = None  # free this shape before the next one
+        torch.cuda.empty_cache()
+    write_json(os.path.join(os.environ.get("OUT", "."), "gluon_gather_gemm.json"), report)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or list(SHAPES))
