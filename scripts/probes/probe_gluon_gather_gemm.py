@@ -36,6 +36,17 @@ LOADER_WARPS, LOADER_REGS, MMA_WARPS = 4, 88, 8
 
 
 @gluon.jit
+def _tile(tile, num_col_tiles, tile_expert_ptr, tile_row_ptr, expert_end_ptr, E):
+    """(expert, first sorted row, the expert's row end, column tile) of persistent tile ``tile``: both partitions
+    walk the same tiles; an expert of E or more marks a table entry past the routing's tiles."""
+    pid_m = tile // num_col_tiles
+    expert = gl.load(tile_expert_ptr + pid_m)
+    row0 = gl.load(tile_row_ptr + pid_m)
+    row_end = gl.load(expert_end_ptr + gl.minimum(expert, E - 1))
+    return expert, row0, row_end, tile % num_col_tiles
+
+
+@gluon.jit
 def _loader(x_ptr, scattered_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, w_desc, a_bufs, b_bufs,
             a_ready, b_ready, empty, num_tiles, N, K, E, stride_xm, FAN_OUT: gl.constexpr, BM: gl.constexpr,
             BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
@@ -44,12 +55,8 @@ def _loader(x_ptr, scattered_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr,
     num_col_tiles = gl.cdiv(N, BN)
     step = 0
     for tile in range(gl.program_id(0), num_tiles * num_col_tiles, gl.num_programs(0)):
-        pid_m = tile // num_col_tiles
-        pid_n = tile % num_col_tiles
-        expert = gl.load(tile_expert_ptr + pid_m)
+        expert, row0, row_end, pid_n = _tile(tile, num_col_tiles, tile_expert_ptr, tile_row_ptr, expert_end_ptr, E)
         if expert < E:
-            row0 = gl.load(tile_row_ptr + pid_m)
-            row_end = gl.load(expert_end_ptr + expert)
             rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
             row_mask = rows < row_end
             src = gl.load(scattered_ptr + rows, mask=row_mask, other=0) // FAN_OUT  # [BM] token rows
@@ -76,12 +83,8 @@ def _mma_and_store(y_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, a_bufs,
     num_col_tiles = gl.cdiv(N, BN)
     step = 0
     for tile in range(gl.program_id(0), num_tiles * num_col_tiles, gl.num_programs(0)):
-        pid_m = tile // num_col_tiles
-        pid_n = tile % num_col_tiles
-        expert = gl.load(tile_expert_ptr + pid_m)
+        expert, row0, row_end, pid_n = _tile(tile, num_col_tiles, tile_expert_ptr, tile_row_ptr, expert_end_ptr, E)
         if expert < E:
-            row0 = gl.load(tile_row_ptr + pid_m)
-            row_end = gl.load(expert_end_ptr + expert)
             acc = gl.zeros((BM, BN), dtype=gl.float32, layout=mma_layout)
             for k in range(0, K, BK):
                 s = step % STAGES
