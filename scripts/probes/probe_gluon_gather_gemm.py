@@ -10,14 +10,18 @@ in expert order. Partitions, persistent over 128-row tiles of one expert (our ti
   barrier expects the bytes) and copies the 128 gathered rows with ``cp.async``; each thread's copies arrive
   on the stage's rows barrier when they land;
 - the default partition of 8 warps: waits for both barriers, issues the wgmma, keeps one in flight, frees the
-  stage the previous wgmma read, and stores each finished tile while the loader already fills the next one.
+  stage the previous wgmma read, and stores each finished tile while the loader already fills the next one;
+- in the second form (``FORMS``), a store partition: the wgmma partition leaves each finished tile in shared
+  memory and goes on to the next tile's wgmma while the store partition writes the rows out.
 
-Outputs are compared with the same product in float32 (per slot, bit-level agreement is not expected).
+Outputs are compared with the same product in float32 (per slot, bit-level agreement is not expected). The first
+form's figures (an H200): docs/results/history/gluon-gather-gemm-h200.json; the second has not run on a GPU yet.
 GPU time of CUDA-graph replays, forms timed alternately (``alternating_replay_ms``).
 
 Run on a Hopper GPU: PYTHONPATH=. python3 scripts/probes/probe_gluon_gather_gemm.py [SHAPE ...]
 (writes $OUT/gluon_gather_gemm.json)
 """
+import functools
 import os
 import sys
 
@@ -31,8 +35,14 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 SHAPES = {"qwen3-30b-a3b": (16384, 128, 8, 2048, 1536), "fine-grained": (16384, 64, 8, 4096, 2048),
           "gpt-oss-20b": (16384, 32, 4, 2880, 5760)}  # tokens, experts, top-k, d (K), 2 x d_expert (N)
-BM, BN, BK, STAGES = 128, 256, 64, 4
-LOADER_WARPS, LOADER_REGS, MMA_WARPS = 4, 88, 8
+BM, BN, BK, LOADER_REGS, MMA_WARPS = 128, 256, 64, 88, 8
+# The two forms: stores from the wgmma partition's registers (4 stages, a 4-warp loader), or through a [BM, BN]
+# shared buffer to a store partition (3 stages: the buffer takes the fourth's shared memory). Warps count in fours
+# and the registers of a whole kernel are split over them: with 16 warps the wgmma partition could not hold its
+# [128, 256] float32 accumulator (ptxas asks for 154 registers and has 128), so the loader and the stores take 2
+# warps each.
+FORMS = {"gluon_stores_in_mma_partition": dict(STAGES=4, LOADER_WARPS=4, STORE_WARPS=0, STORE_REGS=0),
+         "gluon_store_partition": dict(STAGES=3, LOADER_WARPS=2, STORE_WARPS=2, STORE_REGS=88)}
 
 
 @gluon.jit
@@ -49,9 +59,9 @@ def _tile(tile, num_col_tiles, tile_expert_ptr, tile_row_ptr, expert_end_ptr, E)
 @gluon.jit
 def _loader(x_ptr, scattered_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, w_desc, a_bufs, b_bufs,
             a_ready, b_ready, empty, num_tiles, N, K, E, stride_xm, FAN_OUT: gl.constexpr, BM: gl.constexpr,
-            BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
-    # 4 warps: 16 rows x 64 columns a pass, 16 bytes a thread, 8 passes for the 128 rows
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+            BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr):
+    # 4 rows x 64 columns a warp a pass, 16 bytes a thread
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
     num_col_tiles = gl.cdiv(N, BN)
     step = 0
     for tile in range(gl.program_id(0), num_tiles * num_col_tiles, gl.num_programs(0)):
@@ -75,13 +85,14 @@ def _loader(x_ptr, scattered_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr,
 
 
 @gluon.jit
-def _mma_and_store(y_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, a_bufs, b_bufs, a_ready, b_ready, empty,
-                   num_tiles, N, K, E, stride_ym, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-                   STAGES: gl.constexpr, num_warps: gl.constexpr):
+def _mma(y_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, a_bufs, b_bufs, a_ready, b_ready, empty, c_smem,
+         c_ready, c_empty, num_tiles, N, K, E, stride_ym, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+         STAGES: gl.constexpr, STORE_WARPS: gl.constexpr, num_warps: gl.constexpr):
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BN, 16])
     num_col_tiles = gl.cdiv(N, BN)
     step = 0
+    handed = 0  # tiles handed to the store partition
     for tile in range(gl.program_id(0), num_tiles * num_col_tiles, gl.num_programs(0)):
         expert, row0, row_end, pid_n = _tile(tile, num_col_tiles, tile_expert_ptr, tile_row_ptr, expert_end_ptr, E)
         if expert < E:
@@ -98,17 +109,48 @@ def _mma_and_store(y_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, a_bufs,
                 step += 1
             acc = warpgroup_mma_wait(0, (acc, ))
             mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
-            rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, mma_layout))
-            cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, mma_layout))
-            mask = (rows < row_end)[:, None] & (cols < N)[None, :]
-            gl.store(y_ptr + rows.to(gl.int64)[:, None] * stride_ym + cols[None, :], acc.to(gl.bfloat16), mask=mask)
+            if STORE_WARPS > 0:  # through shared memory: the next tile's wgmma start while the stores run
+                mbarrier.wait(c_empty, (handed & 1) ^ 1)
+                c_smem.store(acc.to(gl.bfloat16))
+                mbarrier.arrive(c_ready)
+                handed += 1
+            else:
+                _store_tile(y_ptr, acc.to(gl.bfloat16), row0, row_end, pid_n, N, stride_ym, BN, mma_layout)
+
+
+@gluon.jit
+def _store_tile(y_ptr, values, row0, row_end, pid_n, N, stride_ym, BN: gl.constexpr, layout: gl.constexpr):
+    """Rows ``row0 + i`` of one tile's [rows, BN] values where they belong to the tile's expert."""
+    rows = row0 + gl.arange(0, values.shape[0], layout=gl.SliceLayout(1, layout))
+    cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
+    mask = (rows < row_end)[:, None] & (cols < N)[None, :]
+    gl.store(y_ptr + rows.to(gl.int64)[:, None] * stride_ym + cols[None, :], values, mask=mask)
+
+
+@gluon.jit
+def _stores(y_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, c_smem, c_ready, c_empty, num_tiles, N, E,
+            stride_ym, BM: gl.constexpr, BN: gl.constexpr, CHUNK: gl.constexpr, WARPS: gl.constexpr):
+    """The store partition: each finished tile from shared memory to its rows, CHUNK rows at a time."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])  # a row of 256 columns a warp
+    num_col_tiles = gl.cdiv(N, BN)
+    taken = 0
+    for tile in range(gl.program_id(0), num_tiles * num_col_tiles, gl.num_programs(0)):
+        expert, row0, row_end, pid_n = _tile(tile, num_col_tiles, tile_expert_ptr, tile_row_ptr, expert_end_ptr, E)
+        if expert < E:
+            mbarrier.wait(c_ready, taken & 1)
+            for r in gl.static_range(0, BM, CHUNK):
+                _store_tile(y_ptr, c_smem.slice(r, CHUNK).load(layout), row0 + r, row_end, pid_n, N, stride_ym, BN,
+                            layout)
+            mbarrier.arrive(c_empty)
+            taken += 1
 
 
 @gluon.jit
 def gather_gemm_kernel(x_ptr, scattered_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, w_desc, y_ptr,
                        num_tiles, N, K, E, stride_xm, stride_ym, FAN_OUT: gl.constexpr, BM: gl.constexpr,
                        BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr,
-                       LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                       LOADER_REGS: gl.constexpr, STORE_WARPS: gl.constexpr, STORE_REGS: gl.constexpr,
+                       num_warps: gl.constexpr):
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.bfloat16)
     a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], a_layout)
     b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BK, BN], w_desc.layout)
@@ -119,15 +161,34 @@ def gather_gemm_kernel(x_ptr, scattered_ptr, tile_expert_ptr, tile_row_ptr, expe
         mbarrier.init(a_ready.index(i), count=LOADER_WARPS * 32)  # every loader thread's cp.async arrival
         mbarrier.init(b_ready.index(i), count=1)  # the expect, then the TMA bytes
         mbarrier.init(empty.index(i), count=1)  # the consumer's one arrival
-    gl.warp_specialize([
-        (_mma_and_store, (y_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, a_bufs, b_bufs, a_ready, b_ready,
-                          empty, num_tiles, N, K, E, stride_ym, BM, BN, BK, STAGES, num_warps)),
-        (_loader, (x_ptr, scattered_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, w_desc, a_bufs, b_bufs,
-                   a_ready, b_ready, empty, num_tiles, N, K, E, stride_xm, FAN_OUT, BM, BN, BK, STAGES)),
-    ], [LOADER_WARPS], [LOADER_REGS])
+    if STORE_WARPS > 0:
+        c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], gl.bfloat16)
+        c_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, BN], c_layout)
+        c_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        c_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(c_ready, count=1)
+        mbarrier.init(c_empty, count=1)
+        gl.warp_specialize([
+            (_mma, (y_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, a_bufs, b_bufs, a_ready, b_ready, empty,
+                    c_smem, c_ready, c_empty, num_tiles, N, K, E, stride_ym, BM, BN, BK, STAGES, STORE_WARPS,
+                    num_warps)),
+            (_loader, (x_ptr, scattered_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, w_desc, a_bufs, b_bufs,
+                        a_ready, b_ready, empty, num_tiles, N, K, E, stride_xm, FAN_OUT, BM, BN, BK, STAGES,
+                        LOADER_WARPS)),
+            (_stores, (y_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, c_smem, c_ready, c_empty, num_tiles, N,
+                       E, stride_ym, BM, BN, 16, STORE_WARPS)),
+        ], [LOADER_WARPS, STORE_WARPS], [LOADER_REGS, STORE_REGS])
+    else:
+        gl.warp_specialize([
+            (_mma, (y_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, a_bufs, b_bufs, a_ready, b_ready, empty,
+                    None, None, None, num_tiles, N, K, E, stride_ym, BM, BN, BK, STAGES, STORE_WARPS, num_warps)),
+            (_loader, (x_ptr, scattered_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, w_desc, a_bufs, b_bufs,
+                        a_ready, b_ready, empty, num_tiles, N, K, E, stride_xm, FAN_OUT, BM, BN, BK, STAGES,
+                        LOADER_WARPS)),
+        ], [LOADER_WARPS], [LOADER_REGS])
 
 
-def gather_gemm(x, w, sorted_scattered_idxs, expert_offsets, fan_out, tile_expert, tile_row, programs):
+def gather_gemm(x, w, sorted_scattered_idxs, expert_offsets, fan_out, tile_expert, tile_row, programs, form):
     """y [M, N] in expert order: row s = x[idx[s] // fan_out] @ w[e(s)], for w [E, K, N] (N contiguous)."""
     E, K, N = w.shape
     assert K % BK == 0 and w.is_contiguous() and x.stride(1) == 1
@@ -137,8 +198,8 @@ def gather_gemm(x, w, sorted_scattered_idxs, expert_offsets, fan_out, tile_exper
     num_tiles = tile_expert.numel()
     grid = (min(programs, num_tiles * triton.cdiv(N, BN)),)
     gather_gemm_kernel[grid](x, sorted_scattered_idxs, tile_expert, tile_row, expert_offsets, w_desc, y, num_tiles,
-                             N, K, E, x.stride(0), y.stride(0), FAN_OUT=fan_out, BM=BM, BN=BN, BK=BK, STAGES=STAGES,
-                             LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS, num_warps=MMA_WARPS)
+                             N, K, E, x.stride(0), y.stride(0), FAN_OUT=fan_out, BM=BM, BN=BN, BK=BK,
+                             LOADER_REGS=LOADER_REGS, num_warps=MMA_WARPS, **FORMS[form])
     return y
 
 
@@ -149,9 +210,9 @@ def main(names):
     from hf_scatter.kernels.scatter2scatter import _tiles_of, scatter2scatter
     from hf_scatter.moe import flatten_sort_count
 
-    report = {**run_header(), "what": __doc__, "config": dict(BM=BM, BN=BN, BK=BK, STAGES=STAGES,
-                                                                 LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS,
-                                                                 MMA_WARPS=MMA_WARPS), "shapes": {}}
+    report = {**run_header(), "what": __doc__, "config": dict(BM=BM, BN=BN, BK=BK, LOADER_REGS=LOADER_REGS,
+                                                                 MMA_WARPS=MMA_WARPS),
+              "forms": FORMS, "shapes": {}}
     sms = multiprocessors(0)
     for name in names:
         T, E, k, d, n = SHAPES[name]
@@ -160,21 +221,21 @@ def main(names):
         w = torch.randn(E, d, n, device="cuda", dtype=torch.bfloat16) * d ** -0.5  # [E, K, N], N contiguous
         se, ss, off = flatten_sort_count(torch.rand(T, E, device="cuda").topk(k, -1).indices, E)
         tile_expert, tile_row = _tiles_of(off, BM, T * k)
-        row = {"flops": 2 * T * k * d * n}
-        try:
-            ours_ws = gather_gemm(x, w, ss, off, k, tile_expert, tile_row, sms)
-            ref = torch.cat([x[ss[int(a):int(b)] // k].float() @ w[e].float()
-                             for e, (a, b) in enumerate(zip([0] + off[:-1].tolist(), off.tolist()))])
-            row["max_rel_err"] = float(((ours_ws.float() - ref).abs().max() / ref.abs().max()))
-            row["rel_err_triton"] = float(((scatter2scatter(x, w, se, ss, off, fan_out=k, y_grouped=True).float()
-                                            - ref).abs().max() / ref.abs().max()))
-            del ref
-            row["ms"] = alternating_replay_ms({
-                "gluon_warp_specialised": lambda: gather_gemm(x, w, ss, off, k, tile_expert, tile_row, sms),
-                "triton_scatter2scatter": lambda: scatter2scatter(x, w, se, ss, off, fan_out=k, y_grouped=True)})
-            row["tflops"] = {form: row["flops"] / ms / 1e9 for form, ms in row["ms"].items()}
-        except Exception as error:  # noqa: BLE001 - a probe: the failure is the result
-            row["error"] = f"{type(error).__name__}: {str(error)[:2000]}"
+        row = {"flops": 2 * T * k * d * n, "max_rel_err": {}, "errors": {}}
+        ref = torch.cat([x[ss[int(a):int(b)] // k].float() @ w[e].float()
+                         for e, (a, b) in enumerate(zip([0] + off[:-1].tolist(), off.tolist()))])  # [M, N] float32
+        forms = {"triton_scatter2scatter": lambda: scatter2scatter(x, w, se, ss, off, fan_out=k, y_grouped=True)}
+        for form in FORMS:
+            forms[form] = functools.partial(gather_gemm, x, w, ss, off, k, tile_expert, tile_row, sms, form)
+        for form, fn in list(forms.items()):
+            try:  # a probe: a form's failure is its result
+                row["max_rel_err"][form] = float((fn().float() - ref).abs().max() / ref.abs().max())
+            except Exception as error:  # noqa: BLE001
+                row["errors"][form] = f"{type(error).__name__}: {str(error)[:2000]}"
+                del forms[form]
+        ref = None
+        row["ms"] = alternating_replay_ms(forms)
+        row["tflops"] = {form: row["flops"] / ms / 1e9 for form, ms in row["ms"].items()}
         print(name, row, flush=True)
         report["shapes"][name] = row
         x = w = None  # free this shape before the next one
