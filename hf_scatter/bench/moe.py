@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import sys
 import time
 from typing import Callable
 from unittest import mock
@@ -139,6 +140,19 @@ def _liger_experts(cfg: MoEConfig, experts, autotune: bool) -> Callable | str:
     return run
 
 
+def _sonicmoe_import_failure(error: BaseException) -> str:
+    """Why SonicMoE did not import, with the fix where it is a known install mistake: the CuTe DSL's ``cutlass``
+    package lives in ``nvidia_cutlass_dsl/python_packages``, which only its ``.pth`` file puts on the path, and
+    ``pip install --target`` (how a wheel set is unpacked beside a read-only environment) skips ``.pth`` files."""
+    reason = f"not importable ({type(error).__name__}: {(str(error).splitlines() or [''])[0][:160]})"
+    if isinstance(error, ModuleNotFoundError) and error.name == "cutlass":
+        for folder in sys.path:
+            packages = os.path.join(folder or ".", "nvidia_cutlass_dsl", "python_packages")
+            if os.path.isdir(os.path.join(packages, "cutlass")):
+                return f"{reason}; nvidia-cutlass-dsl is installed but its .pth was not read: add {packages} to PYTHONPATH"
+    return reason
+
+
 def _sonicmoe_experts(cfg: MoEConfig, experts) -> Callable | str:
     """SonicMoE's general-routing entry point over the same weights (views, no copies), or why it cannot run."""
     if cfg.family != "mixtral":
@@ -150,7 +164,7 @@ def _sonicmoe_experts(cfg: MoEConfig, experts) -> Callable | str:
         from sonicmoe import moe_general_routing_inputs
         from sonicmoe.enums import ActivationType
     except Exception as error:  # noqa: BLE001 - its CuTe DSL stack fails in many ways; the reason is the result
-        return f"not importable ({type(error).__name__}: {str(error).splitlines()[0][:160]})"
+        return _sonicmoe_import_failure(error)
 
     def run(x, idx, gates):
         tokens, top_k = idx.shape

@@ -265,6 +265,24 @@ def test_bench_moe_peers_compute_the_same_layer(family, shared, shipped):
     assert sum(p.numel() for p in params) == 3 * (cfg.top_k + shared) * cfg.intermediate * cfg.hidden
 
 
+def test_sonicmoe_import_failure_names_the_folder_a_target_install_left_off_the_path(tmp_path, monkeypatch):
+    """SonicMoE installed with ``pip --target`` imports without its CuTe DSL's ``cutlass`` package (its .pth is
+    skipped): the peer's row says which folder to put on PYTHONPATH; other import failures keep their own reason."""
+    from hf_scatter.bench import moe
+
+    packages = tmp_path / "nvidia_cutlass_dsl" / "python_packages"
+    (packages / "cutlass").mkdir(parents=True)
+    monkeypatch.setattr(moe.sys, "path", [str(tmp_path)] + moe.sys.path)
+    missing = ModuleNotFoundError("No module named 'cutlass'", name="cutlass")
+    reason = moe._sonicmoe_import_failure(missing)
+    assert reason.startswith("not importable (ModuleNotFoundError: No module named 'cutlass')")
+    assert f"add {packages} to PYTHONPATH" in reason
+    other = moe._sonicmoe_import_failure(ImportError("libcuda.so.1: cannot open shared object file"))
+    assert other == "not importable (ImportError: libcuda.so.1: cannot open shared object file)"
+    monkeypatch.setattr(moe.sys, "path", [str(tmp_path / "elsewhere")])
+    assert "PYTHONPATH" not in moe._sonicmoe_import_failure(missing)  # not installed at all: no folder to name
+
+
 def test_plots_and_results_are_written_whole_or_not_at_all(tmp_path, monkeypatch):
     """A plot whose writing fails half-way (a full disk) leaves the previous file as it was and no temporary
     file; a good one replaces it. The same for JSON results (a value JSON cannot hold)."""
