@@ -113,7 +113,7 @@ def check_fp8_blocks(where: str, stored, block, fused_halves: bool = False) -> N
     of a fused [gate; up] projection (transformers' grid for halves narrower than a block), reads right."""
     if not block:
         return
-    (E, K, N), (SN, SK) = stored.shape, stored.scale_inv.shape[-2:]
+    (_, K, N), (SN, SK) = stored.shape, stored.scale_inv.shape[-2:]
     bn, bk = stored.block
     if not (bn == block[0] or SN == 1 or (fused_halves and SN == 2)) or not (bk == block[1] or SK == 1):
         raise NotImplementedError(f"hf_scatter: {where} is [{N}, {K}] in {tuple(block)} blocks and ends in a partial "

@@ -281,7 +281,7 @@ class CGOPipe:
         resident: its layer-0 attention then runs on the CPU while the GPU finishes the other micro-batches'
         last layer (issued in stage order, the CPU idled at every step's turn: about 11 ms of a 162 ms step,
         GPT-OSS-120B's shapes on one H200)."""
-        adapter, streams, tracer, L = self.adapter, self.streams, self.tracer, self.dims.layers
+        streams, tracer, L = self.streams, self.tracer, self.dims.layers
         first_stage = None if last else self.streamer.resident(0)
         for s in range(self.num_stages):
             w = self.streamer.enter(s)
