@@ -14,8 +14,13 @@ in expert order. Partitions, persistent over 128-row tiles of one expert (our ti
 - in the second form (``FORMS``), a store partition: the wgmma partition leaves each finished tile in shared
   memory and goes on to the next tile's wgmma while the store partition writes the rows out.
 
+The same weight is then read as a [gate; up] weight for the first projection itself, SwiGLU epilogue included
+(``swiglu_gather_gemm``: gate and up accumulators side by side, the store partition writing the pre-activation and
+silu(gate) * up), beside ``scatter2scatter_swiglu``. The partitions each walk the same persistent tile sequence:
+that loop header repeats in every one of them by design.
+
 Outputs are compared with the same product in float32 (per slot, bit-level agreement is not expected). The first
-form's figures (an H200): docs/results/history/gluon-gather-gemm-h200.json; the second has not run on a GPU yet.
+form's figures (an H200): docs/results/history/gluon-gather-gemm-h200.json; the others have not run on a GPU yet.
 GPU time of CUDA-graph replays, forms timed alternately (``alternating_replay_ms``).
 
 Run on a Hopper GPU: PYTHONPATH=. python3 scripts/probes/probe_gluon_gather_gemm.py [SHAPE ...]
@@ -57,12 +62,14 @@ def _tile(tile, num_col_tiles, tile_expert_ptr, tile_row_ptr, expert_end_ptr, E)
 
 
 @gluon.jit
-def _loader(x_ptr, scattered_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, w_desc, a_bufs, b_bufs,
+def _loader(x_ptr, scattered_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, w_desc, a_bufs, b_bufs, up_bufs,
             a_ready, b_ready, empty, num_tiles, N, K, E, stride_xm, FAN_OUT: gl.constexpr, BM: gl.constexpr,
-            BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr):
+            BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, HALVES: gl.constexpr):
+    """Fills the stages: the weight tile by TMA ([BK, BN] columns, or with HALVES a [gate; up] weight's gate
+    columns and the up columns N / 2 further on, BN each) and the tile's gathered rows by cp.async."""
     # 4 rows x 64 columns a warp a pass, 16 bytes a thread
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
-    num_col_tiles = gl.cdiv(N, BN)
+    num_col_tiles = gl.cdiv(N // 2 if HALVES else N, BN)
     step = 0
     for tile in range(gl.program_id(0), num_tiles * num_col_tiles, gl.num_programs(0)):
         expert, row0, row_end, pid_n = _tile(tile, num_col_tiles, tile_expert_ptr, tile_row_ptr, expert_end_ptr, E)
@@ -76,9 +83,12 @@ def _loader(x_ptr, scattered_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr,
                 s = step % STAGES
                 phase = (step // STAGES) & 1
                 mbarrier.wait(empty.index(s), phase ^ 1)  # barriers start with phase 1 complete
-                mbarrier.expect(b_ready.index(s), w_desc.block_type.nbytes)
+                mbarrier.expect(b_ready.index(s), w_desc.block_type.nbytes * (2 if HALVES else 1))
                 tma.async_copy_global_to_shared(w_desc, [expert * K + k, pid_n * BN], b_ready.index(s),
                                                 b_bufs.index(s))
+                if HALVES:
+                    tma.async_copy_global_to_shared(w_desc, [expert * K + k, N // 2 + pid_n * BN], b_ready.index(s),
+                                                    up_bufs.index(s))
                 async_copy.async_copy_global_to_shared(a_bufs.index(s), ptrs + k, mask=row_mask[:, None])
                 async_copy.mbarrier_arrive(a_ready.index(s), increment_count=False)  # one arrival a thread
                 step += 1
@@ -115,15 +125,16 @@ def _mma(y_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, a_bufs, b_bufs, a
                 mbarrier.arrive(c_ready)
                 handed += 1
             else:
-                _store_tile(y_ptr, acc.to(gl.bfloat16), row0, row_end, pid_n, N, stride_ym, BN, mma_layout)
+                _store_tile(y_ptr, acc.to(gl.bfloat16), row0, row_end, pid_n * BN, N, stride_ym, mma_layout)
 
 
 @gluon.jit
-def _store_tile(y_ptr, values, row0, row_end, pid_n, N, stride_ym, BN: gl.constexpr, layout: gl.constexpr):
-    """Rows ``row0 + i`` of one tile's [rows, BN] values where they belong to the tile's expert."""
+def _store_tile(y_ptr, values, row0, row_end, col0, col_end, stride_ym, layout: gl.constexpr):
+    """Rows ``row0 + i`` and columns ``col0 + j`` of one tile's values where they belong to the tile's expert and
+    lie before ``col_end``."""
     rows = row0 + gl.arange(0, values.shape[0], layout=gl.SliceLayout(1, layout))
-    cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
-    mask = (rows < row_end)[:, None] & (cols < N)[None, :]
+    cols = col0 + gl.arange(0, values.shape[1], layout=gl.SliceLayout(0, layout))
+    mask = (rows < row_end)[:, None] & (cols < col_end)[None, :]
     gl.store(y_ptr + rows.to(gl.int64)[:, None] * stride_ym + cols[None, :], values, mask=mask)
 
 
@@ -139,7 +150,7 @@ def _stores(y_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, c_smem, c_read
         if expert < E:
             mbarrier.wait(c_ready, taken & 1)
             for r in gl.static_range(0, BM, CHUNK):
-                _store_tile(y_ptr, c_smem.slice(r, CHUNK).load(layout), row0 + r, row_end, pid_n, N, stride_ym, BN,
+                _store_tile(y_ptr, c_smem.slice(r, CHUNK).load(layout), row0 + r, row_end, pid_n * BN, N, stride_ym,
                             layout)
             mbarrier.arrive(c_empty)
             taken += 1
@@ -173,8 +184,8 @@ def gather_gemm_kernel(x_ptr, scattered_ptr, tile_expert_ptr, tile_row_ptr, expe
                     c_smem, c_ready, c_empty, num_tiles, N, K, E, stride_ym, BM, BN, BK, STAGES, STORE_WARPS,
                     num_warps)),
             (_loader, (x_ptr, scattered_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, w_desc, a_bufs, b_bufs,
-                        a_ready, b_ready, empty, num_tiles, N, K, E, stride_xm, FAN_OUT, BM, BN, BK, STAGES,
-                        LOADER_WARPS)),
+                        None, a_ready, b_ready, empty, num_tiles, N, K, E, stride_xm, FAN_OUT, BM, BN, BK, STAGES,
+                        LOADER_WARPS, False)),
             (_stores, (y_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, c_smem, c_ready, c_empty, num_tiles, N,
                        E, stride_ym, BM, BN, 16, STORE_WARPS)),
         ], [LOADER_WARPS, STORE_WARPS], [LOADER_REGS, STORE_REGS])
@@ -183,9 +194,125 @@ def gather_gemm_kernel(x_ptr, scattered_ptr, tile_expert_ptr, tile_row_ptr, expe
             (_mma, (y_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, a_bufs, b_bufs, a_ready, b_ready, empty,
                     None, None, None, num_tiles, N, K, E, stride_ym, BM, BN, BK, STAGES, STORE_WARPS, num_warps)),
             (_loader, (x_ptr, scattered_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, w_desc, a_bufs, b_bufs,
-                        a_ready, b_ready, empty, num_tiles, N, K, E, stride_xm, FAN_OUT, BM, BN, BK, STAGES,
-                        LOADER_WARPS)),
+                        None, a_ready, b_ready, empty, num_tiles, N, K, E, stride_xm, FAN_OUT, BM, BN, BK, STAGES,
+                        LOADER_WARPS, False)),
         ], [LOADER_WARPS], [LOADER_REGS])
+
+
+@gluon.jit
+def _mma_swiglu(tile_expert_ptr, tile_row_ptr, expert_end_ptr, a_bufs, gate_bufs, up_bufs, a_ready, b_ready, empty,
+                gate_smem, up_smem, c_ready, c_empty, num_tiles, N, K, E, BM: gl.constexpr, BN: gl.constexpr,
+                BK: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """The [gate; up] product: two [BM, BN] accumulators per tile (gate and up columns), both wgmma of a step
+    in flight while the next step's are issued; finished tiles go to the store partition through shared memory."""
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, BN, 16])
+    num_col_tiles = gl.cdiv(N // 2, BN)
+    step = 0
+    handed = 0
+    for tile in range(gl.program_id(0), num_tiles * num_col_tiles, gl.num_programs(0)):
+        expert, row0, row_end, pid_n = _tile(tile, num_col_tiles, tile_expert_ptr, tile_row_ptr, expert_end_ptr, E)
+        if expert < E:
+            gate = gl.zeros((BM, BN), dtype=gl.float32, layout=mma_layout)
+            up = gl.zeros((BM, BN), dtype=gl.float32, layout=mma_layout)
+            for k in range(0, K, BK):
+                s = step % STAGES
+                phase = (step // STAGES) & 1
+                mbarrier.wait(a_ready.index(s), phase)
+                mbarrier.wait(b_ready.index(s), phase)
+                fence_async_shared()
+                gate = warpgroup_mma(a_bufs.index(s), gate_bufs.index(s), gate, is_async=True)
+                up = warpgroup_mma(a_bufs.index(s), up_bufs.index(s), up, is_async=True)
+                gate, up = warpgroup_mma_wait(2, (gate, up))  # the previous step's two are done
+                mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=k > 0)
+                step += 1
+            gate, up = warpgroup_mma_wait(0, (gate, up))
+            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
+            mbarrier.wait(c_empty, (handed & 1) ^ 1)
+            gate_smem.store(gate.to(gl.bfloat16))
+            up_smem.store(up.to(gl.bfloat16))
+            mbarrier.arrive(c_ready)
+            handed += 1
+
+
+@gluon.jit
+def _stores_swiglu(y_ptr, h_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, gate_smem, up_smem, c_ready, c_empty,
+                   num_tiles, N, E, stride_ym, stride_hm, BM: gl.constexpr, BN: gl.constexpr, CHUNK: gl.constexpr,
+                   WARPS: gl.constexpr):
+    """Each finished tile's pre-activation ([gate; up] halves N / 2 apart) and its SwiGLU, silu(gate) * up of the
+    rounded values as our Triton epilogue computes it, CHUNK rows at a time."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])  # 2 rows of 128 columns a warp
+    half = N // 2
+    num_col_tiles = gl.cdiv(half, BN)
+    taken = 0
+    for tile in range(gl.program_id(0), num_tiles * num_col_tiles, gl.num_programs(0)):
+        expert, row0, row_end, pid_n = _tile(tile, num_col_tiles, tile_expert_ptr, tile_row_ptr, expert_end_ptr, E)
+        if expert < E:
+            mbarrier.wait(c_ready, taken & 1)
+            for r in gl.static_range(0, BM, CHUNK):
+                gate = gate_smem.slice(r, CHUNK).load(layout)
+                up = up_smem.slice(r, CHUNK).load(layout)
+                _store_tile(y_ptr, gate, row0 + r, row_end, pid_n * BN, half, stride_ym, layout)
+                _store_tile(y_ptr + half, up, row0 + r, row_end, pid_n * BN, half, stride_ym, layout)
+                g = gate.to(gl.float32)
+                h = g / (1.0 + gl.exp(-g)) * up.to(gl.float32)
+                _store_tile(h_ptr, h.to(gl.bfloat16), row0 + r, row_end, pid_n * BN, half, stride_hm, layout)
+            mbarrier.arrive(c_empty)
+            taken += 1
+
+
+@gluon.jit
+def swiglu_gather_gemm_kernel(x_ptr, scattered_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, w_desc, y_ptr,
+                              h_ptr, num_tiles, N, K, E, stride_xm, stride_ym, stride_hm, FAN_OUT: gl.constexpr,
+                              BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                              LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, STORE_WARPS: gl.constexpr,
+                              STORE_REGS: gl.constexpr, num_warps: gl.constexpr):
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.bfloat16)
+    c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], gl.bfloat16)
+    a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], a_layout)
+    gate_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BK, BN], w_desc.layout)
+    up_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BK, BN], w_desc.layout)
+    gate_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, BN], c_layout)
+    up_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, BN], c_layout)
+    a_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    b_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    c_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    c_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(a_ready.index(i), count=LOADER_WARPS * 32)
+        mbarrier.init(b_ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    mbarrier.init(c_ready, count=1)
+    mbarrier.init(c_empty, count=1)
+    gl.warp_specialize([
+        (_mma_swiglu, (tile_expert_ptr, tile_row_ptr, expert_end_ptr, a_bufs, gate_bufs, up_bufs, a_ready, b_ready,
+                       empty, gate_smem, up_smem, c_ready, c_empty, num_tiles, N, K, E, BM, BN, BK, STAGES, num_warps)),
+        (_loader, (x_ptr, scattered_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, w_desc, a_bufs, gate_bufs,
+                   up_bufs, a_ready, b_ready, empty, num_tiles, N, K, E, stride_xm, FAN_OUT, BM, BN, BK, STAGES,
+                   LOADER_WARPS, True)),
+        (_stores_swiglu, (y_ptr, h_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, gate_smem, up_smem, c_ready,
+                          c_empty, num_tiles, N, E, stride_ym, stride_hm, BM, BN, 8, STORE_WARPS)),
+    ], [LOADER_WARPS, STORE_WARPS], [LOADER_REGS, STORE_REGS])
+
+
+def swiglu_gather_gemm(x, w, sorted_scattered_idxs, expert_offsets, fan_out, tile_expert, tile_row, programs):
+    """(pre-activation [M, N], SwiGLU [M, N / 2]) in expert order for a [gate; up] weight w [E, K, N] (N
+    contiguous, gate columns first): the first projection with its epilogue, as ``scatter2scatter_swiglu``."""
+    E, K, N = w.shape
+    bn = BN // 2  # a tile's 256 columns: 128 gate and the 128 up columns that pair with them
+    assert K % BK == 0 and N % 16 == 0 and w.is_contiguous() and x.stride(1) == 1
+    y = x.new_empty((sorted_scattered_idxs.numel(), N))
+    h = x.new_empty((sorted_scattered_idxs.numel(), N // 2))
+    w_desc = TensorDescriptor.from_tensor(w.view(E * K, N), [BK, bn],
+                                          gl.NVMMASharedLayout.get_default_for([BK, bn], gl.bfloat16))
+    num_tiles = tile_expert.numel()
+    grid = (min(programs, num_tiles * triton.cdiv(N // 2, bn)),)
+    swiglu_gather_gemm_kernel[grid](x, sorted_scattered_idxs, tile_expert, tile_row, expert_offsets, w_desc, y, h,
+                                    num_tiles, N, K, E, x.stride(0), y.stride(0), h.stride(0), FAN_OUT=fan_out, BM=BM,
+                                    BN=bn, BK=BK, LOADER_REGS=LOADER_REGS, num_warps=MMA_WARPS,
+                                    **FORMS["gluon_store_partition"])
+    return y, h
 
 
 def gather_gemm(x, w, sorted_scattered_idxs, expert_offsets, fan_out, tile_expert, tile_row, programs, form):
@@ -207,7 +334,7 @@ def main(names):
     from hf_scatter.common.atomic_files import write_json
     from hf_scatter.common.timing import alternating_replay_ms, run_header
     from hf_scatter.kernels.backend import multiprocessors
-    from hf_scatter.kernels.scatter2scatter import _tiles_of, scatter2scatter
+    from hf_scatter.kernels.scatter2scatter import _tiles_of, scatter2scatter, scatter2scatter_swiglu
     from hf_scatter.moe import flatten_sort_count
 
     report = {**run_header(), "what": __doc__, "config": dict(BM=BM, BN=BN, BK=BK, LOADER_REGS=LOADER_REGS,
@@ -221,7 +348,7 @@ def main(names):
         w = torch.randn(E, d, n, device="cuda", dtype=torch.bfloat16) * d ** -0.5  # [E, K, N], N contiguous
         se, ss, off = flatten_sort_count(torch.rand(T, E, device="cuda").topk(k, -1).indices, E)
         tile_expert, tile_row = _tiles_of(off, BM, T * k)
-        row = {"flops": 2 * T * k * d * n, "max_rel_err": {}, "errors": {}}
+        row = {"flops": 2 * T * k * d * n, "max_rel_err": {}, "errors": {}}  # the same for both products
         ref = torch.cat([x[ss[int(a):int(b)] // k].float() @ w[e].float()
                          for e, (a, b) in enumerate(zip([0] + off[:-1].tolist(), off.tolist()))])  # [M, N] float32
         forms = {"triton_scatter2scatter": lambda: scatter2scatter(x, w, se, ss, off, fan_out=k, y_grouped=True)}
@@ -233,8 +360,23 @@ def main(names):
             except Exception as error:  # noqa: BLE001
                 row["errors"][form] = f"{type(error).__name__}: {str(error)[:2000]}"
                 del forms[form]
-        ref = None
-        row["ms"] = alternating_replay_ms(forms)
+        # the first projection itself: the same weight read as [gate; up] halves, the SwiGLU in the epilogue
+        inter = n // 2
+        h_ref = torch.nn.functional.silu(ref[:, :inter]) * ref[:, inter:]
+        swiglu_forms = {"triton_scatter2scatter_swiglu": lambda: scatter2scatter_swiglu(x, w, se, ss, off, k),
+                        "gluon_swiglu_store_partition": functools.partial(swiglu_gather_gemm, x, w, ss, off, k,
+                                                                          tile_expert, tile_row, sms)}
+        for form, fn in list(swiglu_forms.items()):
+            try:
+                pre, h = fn()
+                row["max_rel_err"][form] = {
+                    "pre": float((pre.float() - ref).abs().max() / ref.abs().max()),
+                    "h": float((h.float() - h_ref).abs().max() / h_ref.abs().max())}
+            except Exception as error:  # noqa: BLE001
+                row["errors"][form] = f"{type(error).__name__}: {str(error)[:2000]}"
+                del swiglu_forms[form]
+        ref = h_ref = None
+        row["ms"] = alternating_replay_ms({**forms, **swiglu_forms})
         row["tflops"] = {form: row["flops"] / ms / 1e9 for form, ms in row["ms"].items()}
         print(name, row, flush=True)
         report["shapes"][name] = row
