@@ -149,7 +149,8 @@ def _sonicmoe_import_failure(error: BaseException) -> str:
         for folder in sys.path:
             packages = os.path.join(folder or ".", "nvidia_cutlass_dsl", "python_packages")
             if os.path.isdir(os.path.join(packages, "cutlass")):
-                return f"{reason}; nvidia-cutlass-dsl is installed but its .pth was not read: add {packages} to PYTHONPATH"
+                return (f"{reason}; nvidia-cutlass-dsl is installed but its .pth was not read: add {packages} "
+                        "to PYTHONPATH")
     return reason
 
 
