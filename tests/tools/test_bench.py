@@ -693,7 +693,6 @@ def test_offload_gpu_rows_cut_short_by_sigterm_keep_the_finished_rows(tmp_path):
     """``bench offload --gpus`` under ``timeout``: the row running when SIGTERM comes is stopped (its process
     too), and the rows before it are kept for the report."""
     import signal
-    import subprocess
     import sys
     import threading
     import time

@@ -17,7 +17,7 @@ import hf_scatter.eval  # noqa: E402  (registers the hf-scatter models with lm-e
 from hf_scatter.cli import main as cli_main  # noqa: E402
 from hf_scatter.conversion import convert  # noqa: E402
 from hf_scatter.eval.backends import BACKENDS, Backend  # noqa: E402
-from hf_scatter.eval.suite import DATA_DIR, TASKS, TASKS_DIR, generated_sums, load_data, read_rows  # noqa: E402
+from hf_scatter.eval.suite import DATA_DIR, TASKS, generated_sums, load_data, read_rows  # noqa: E402
 from hf_scatter.tiny import tiny_dbrx, tiny_mixtral  # noqa: E402
 
 FP32 = ["--dtype", "float32", "--device", "cpu"]
