@@ -95,18 +95,24 @@ def _loader(x_ptr, scattered_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr,
 
 
 @gluon.jit
-def _mma(y_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, a_bufs, b_bufs, a_ready, b_ready, empty, c_smem,
-         c_ready, c_empty, num_tiles, N, K, E, stride_ym, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-         STAGES: gl.constexpr, STORE_WARPS: gl.constexpr, num_warps: gl.constexpr):
+def _mma(y_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, a_bufs, b_bufs, up_bufs, a_ready, b_ready, empty,
+         c_smem, up_smem, c_ready, c_empty, num_tiles, N, K, E, stride_ym, BM: gl.constexpr, BN: gl.constexpr,
+         BK: gl.constexpr, STAGES: gl.constexpr, STORE_WARPS: gl.constexpr, HALVES: gl.constexpr,
+         num_warps: gl.constexpr):
+    """The wgmma partition: one step's product in flight while the next is issued, then the tile stored here or
+    handed to the store partition through shared memory. With HALVES (a [gate; up] weight, the store partition's
+    SwiGLU) a tile has a gate and an up accumulator, BN columns each."""
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BN, 16])
-    num_col_tiles = gl.cdiv(N, BN)
+    num_col_tiles = gl.cdiv(N // 2 if HALVES else N, BN)
     step = 0
     handed = 0  # tiles handed to the store partition
     for tile in range(gl.program_id(0), num_tiles * num_col_tiles, gl.num_programs(0)):
         expert, row0, row_end, pid_n = _tile(tile, num_col_tiles, tile_expert_ptr, tile_row_ptr, expert_end_ptr, E)
         if expert < E:
             acc = gl.zeros((BM, BN), dtype=gl.float32, layout=mma_layout)
+            if HALVES:
+                up = gl.zeros((BM, BN), dtype=gl.float32, layout=mma_layout)
             for k in range(0, K, BK):
                 s = step % STAGES
                 phase = (step // STAGES) & 1
@@ -114,14 +120,23 @@ def _mma(y_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, a_bufs, b_bufs, a
                 mbarrier.wait(b_ready.index(s), phase)
                 fence_async_shared()  # the rows came through cp.async (generic proxy); wgmma reads the async one
                 acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, is_async=True)
-                acc = warpgroup_mma_wait(1, (acc, ))  # the previous step's wgmma is done: free its stage
+                if HALVES:
+                    up = warpgroup_mma(a_bufs.index(s), up_bufs.index(s), up, is_async=True)
+                    acc, up = warpgroup_mma_wait(2, (acc, up))  # the previous step's two are done: free its stage
+                else:
+                    acc = warpgroup_mma_wait(1, (acc, ))  # the previous step's wgmma is done: free its stage
                 mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=k > 0)
                 step += 1
-            acc = warpgroup_mma_wait(0, (acc, ))
+            if HALVES:
+                acc, up = warpgroup_mma_wait(0, (acc, up))
+            else:
+                acc = warpgroup_mma_wait(0, (acc, ))
             mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
             if STORE_WARPS > 0:  # through shared memory: the next tile's wgmma start while the stores run
                 mbarrier.wait(c_empty, (handed & 1) ^ 1)
                 c_smem.store(acc.to(gl.bfloat16))
+                if HALVES:
+                    up_smem.store(up.to(gl.bfloat16))
                 mbarrier.arrive(c_ready)
                 handed += 1
             else:
@@ -139,19 +154,29 @@ def _store_tile(y_ptr, values, row0, row_end, col0, col_end, stride_ym, layout: 
 
 
 @gluon.jit
-def _stores(y_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, c_smem, c_ready, c_empty, num_tiles, N, E,
-            stride_ym, BM: gl.constexpr, BN: gl.constexpr, CHUNK: gl.constexpr, WARPS: gl.constexpr):
-    """The store partition: each finished tile from shared memory to its rows, CHUNK rows at a time."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])  # a row of 256 columns a warp
-    num_col_tiles = gl.cdiv(N, BN)
+def _stores(y_ptr, h_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, c_smem, up_smem, c_ready, c_empty, num_tiles,
+            N, E, stride_ym, stride_hm, BM: gl.constexpr, BN: gl.constexpr, CHUNK: gl.constexpr, WARPS: gl.constexpr,
+            GLU: gl.constexpr):
+    """The store partition: each finished tile from shared memory to its rows, CHUNK rows at a time. With GLU the
+    tile is a gate and an up half (N / 2 apart in the pre-activation), and their SwiGLU goes to ``h``: silu(gate) *
+    up of the rounded values, as our Triton epilogue computes it."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [256 // BN, BN // 8], [WARPS, 1], [1, 0])  # BN columns a row
+    width = N // 2 if GLU else N
+    num_col_tiles = gl.cdiv(width, BN)
     taken = 0
     for tile in range(gl.program_id(0), num_tiles * num_col_tiles, gl.num_programs(0)):
         expert, row0, row_end, pid_n = _tile(tile, num_col_tiles, tile_expert_ptr, tile_row_ptr, expert_end_ptr, E)
         if expert < E:
             mbarrier.wait(c_ready, taken & 1)
             for r in gl.static_range(0, BM, CHUNK):
-                _store_tile(y_ptr, c_smem.slice(r, CHUNK).load(layout), row0 + r, row_end, pid_n * BN, N, stride_ym,
-                            layout)
+                values = c_smem.slice(r, CHUNK).load(layout)
+                _store_tile(y_ptr, values, row0 + r, row_end, pid_n * BN, width, stride_ym, layout)
+                if GLU:
+                    up = up_smem.slice(r, CHUNK).load(layout)
+                    _store_tile(y_ptr + width, up, row0 + r, row_end, pid_n * BN, width, stride_ym, layout)
+                    gate = values.to(gl.float32)
+                    h = gate / (1.0 + gl.exp(-gate)) * up.to(gl.float32)
+                    _store_tile(h_ptr, h.to(gl.bfloat16), row0 + r, row_end, pid_n * BN, width, stride_hm, layout)
             mbarrier.arrive(c_empty)
             taken += 1
 
@@ -180,85 +205,24 @@ def gather_gemm_kernel(x_ptr, scattered_ptr, tile_expert_ptr, tile_row_ptr, expe
         mbarrier.init(c_ready, count=1)
         mbarrier.init(c_empty, count=1)
         gl.warp_specialize([
-            (_mma, (y_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, a_bufs, b_bufs, a_ready, b_ready, empty,
-                    c_smem, c_ready, c_empty, num_tiles, N, K, E, stride_ym, BM, BN, BK, STAGES, STORE_WARPS,
-                    num_warps)),
+            (_mma, (y_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, a_bufs, b_bufs, None, a_ready, b_ready,
+                    empty, c_smem, None, c_ready, c_empty, num_tiles, N, K, E, stride_ym, BM, BN, BK, STAGES,
+                    STORE_WARPS, False, num_warps)),
             (_loader, (x_ptr, scattered_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, w_desc, a_bufs, b_bufs,
                         None, a_ready, b_ready, empty, num_tiles, N, K, E, stride_xm, FAN_OUT, BM, BN, BK, STAGES,
                         LOADER_WARPS, False)),
-            (_stores, (y_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, c_smem, c_ready, c_empty, num_tiles, N,
-                       E, stride_ym, BM, BN, 16, STORE_WARPS)),
+            (_stores, (y_ptr, None, tile_expert_ptr, tile_row_ptr, expert_end_ptr, c_smem, None, c_ready, c_empty,
+                       num_tiles, N, E, stride_ym, 0, BM, BN, 16, STORE_WARPS, False)),
         ], [LOADER_WARPS, STORE_WARPS], [LOADER_REGS, STORE_REGS])
     else:
         gl.warp_specialize([
-            (_mma, (y_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, a_bufs, b_bufs, a_ready, b_ready, empty,
-                    None, None, None, num_tiles, N, K, E, stride_ym, BM, BN, BK, STAGES, STORE_WARPS, num_warps)),
+            (_mma, (y_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, a_bufs, b_bufs, None, a_ready, b_ready,
+                    empty, None, None, None, None, num_tiles, N, K, E, stride_ym, BM, BN, BK, STAGES, STORE_WARPS,
+                    False, num_warps)),
             (_loader, (x_ptr, scattered_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, w_desc, a_bufs, b_bufs,
                         None, a_ready, b_ready, empty, num_tiles, N, K, E, stride_xm, FAN_OUT, BM, BN, BK, STAGES,
                         LOADER_WARPS, False)),
         ], [LOADER_WARPS], [LOADER_REGS])
-
-
-@gluon.jit
-def _mma_swiglu(tile_expert_ptr, tile_row_ptr, expert_end_ptr, a_bufs, gate_bufs, up_bufs, a_ready, b_ready, empty,
-                gate_smem, up_smem, c_ready, c_empty, num_tiles, N, K, E, BM: gl.constexpr, BN: gl.constexpr,
-                BK: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
-    """The [gate; up] product: two [BM, BN] accumulators per tile (gate and up columns), both wgmma of a step
-    in flight while the next step's are issued; finished tiles go to the store partition through shared memory."""
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                         instr_shape=[16, BN, 16])
-    num_col_tiles = gl.cdiv(N // 2, BN)
-    step = 0
-    handed = 0
-    for tile in range(gl.program_id(0), num_tiles * num_col_tiles, gl.num_programs(0)):
-        expert, row0, row_end, pid_n = _tile(tile, num_col_tiles, tile_expert_ptr, tile_row_ptr, expert_end_ptr, E)
-        if expert < E:
-            gate = gl.zeros((BM, BN), dtype=gl.float32, layout=mma_layout)
-            up = gl.zeros((BM, BN), dtype=gl.float32, layout=mma_layout)
-            for k in range(0, K, BK):
-                s = step % STAGES
-                phase = (step // STAGES) & 1
-                mbarrier.wait(a_ready.index(s), phase)
-                mbarrier.wait(b_ready.index(s), phase)
-                fence_async_shared()
-                gate = warpgroup_mma(a_bufs.index(s), gate_bufs.index(s), gate, is_async=True)
-                up = warpgroup_mma(a_bufs.index(s), up_bufs.index(s), up, is_async=True)
-                gate, up = warpgroup_mma_wait(2, (gate, up))  # the previous step's two are done
-                mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=k > 0)
-                step += 1
-            gate, up = warpgroup_mma_wait(0, (gate, up))
-            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
-            mbarrier.wait(c_empty, (handed & 1) ^ 1)
-            gate_smem.store(gate.to(gl.bfloat16))
-            up_smem.store(up.to(gl.bfloat16))
-            mbarrier.arrive(c_ready)
-            handed += 1
-
-
-@gluon.jit
-def _stores_swiglu(y_ptr, h_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, gate_smem, up_smem, c_ready, c_empty,
-                   num_tiles, N, E, stride_ym, stride_hm, BM: gl.constexpr, BN: gl.constexpr, CHUNK: gl.constexpr,
-                   WARPS: gl.constexpr):
-    """Each finished tile's pre-activation ([gate; up] halves N / 2 apart) and its SwiGLU, silu(gate) * up of the
-    rounded values as our Triton epilogue computes it, CHUNK rows at a time."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])  # 2 rows of 128 columns a warp
-    half = N // 2
-    num_col_tiles = gl.cdiv(half, BN)
-    taken = 0
-    for tile in range(gl.program_id(0), num_tiles * num_col_tiles, gl.num_programs(0)):
-        expert, row0, row_end, pid_n = _tile(tile, num_col_tiles, tile_expert_ptr, tile_row_ptr, expert_end_ptr, E)
-        if expert < E:
-            mbarrier.wait(c_ready, taken & 1)
-            for r in gl.static_range(0, BM, CHUNK):
-                gate = gate_smem.slice(r, CHUNK).load(layout)
-                up = up_smem.slice(r, CHUNK).load(layout)
-                _store_tile(y_ptr, gate, row0 + r, row_end, pid_n * BN, half, stride_ym, layout)
-                _store_tile(y_ptr + half, up, row0 + r, row_end, pid_n * BN, half, stride_ym, layout)
-                g = gate.to(gl.float32)
-                h = g / (1.0 + gl.exp(-g)) * up.to(gl.float32)
-                _store_tile(h_ptr, h.to(gl.bfloat16), row0 + r, row_end, pid_n * BN, half, stride_hm, layout)
-            mbarrier.arrive(c_empty)
-            taken += 1
 
 
 @gluon.jit
@@ -286,13 +250,14 @@ def swiglu_gather_gemm_kernel(x_ptr, scattered_ptr, tile_expert_ptr, tile_row_pt
     mbarrier.init(c_ready, count=1)
     mbarrier.init(c_empty, count=1)
     gl.warp_specialize([
-        (_mma_swiglu, (tile_expert_ptr, tile_row_ptr, expert_end_ptr, a_bufs, gate_bufs, up_bufs, a_ready, b_ready,
-                       empty, gate_smem, up_smem, c_ready, c_empty, num_tiles, N, K, E, BM, BN, BK, STAGES, num_warps)),
+        (_mma, (y_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, a_bufs, gate_bufs, up_bufs, a_ready, b_ready,
+                empty, gate_smem, up_smem, c_ready, c_empty, num_tiles, N, K, E, stride_ym, BM, BN, BK, STAGES,
+                STORE_WARPS, True, num_warps)),
         (_loader, (x_ptr, scattered_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, w_desc, a_bufs, gate_bufs,
                    up_bufs, a_ready, b_ready, empty, num_tiles, N, K, E, stride_xm, FAN_OUT, BM, BN, BK, STAGES,
                    LOADER_WARPS, True)),
-        (_stores_swiglu, (y_ptr, h_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, gate_smem, up_smem, c_ready,
-                          c_empty, num_tiles, N, E, stride_ym, stride_hm, BM, BN, 8, STORE_WARPS)),
+        (_stores, (y_ptr, h_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, gate_smem, up_smem, c_ready, c_empty,
+                   num_tiles, N, E, stride_ym, stride_hm, BM, BN, 8, STORE_WARPS, True)),
     ], [LOADER_WARPS, STORE_WARPS], [LOADER_REGS, STORE_REGS])
 
 
