@@ -16,7 +16,9 @@ in expert order. Partitions, persistent over 128-row tiles of one expert (our ti
 
 The same weight is then read as a [gate; up] weight for the first projection itself, SwiGLU epilogue included
 (``swiglu_gather_gemm``: gate and up accumulators side by side, the store partition writing the pre-activation and
-silu(gate) * up), beside ``scatter2scatter_swiglu``. The partitions each walk the same persistent tile sequence:
+silu(gate) * up), beside ``scatter2scatter_swiglu``. Every form runs on the weight in both layouts: N contiguous
+and transformers' [E, N, K] read as [E, K, N] (the loader's TMA boxes are then [BN, BK], handed to wgmma
+transposed). The partitions each walk the same persistent tile sequence:
 that loop header repeats in every one of them by design.
 
 Outputs are compared with the same product in float32 (per slot, bit-level agreement is not expected). The first
@@ -64,9 +66,11 @@ def _tile(tile, num_col_tiles, tile_expert_ptr, tile_row_ptr, expert_end_ptr, E)
 @gluon.jit
 def _loader(x_ptr, scattered_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, w_desc, a_bufs, b_bufs, up_bufs,
             a_ready, b_ready, empty, num_tiles, N, K, E, stride_xm, FAN_OUT: gl.constexpr, BM: gl.constexpr,
-            BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, HALVES: gl.constexpr):
+            BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, HALVES: gl.constexpr,
+            K_MAJOR: gl.constexpr):
     """Fills the stages: the weight tile by TMA ([BK, BN] columns, or with HALVES a [gate; up] weight's gate
-    columns and the up columns N / 2 further on, BN each) and the tile's gathered rows by cp.async."""
+    columns and the up columns N / 2 further on, BN each; K_MAJOR: the weight stored [E, N, K] as transformers
+    keeps it, each tile [BN, BK]) and the tile's gathered rows by cp.async."""
     # 4 rows x 64 columns a warp a pass, 16 bytes a thread
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
     num_col_tiles = gl.cdiv(N // 2 if HALVES else N, BN)
@@ -84,11 +88,18 @@ def _loader(x_ptr, scattered_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr,
                 phase = (step // STAGES) & 1
                 mbarrier.wait(empty.index(s), phase ^ 1)  # barriers start with phase 1 complete
                 mbarrier.expect(b_ready.index(s), w_desc.block_type.nbytes * (2 if HALVES else 1))
-                tma.async_copy_global_to_shared(w_desc, [expert * K + k, pid_n * BN], b_ready.index(s),
-                                                b_bufs.index(s))
-                if HALVES:
-                    tma.async_copy_global_to_shared(w_desc, [expert * K + k, N // 2 + pid_n * BN], b_ready.index(s),
-                                                    up_bufs.index(s))
+                if K_MAJOR:
+                    tma.async_copy_global_to_shared(w_desc, [expert * N + pid_n * BN, k], b_ready.index(s),
+                                                    b_bufs.index(s))
+                    if HALVES:
+                        tma.async_copy_global_to_shared(w_desc, [expert * N + N // 2 + pid_n * BN, k],
+                                                        b_ready.index(s), up_bufs.index(s))
+                else:
+                    tma.async_copy_global_to_shared(w_desc, [expert * K + k, pid_n * BN], b_ready.index(s),
+                                                    b_bufs.index(s))
+                    if HALVES:
+                        tma.async_copy_global_to_shared(w_desc, [expert * K + k, N // 2 + pid_n * BN],
+                                                        b_ready.index(s), up_bufs.index(s))
                 async_copy.async_copy_global_to_shared(a_bufs.index(s), ptrs + k, mask=row_mask[:, None])
                 async_copy.mbarrier_arrive(a_ready.index(s), increment_count=False)  # one arrival a thread
                 step += 1
@@ -98,7 +109,7 @@ def _loader(x_ptr, scattered_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr,
 def _mma(y_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, a_bufs, b_bufs, up_bufs, a_ready, b_ready, empty,
          c_smem, up_smem, c_ready, c_empty, num_tiles, N, K, E, stride_ym, BM: gl.constexpr, BN: gl.constexpr,
          BK: gl.constexpr, STAGES: gl.constexpr, STORE_WARPS: gl.constexpr, HALVES: gl.constexpr,
-         num_warps: gl.constexpr):
+         K_MAJOR: gl.constexpr, num_warps: gl.constexpr):
     """The wgmma partition: one step's product in flight while the next is issued, then the tile stored here or
     handed to the store partition through shared memory. With HALVES (a [gate; up] weight, the store partition's
     SwiGLU) a tile has a gate and an up accumulator, BN columns each."""
@@ -119,9 +130,15 @@ def _mma(y_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, a_bufs, b_bufs, u
                 mbarrier.wait(a_ready.index(s), phase)
                 mbarrier.wait(b_ready.index(s), phase)
                 fence_async_shared()  # the rows came through cp.async (generic proxy); wgmma reads the async one
-                acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, is_async=True)
+                b_tile = b_bufs.index(s)
+                if K_MAJOR:  # a [BN, BK] tile read as [BK, BN]: wgmma takes either major order
+                    b_tile = b_tile.permute((1, 0))
+                acc = warpgroup_mma(a_bufs.index(s), b_tile, acc, is_async=True)
                 if HALVES:
-                    up = warpgroup_mma(a_bufs.index(s), up_bufs.index(s), up, is_async=True)
+                    up_tile = up_bufs.index(s)
+                    if K_MAJOR:
+                        up_tile = up_tile.permute((1, 0))
+                    up = warpgroup_mma(a_bufs.index(s), up_tile, up, is_async=True)
                     acc, up = warpgroup_mma_wait(2, (acc, up))  # the previous step's two are done: free its stage
                 else:
                     acc = warpgroup_mma_wait(1, (acc, ))  # the previous step's wgmma is done: free its stage
@@ -186,10 +203,10 @@ def gather_gemm_kernel(x_ptr, scattered_ptr, tile_expert_ptr, tile_row_ptr, expe
                        num_tiles, N, K, E, stride_xm, stride_ym, FAN_OUT: gl.constexpr, BM: gl.constexpr,
                        BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr,
                        LOADER_REGS: gl.constexpr, STORE_WARPS: gl.constexpr, STORE_REGS: gl.constexpr,
-                       num_warps: gl.constexpr):
+                       K_MAJOR: gl.constexpr, num_warps: gl.constexpr):
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.bfloat16)
     a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], a_layout)
-    b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BK, BN], w_desc.layout)
+    b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     a_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     b_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -207,10 +224,10 @@ def gather_gemm_kernel(x_ptr, scattered_ptr, tile_expert_ptr, tile_row_ptr, expe
         gl.warp_specialize([
             (_mma, (y_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, a_bufs, b_bufs, None, a_ready, b_ready,
                     empty, c_smem, None, c_ready, c_empty, num_tiles, N, K, E, stride_ym, BM, BN, BK, STAGES,
-                    STORE_WARPS, False, num_warps)),
+                    STORE_WARPS, False, K_MAJOR, num_warps)),
             (_loader, (x_ptr, scattered_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, w_desc, a_bufs, b_bufs,
                         None, a_ready, b_ready, empty, num_tiles, N, K, E, stride_xm, FAN_OUT, BM, BN, BK, STAGES,
-                        LOADER_WARPS, False)),
+                        LOADER_WARPS, False, K_MAJOR)),
             (_stores, (y_ptr, None, tile_expert_ptr, tile_row_ptr, expert_end_ptr, c_smem, None, c_ready, c_empty,
                        num_tiles, N, E, stride_ym, 0, BM, BN, 16, STORE_WARPS, False)),
         ], [LOADER_WARPS, STORE_WARPS], [LOADER_REGS, STORE_REGS])
@@ -218,10 +235,10 @@ def gather_gemm_kernel(x_ptr, scattered_ptr, tile_expert_ptr, tile_row_ptr, expe
         gl.warp_specialize([
             (_mma, (y_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, a_bufs, b_bufs, None, a_ready, b_ready,
                     empty, None, None, None, None, num_tiles, N, K, E, stride_ym, BM, BN, BK, STAGES, STORE_WARPS,
-                    False, num_warps)),
+                    False, K_MAJOR, num_warps)),
             (_loader, (x_ptr, scattered_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, w_desc, a_bufs, b_bufs,
                         None, a_ready, b_ready, empty, num_tiles, N, K, E, stride_xm, FAN_OUT, BM, BN, BK, STAGES,
-                        LOADER_WARPS, False)),
+                        LOADER_WARPS, False, K_MAJOR)),
         ], [LOADER_WARPS], [LOADER_REGS])
 
 
@@ -230,12 +247,12 @@ def swiglu_gather_gemm_kernel(x_ptr, scattered_ptr, tile_expert_ptr, tile_row_pt
                               h_ptr, num_tiles, N, K, E, stride_xm, stride_ym, stride_hm, FAN_OUT: gl.constexpr,
                               BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
                               LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, STORE_WARPS: gl.constexpr,
-                              STORE_REGS: gl.constexpr, num_warps: gl.constexpr):
+                              STORE_REGS: gl.constexpr, K_MAJOR: gl.constexpr, num_warps: gl.constexpr):
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.bfloat16)
     c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], gl.bfloat16)
     a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], a_layout)
-    gate_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BK, BN], w_desc.layout)
-    up_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BK, BN], w_desc.layout)
+    gate_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    up_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     gate_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, BN], c_layout)
     up_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, BN], c_layout)
     a_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -252,46 +269,55 @@ def swiglu_gather_gemm_kernel(x_ptr, scattered_ptr, tile_expert_ptr, tile_row_pt
     gl.warp_specialize([
         (_mma, (y_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, a_bufs, gate_bufs, up_bufs, a_ready, b_ready,
                 empty, gate_smem, up_smem, c_ready, c_empty, num_tiles, N, K, E, stride_ym, BM, BN, BK, STAGES,
-                STORE_WARPS, True, num_warps)),
+                STORE_WARPS, True, K_MAJOR, num_warps)),
         (_loader, (x_ptr, scattered_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, w_desc, a_bufs, gate_bufs,
                    up_bufs, a_ready, b_ready, empty, num_tiles, N, K, E, stride_xm, FAN_OUT, BM, BN, BK, STAGES,
-                   LOADER_WARPS, True)),
+                   LOADER_WARPS, True, K_MAJOR)),
         (_stores, (y_ptr, h_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, gate_smem, up_smem, c_ready, c_empty,
                    num_tiles, N, E, stride_ym, stride_hm, BM, BN, 8, STORE_WARPS, True)),
     ], [LOADER_WARPS, STORE_WARPS], [LOADER_REGS, STORE_REGS])
 
 
+def _weight_descriptor(w, bn):
+    """(TMA descriptor, K_MAJOR) over the experts' rows of w [E, K, N]: N contiguous ([E * K, N], [BK, bn]
+    boxes) or K contiguous, transformers' [E, N, K] read transposed ([E * N, K], [bn, BK] boxes)."""
+    E, K, N = w.shape
+    assert K % BK == 0 and N % 16 == 0
+    k_major = not w.is_contiguous()
+    rows = w.transpose(1, 2).view(E * N, K) if k_major else w.view(E * K, N)  # a view error: neither layout
+    box = [bn, BK] if k_major else [BK, bn]
+    return TensorDescriptor.from_tensor(rows, box, gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16)), k_major
+
+
 def swiglu_gather_gemm(x, w, sorted_scattered_idxs, expert_offsets, fan_out, tile_expert, tile_row, programs):
-    """(pre-activation [M, N], SwiGLU [M, N / 2]) in expert order for a [gate; up] weight w [E, K, N] (N
+    """(pre-activation [M, N], SwiGLU [M, N / 2]) in expert order for a [gate; up] weight w [E, K, N] (N or K
     contiguous, gate columns first): the first projection with its epilogue, as ``scatter2scatter_swiglu``."""
     E, K, N = w.shape
     bn = BN // 2  # a tile's 256 columns: 128 gate and the 128 up columns that pair with them
-    assert K % BK == 0 and N % 16 == 0 and w.is_contiguous() and x.stride(1) == 1
+    assert x.stride(1) == 1
     y = x.new_empty((sorted_scattered_idxs.numel(), N))
     h = x.new_empty((sorted_scattered_idxs.numel(), N // 2))
-    w_desc = TensorDescriptor.from_tensor(w.view(E * K, N), [BK, bn],
-                                          gl.NVMMASharedLayout.get_default_for([BK, bn], gl.bfloat16))
+    w_desc, k_major = _weight_descriptor(w, bn)
     num_tiles = tile_expert.numel()
     grid = (min(programs, num_tiles * triton.cdiv(N // 2, bn)),)
     swiglu_gather_gemm_kernel[grid](x, sorted_scattered_idxs, tile_expert, tile_row, expert_offsets, w_desc, y, h,
                                     num_tiles, N, K, E, x.stride(0), y.stride(0), h.stride(0), FAN_OUT=fan_out, BM=BM,
-                                    BN=bn, BK=BK, LOADER_REGS=LOADER_REGS, num_warps=MMA_WARPS,
+                                    BN=bn, BK=BK, LOADER_REGS=LOADER_REGS, K_MAJOR=k_major, num_warps=MMA_WARPS,
                                     **FORMS["gluon_store_partition"])
     return y, h
 
 
 def gather_gemm(x, w, sorted_scattered_idxs, expert_offsets, fan_out, tile_expert, tile_row, programs, form):
-    """y [M, N] in expert order: row s = x[idx[s] // fan_out] @ w[e(s)], for w [E, K, N] (N contiguous)."""
+    """y [M, N] in expert order: row s = x[idx[s] // fan_out] @ w[e(s)], for w [E, K, N] (N or K contiguous)."""
     E, K, N = w.shape
-    assert K % BK == 0 and w.is_contiguous() and x.stride(1) == 1
+    assert x.stride(1) == 1
     y = x.new_empty((sorted_scattered_idxs.numel(), N))
-    w_layout = gl.NVMMASharedLayout.get_default_for([BK, BN], gl.bfloat16)
-    w_desc = TensorDescriptor.from_tensor(w.view(E * K, N), [BK, BN], w_layout)
+    w_desc, k_major = _weight_descriptor(w, BN)
     num_tiles = tile_expert.numel()
     grid = (min(programs, num_tiles * triton.cdiv(N, BN)),)
     gather_gemm_kernel[grid](x, sorted_scattered_idxs, tile_expert, tile_row, expert_offsets, w_desc, y, num_tiles,
                              N, K, E, x.stride(0), y.stride(0), FAN_OUT=fan_out, BM=BM, BN=BN, BK=BK,
-                             LOADER_REGS=LOADER_REGS, num_warps=MMA_WARPS, **FORMS[form])
+                             LOADER_REGS=LOADER_REGS, K_MAJOR=k_major, num_warps=MMA_WARPS, **FORMS[form])
     return y
 
 
@@ -316,32 +342,36 @@ def main(names):
         row = {"flops": 2 * T * k * d * n, "max_rel_err": {}, "errors": {}}  # the same for both products
         ref = torch.cat([x[ss[int(a):int(b)] // k].float() @ w[e].float()
                          for e, (a, b) in enumerate(zip([0] + off[:-1].tolist(), off.tolist()))])  # [M, N] float32
-        forms = {"triton_scatter2scatter": lambda: scatter2scatter(x, w, se, ss, off, fan_out=k, y_grouped=True)}
-        for form in FORMS:
-            forms[form] = functools.partial(gather_gemm, x, w, ss, off, k, tile_expert, tile_row, sms, form)
-        for form, fn in list(forms.items()):
-            try:  # a probe: a form's failure is its result
-                row["max_rel_err"][form] = float((fn().float() - ref).abs().max() / ref.abs().max())
-            except Exception as error:  # noqa: BLE001
-                row["errors"][form] = f"{type(error).__name__}: {str(error)[:2000]}"
-                del forms[form]
-        # the first projection itself: the same weight read as [gate; up] halves, the SwiGLU in the epilogue
         inter = n // 2
         h_ref = torch.nn.functional.silu(ref[:, :inter]) * ref[:, inter:]
-        swiglu_forms = {"triton_scatter2scatter_swiglu": lambda: scatter2scatter_swiglu(x, w, se, ss, off, k),
-                        "gluon_swiglu_store_partition": functools.partial(swiglu_gather_gemm, x, w, ss, off, k,
-                                                                          tile_expert, tile_row, sms)}
-        for form, fn in list(swiglu_forms.items()):
-            try:
-                pre, h = fn()
-                row["max_rel_err"][form] = {
-                    "pre": float((pre.float() - ref).abs().max() / ref.abs().max()),
-                    "h": float((h.float() - h_ref).abs().max() / h_ref.abs().max())}
+        # the same values in both layouts: N contiguous, and transformers' [E, N, K] read as [E, K, N]
+        weights = {"n_contiguous": w, "k_contiguous": w.transpose(1, 2).contiguous().transpose(1, 2)}
+        plain, swiglu = {}, {}  # the plain product, and the first projection itself (the weight as [gate; up])
+        for layout, wl in weights.items():
+            plain[f"triton_scatter2scatter/{layout}"] = functools.partial(scatter2scatter, x, wl, se, ss, off,
+                                                                          fan_out=k, y_grouped=True)
+            for form in FORMS:
+                plain[f"{form}/{layout}"] = functools.partial(gather_gemm, x, wl, ss, off, k, tile_expert, tile_row,
+                                                              sms, form)
+            swiglu[f"triton_scatter2scatter_swiglu/{layout}"] = functools.partial(scatter2scatter_swiglu, x, wl, se,
+                                                                                  ss, off, k)
+            swiglu[f"gluon_swiglu_store_partition/{layout}"] = functools.partial(swiglu_gather_gemm, x, wl, ss, off, k,
+                                                                                 tile_expert, tile_row, sms)
+
+        def rel(got, want):
+            return float((got.float() - want).abs().max() / want.abs().max())
+
+        forms = {}
+        for label, fn in {**plain, **swiglu}.items():
+            try:  # a probe: a form's failure is its result
+                out = fn()
+                row["max_rel_err"][label] = ({"pre": rel(out[0], ref), "h": rel(out[1], h_ref)} if label in swiglu
+                                             else rel(out, ref))
+                forms[label] = fn
             except Exception as error:  # noqa: BLE001
-                row["errors"][form] = f"{type(error).__name__}: {str(error)[:2000]}"
-                del swiglu_forms[form]
+                row["errors"][label] = f"{type(error).__name__}: {str(error)[:2000]}"
         ref = h_ref = None
-        row["ms"] = alternating_replay_ms({**forms, **swiglu_forms})
+        row["ms"] = alternating_replay_ms(forms)
         row["tflops"] = {form: row["flops"] / ms / 1e9 for form, ms in row["ms"].items()}
         print(name, row, flush=True)
         report["shapes"][name] = row
