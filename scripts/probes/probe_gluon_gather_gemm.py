@@ -15,11 +15,11 @@ in expert order. Partitions, persistent over 128-row tiles of one expert (our ti
   memory and goes on to the next tile's wgmma while the store partition writes the rows out.
 
 The same weight is then read as a [gate; up] weight for the first projection itself, SwiGLU epilogue included
-(``swiglu_gather_gemm``: gate and up accumulators side by side, the store partition writing the pre-activation and
-silu(gate) * up), beside ``scatter2scatter_swiglu``. Every form runs on the weight in both layouts: N contiguous
-and transformers' [E, N, K] read as [E, K, N] (the loader's TMA boxes are then [BN, BK], handed to wgmma
-transposed). The partitions each walk the same persistent tile sequence:
-that loop header repeats in every one of them by design.
+(``swiglu_gather_gemm``, the same kernel with HALVES: gate and up accumulators side by side, the store partition
+writing the pre-activation and silu(gate) * up), beside ``scatter2scatter_swiglu``. Every form runs on the weight
+in both layouts: N contiguous and transformers' [E, N, K] read as [E, K, N] (the loader's TMA boxes are then
+[BN, BK], handed to wgmma transposed). The partitions each walk the same persistent tile sequence: that loop
+header repeats in every one of them by design.
 
 Outputs are compared with the same product in float32 (per slot, bit-level agreement is not expected). The first
 form's figures (an H200): docs/results/history/gluon-gather-gemm-h200.json; the others have not run on a GPU yet.
@@ -199,14 +199,20 @@ def _stores(y_ptr, h_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, c_smem,
 
 
 @gluon.jit
-def gather_gemm_kernel(x_ptr, scattered_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, w_desc, y_ptr,
-                       num_tiles, N, K, E, stride_xm, stride_ym, FAN_OUT: gl.constexpr, BM: gl.constexpr,
+def gather_gemm_kernel(x_ptr, scattered_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, w_desc, y_ptr, h_ptr,
+                       num_tiles, N, K, E, stride_xm, stride_ym, stride_hm, FAN_OUT: gl.constexpr, BM: gl.constexpr,
                        BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr,
                        LOADER_REGS: gl.constexpr, STORE_WARPS: gl.constexpr, STORE_REGS: gl.constexpr,
-                       K_MAJOR: gl.constexpr, num_warps: gl.constexpr):
+                       STORE_CHUNK: gl.constexpr, HALVES: gl.constexpr, K_MAJOR: gl.constexpr,
+                       num_warps: gl.constexpr):
+    """Every form: stores in the wgmma partition (STORE_WARPS 0) or a store partition; with HALVES (which takes
+    the store partition) a [gate; up] weight, BN gate and BN up columns a tile, and the SwiGLU into ``h``."""
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.bfloat16)
     a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], a_layout)
     b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    up_bufs = b_bufs  # read only with HALVES
+    if HALVES:
+        up_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     a_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     b_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -217,19 +223,22 @@ def gather_gemm_kernel(x_ptr, scattered_ptr, tile_expert_ptr, tile_row_ptr, expe
     if STORE_WARPS > 0:
         c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], gl.bfloat16)
         c_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, BN], c_layout)
+        up_smem = c_smem  # read only with HALVES
+        if HALVES:
+            up_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, BN], c_layout)
         c_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         c_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(c_ready, count=1)
         mbarrier.init(c_empty, count=1)
         gl.warp_specialize([
-            (_mma, (y_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, a_bufs, b_bufs, None, a_ready, b_ready,
-                    empty, c_smem, None, c_ready, c_empty, num_tiles, N, K, E, stride_ym, BM, BN, BK, STAGES,
-                    STORE_WARPS, False, K_MAJOR, num_warps)),
+            (_mma, (y_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, a_bufs, b_bufs, up_bufs, a_ready, b_ready,
+                    empty, c_smem, up_smem, c_ready, c_empty, num_tiles, N, K, E, stride_ym, BM, BN, BK, STAGES,
+                    STORE_WARPS, HALVES, K_MAJOR, num_warps)),
             (_loader, (x_ptr, scattered_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, w_desc, a_bufs, b_bufs,
-                        None, a_ready, b_ready, empty, num_tiles, N, K, E, stride_xm, FAN_OUT, BM, BN, BK, STAGES,
-                        LOADER_WARPS, False, K_MAJOR)),
-            (_stores, (y_ptr, None, tile_expert_ptr, tile_row_ptr, expert_end_ptr, c_smem, None, c_ready, c_empty,
-                       num_tiles, N, E, stride_ym, 0, BM, BN, 16, STORE_WARPS, False)),
+                        up_bufs, a_ready, b_ready, empty, num_tiles, N, K, E, stride_xm, FAN_OUT, BM, BN, BK, STAGES,
+                        LOADER_WARPS, HALVES, K_MAJOR)),
+            (_stores, (y_ptr, h_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, c_smem, up_smem, c_ready, c_empty,
+                       num_tiles, N, E, stride_ym, stride_hm, BM, BN, STORE_CHUNK, STORE_WARPS, HALVES)),
         ], [LOADER_WARPS, STORE_WARPS], [LOADER_REGS, STORE_REGS])
     else:
         gl.warp_specialize([
@@ -240,42 +249,6 @@ def gather_gemm_kernel(x_ptr, scattered_ptr, tile_expert_ptr, tile_row_ptr, expe
                         None, a_ready, b_ready, empty, num_tiles, N, K, E, stride_xm, FAN_OUT, BM, BN, BK, STAGES,
                         LOADER_WARPS, False, K_MAJOR)),
         ], [LOADER_WARPS], [LOADER_REGS])
-
-
-@gluon.jit
-def swiglu_gather_gemm_kernel(x_ptr, scattered_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, w_desc, y_ptr,
-                              h_ptr, num_tiles, N, K, E, stride_xm, stride_ym, stride_hm, FAN_OUT: gl.constexpr,
-                              BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                              LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, STORE_WARPS: gl.constexpr,
-                              STORE_REGS: gl.constexpr, K_MAJOR: gl.constexpr, num_warps: gl.constexpr):
-    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.bfloat16)
-    c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], gl.bfloat16)
-    a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], a_layout)
-    gate_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    up_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    gate_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, BN], c_layout)
-    up_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, BN], c_layout)
-    a_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    b_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    c_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    c_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(a_ready.index(i), count=LOADER_WARPS * 32)
-        mbarrier.init(b_ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    mbarrier.init(c_ready, count=1)
-    mbarrier.init(c_empty, count=1)
-    gl.warp_specialize([
-        (_mma, (y_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, a_bufs, gate_bufs, up_bufs, a_ready, b_ready,
-                empty, gate_smem, up_smem, c_ready, c_empty, num_tiles, N, K, E, stride_ym, BM, BN, BK, STAGES,
-                STORE_WARPS, True, K_MAJOR, num_warps)),
-        (_loader, (x_ptr, scattered_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, w_desc, a_bufs, gate_bufs,
-                   up_bufs, a_ready, b_ready, empty, num_tiles, N, K, E, stride_xm, FAN_OUT, BM, BN, BK, STAGES,
-                   LOADER_WARPS, True, K_MAJOR)),
-        (_stores, (y_ptr, h_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr, gate_smem, up_smem, c_ready, c_empty,
-                   num_tiles, N, E, stride_ym, stride_hm, BM, BN, 8, STORE_WARPS, True)),
-    ], [LOADER_WARPS, STORE_WARPS], [LOADER_REGS, STORE_REGS])
 
 
 def _weight_descriptor(w, bn):
@@ -300,10 +273,10 @@ def swiglu_gather_gemm(x, w, sorted_scattered_idxs, expert_offsets, fan_out, til
     w_desc, k_major = _weight_descriptor(w, bn)
     num_tiles = tile_expert.numel()
     grid = (min(programs, num_tiles * triton.cdiv(N // 2, bn)),)
-    swiglu_gather_gemm_kernel[grid](x, sorted_scattered_idxs, tile_expert, tile_row, expert_offsets, w_desc, y, h,
-                                    num_tiles, N, K, E, x.stride(0), y.stride(0), h.stride(0), FAN_OUT=fan_out, BM=BM,
-                                    BN=bn, BK=BK, LOADER_REGS=LOADER_REGS, K_MAJOR=k_major, num_warps=MMA_WARPS,
-                                    **FORMS["gluon_store_partition"])
+    gather_gemm_kernel[grid](x, sorted_scattered_idxs, tile_expert, tile_row, expert_offsets, w_desc, y, h, num_tiles,
+                             N, K, E, x.stride(0), y.stride(0), h.stride(0), FAN_OUT=fan_out, BM=BM, BN=bn, BK=BK,
+                             LOADER_REGS=LOADER_REGS, STORE_CHUNK=8, HALVES=True, K_MAJOR=k_major,
+                             num_warps=MMA_WARPS, **FORMS["gluon_store_partition"])  # 8-row chunks: 16 spilled
     return y, h
 
 
@@ -315,9 +288,10 @@ def gather_gemm(x, w, sorted_scattered_idxs, expert_offsets, fan_out, tile_exper
     w_desc, k_major = _weight_descriptor(w, BN)
     num_tiles = tile_expert.numel()
     grid = (min(programs, num_tiles * triton.cdiv(N, BN)),)
-    gather_gemm_kernel[grid](x, sorted_scattered_idxs, tile_expert, tile_row, expert_offsets, w_desc, y, num_tiles,
-                             N, K, E, x.stride(0), y.stride(0), FAN_OUT=fan_out, BM=BM, BN=BN, BK=BK,
-                             LOADER_REGS=LOADER_REGS, K_MAJOR=k_major, num_warps=MMA_WARPS, **FORMS[form])
+    gather_gemm_kernel[grid](x, sorted_scattered_idxs, tile_expert, tile_row, expert_offsets, w_desc, y, None,
+                             num_tiles, N, K, E, x.stride(0), y.stride(0), 0, FAN_OUT=fan_out, BM=BM, BN=BN, BK=BK,
+                             LOADER_REGS=LOADER_REGS, STORE_CHUNK=16, HALVES=False, K_MAJOR=k_major,
+                             num_warps=MMA_WARPS, **FORMS[form])
     return y
 
 
