@@ -21,8 +21,9 @@ in both layouts: N contiguous and transformers' [E, N, K] read as [E, K, N] (the
 [BN, BK], handed to wgmma transposed). The partitions each walk the same persistent tile sequence: that loop
 header repeats in every one of them by design.
 
-Outputs are compared with the same product in float32 (per slot, bit-level agreement is not expected). The first
-form's figures (an H200): docs/results/history/gluon-gather-gemm-h200.json; the others have not run on a GPU yet.
+Outputs are compared with the same product in float32 (per slot, bit-level agreement is not expected). Every form
+on an H200: docs/results/history/gluon-gather-gemm-forms-h200.json (all correct; the SwiGLU form on the K-contiguous
+layout ties with Triton, the others are 5-14% slower).
 GPU time of CUDA-graph replays, forms timed alternately (``alternating_replay_ms``).
 
 Run on a Hopper GPU: PYTHONPATH=. python3 scripts/probes/probe_gluon_gather_gemm.py [SHAPE ...]
