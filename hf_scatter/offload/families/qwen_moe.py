@@ -33,6 +33,7 @@ class QwenStylePipelineAdapter(LlamaStylePipelineAdapter):
     embedding (Qwen3: per head, over ``head_dim``; OLMoE: over the whole projection, then ``clip_qkv``)."""
 
     gates_in_logits_dtype = True
+    qk_norms_span_heads = False  # Qwen3: per head; OLMoE: over the whole projection
 
     def read_constants(self, model) -> QwenStyleConstants:
         return QwenStyleConstants.of(model)
@@ -43,12 +44,27 @@ class QwenStylePipelineAdapter(LlamaStylePipelineAdapter):
 
     def _normalize_qk(self, w, qkv):
         d, k = self.dims, self.constants
-        for part, norm in ((slice(0, d.q_dim), w["q_norm"]), (slice(d.q_dim, d.q_dim + d.kv_dim), w["k_norm"])):
-            states = qkv[:, part]
-            rows = states.reshape(-1, norm.shape[0])  # [T * heads, head_dim] (Qwen3) or [T, heads * head_dim]
-            states.copy_(fused_add_rms_norm(rows, None, norm, eps=k.norm_eps, validate=False).view(states.shape))
+        parts = ((slice(0, d.q_dim), w["q_norm"]), (slice(d.q_dim, d.q_dim + d.kv_dim), w["k_norm"]))
+        if self.shard.whole or not self.qk_norms_span_heads:
+            for part, norm in parts:
+                states = qkv[:, part]
+                rows = states.reshape(-1, norm.shape[0])  # [T * heads, head_dim] (Qwen3) or [T, heads * head_dim]
+                states.copy_(fused_add_rms_norm(rows, None, norm, eps=k.norm_eps, validate=False).view(states.shape))
+        else:
+            self._normalize_qk_over_group(qkv, parts)
         if k.clip_qkv is not None:
             qkv.clamp_(min=-k.clip_qkv, max=k.clip_qkv)
+
+    def _normalize_qk_over_group(self, qkv, parts):
+        """OLMoE's q/k norms span every head, and this rank holds only its heads' columns: each projection's sum
+        of squares over the group (one small all-reduce of [T, 2]), then the norm of the rank's columns, rounded
+        as the whole norm rounds (``weight * (x.float() * rstd).to(x.dtype)``)."""
+        squares = torch.stack([qkv[:, part].float().square().sum(-1) for part, _ in parts], dim=1)  # [T, 2]
+        self.shard.reduce(squares)
+        for i, ((part, norm), width) in enumerate(zip(parts, (self.full_dims.q_dim, self.full_dims.kv_dim))):
+            rstd = torch.rsqrt(squares[:, i:i + 1] / width + self.constants.norm_eps)  # [T, 1]
+            states = qkv[:, part]
+            states.copy_(norm * (states.float() * rstd).to(states.dtype))
 
 
 class Qwen3MoePipelineAdapter(QwenStylePipelineAdapter):
@@ -57,8 +73,7 @@ class Qwen3MoePipelineAdapter(QwenStylePipelineAdapter):
 
 class OlmoePipelineAdapter(QwenStylePipelineAdapter):
     model_type = "olmoe"
-    tensor_parallel_refusal = ("its q/k RMSNorms run over the whole projection, every head at once, and tensor "
-                               "parallelism splits the heads (not built)")
+    qk_norms_span_heads = True
 
 
 class Qwen2MoePipelineAdapter(LlamaStylePipelineAdapter):

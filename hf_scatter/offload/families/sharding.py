@@ -33,10 +33,11 @@ SPLIT_QKV = frozenset({"qkv", "qkv_bias"})
 SPLIT_INPUT_COLUMNS = frozenset({"o", "shared_down"})
 SPLIT_GATE_UP_ROWS = frozenset({"shared_gate_up", "shared_gate_up_bias"})
 ON_RANK_ZERO = frozenset({"o_bias", "down_bias", "shared_down_bias"})
-# whole on every rank: norms, routers, the shared expert's gate ([1, H]); per-head q/k norms are checked to be
-# per head (OLMoE's span every head and are refused by its adapter)
-REPLICATED = frozenset({"norm", "post_norm", "q_norm", "k_norm", "router", "router_bias", "shared_gate",
-                        "score_bias"})
+# whole on every rank: norms, routers, the shared expert's gate ([1, H])
+REPLICATED = frozenset({"norm", "post_norm", "router", "router_bias", "shared_gate", "score_bias"})
+# q/k norms: whole where they are per head (head_dim wide, Qwen3); split like the heads where they span the whole
+# projection (OLMoE), the family then summing their squares over the group (``Shard.reduce``)
+QK_NORMS = frozenset({"q_norm", "k_norm"})
 
 
 def indivisible(spec, gpus: int) -> list[str]:
@@ -120,10 +121,9 @@ class Shard:
             elif name in SPLIT_GATE_UP_ROWS:
                 out[name] = Rows(*(self._slice(p, 0) for p in t.parts))
             elif name in REPLICATED:
-                if name in ("q_norm", "k_norm") and t.shape[-1] != full_dims.head_dim:
-                    raise NotImplementedError(f"{name} spans every head ({t.shape[-1]} wide): tensor parallelism "
-                                              "splits the heads, so the norm would need every rank's queries")
                 out[name] = t
+            elif name in QK_NORMS:
+                out[name] = t if t.shape[-1] == full_dims.head_dim else self._slice(t, 0)
             else:
                 raise NotImplementedError(f"tensor parallelism does not know how to split the layer tensor {name!r}")
         return out

@@ -196,6 +196,12 @@ class ModelSpec:
         return self.family == "gpt_oss"
 
     @property
+    def qk_norms_span_heads(self) -> bool:
+        """OLMoE's q/k RMSNorms run over the whole projection: split over GPUs by heads, each norm's sums of squares
+        are all-reduced too (a third, small all-reduce per layer)."""
+        return self.family == "olmoe"
+
+    @property
     def values_are_keys(self) -> bool:
         """The cached key is also the value (MLA's latent): a token's cache holds it once."""
         return self.is_mla

@@ -280,9 +280,9 @@ def decode_terms(hrm: HierarchicalRoofline, model: ModelSpec, policy: Policy, co
     _check_group(hrm, policy)
     for size, count in _micro_batches(policy) if hrm.gpus > 1 else ():
         # tensor parallelism: each micro-batch's hidden states summed over the GPUs after attention and the FFN
-        seconds = Lin(count * 2 * hrm.tensor_parallel.allreduce_seconds(size * model.hidden * b))
+        seconds = Lin(count * _allreduces_seconds(hrm, model, size, b))
         gpu += seconds
-        launches += count * 2 * hrm.launch_s
+        launches += count * _allreduces(model) * hrm.launch_s
         account("all-reduce", "gpu", Lin(), Lin(), seconds)
     n_ub = policy.num_micro_batches
     streamed = model.layer_weight_bytes - (0 if policy.experts_on_gpu else model.ffn_weight_bytes)
@@ -340,6 +340,20 @@ def _check_group(hrm: HierarchicalRoofline, policy: Policy) -> None:
                          f"with HierarchicalRoofline(profile, gpus={policy.gpus})")
 
 
+def _allreduces(model: ModelSpec) -> int:
+    """All-reduces per layer of a tensor-parallel group: the hidden states after attention and after the FFN, and
+    the q/k norms' sums of squares where those norms span every head."""
+    return 3 if model.qk_norms_span_heads else 2
+
+
+def _allreduces_seconds(hrm: HierarchicalRoofline, model: ModelSpec, tokens: float, dtype_bytes: int) -> float:
+    """One layer's all-reduces for ``tokens`` rows: two of the [tokens, hidden] states, and OLMoE's [tokens, 2]
+    float32 sums of squares (latency-bound)."""
+    allreduce = hrm.tensor_parallel.allreduce_seconds
+    seconds = 2 * allreduce(tokens * model.hidden * dtype_bytes)
+    return seconds + allreduce(tokens * 2 * 4) if model.qk_norms_span_heads else seconds
+
+
 def _op_weight_bytes(model: ModelSpec, name: str) -> float:
     return {"qkv": model.qkv_weight_bytes, "o_proj": model.o_weight_bytes, "router": model.router_weight_bytes,
             "ffn": model.ffn_weight_bytes, "mlp": model.mlp_weight_bytes}.get(name, 0.0)
@@ -364,9 +378,9 @@ def prefill_terms(hrm: HierarchicalRoofline, model: ModelSpec, policy: Policy, w
         ops[name] = ("gpu", Lin(chunks * op.flops), Lin(chunks * op.bytes), link, seconds)
     _check_group(hrm, policy)
     if hrm.gpus > 1:
-        seconds = Lin(chunks * 2 * hrm.tensor_parallel.allreduce_seconds(chunk * model.hidden * model.dtype_bytes))
+        seconds = Lin(chunks * _allreduces_seconds(hrm, model, chunk, model.dtype_bytes))
         gpu += seconds
-        launches += math.ceil(chunks) * 2 * hrm.launch_s
+        launches += math.ceil(chunks) * _allreduces(model) * hrm.launch_s
         ops["all-reduce"] = ("gpu", Lin(), Lin(), Lin(), seconds)
     weights = on_cpu_share(model.layer_weight_bytes) * groups  # every expert: a prefill chunk routes to all of them
     kv = tokens * model.kv_bytes_per_token

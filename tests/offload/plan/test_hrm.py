@@ -716,6 +716,28 @@ def test_two_gpus_by_hand_halve_each_gpu_s_work_and_add_two_all_reduces_per_laye
     assert "all-reduce" not in one.ops and one.seconds == pytest.approx(model.layer_weight_bytes / 10e9)
 
 
+def test_olmoe_over_two_gpus_pays_a_third_small_all_reduce_for_its_qk_norms():
+    """OLMoE's q/k norms span every head, so split by heads each rank all-reduces the two norms' float32 sums of
+    squares ([rows, 2]) besides the hidden states: one more latency-bound all-reduce per layer, in decode and
+    prefill alike; a family with per-head norms pays two."""
+    prof = two_gpu_host()
+    olmoe = dataclasses.replace(small_moe(), family="olmoe")
+    resident = Policy(64, 64, attention_on_gpu=True, experts_on_gpu=True, weights_gpu_fraction=1.0,
+                      kv_gpu_fraction=1.0, gpus=2)
+    hidden_states = 2 * (10e-6 + 64 * 1024 * 2 / 100e9)
+    t = decode_layer_time(resident, olmoe, prof, context_len=100)
+    assert t.ops["all-reduce"].seconds == pytest.approx(hidden_states + 10e-6 + 64 * 2 * 4 / 100e9)
+    plain = decode_layer_time(resident, small_moe(), prof, context_len=100)
+    assert plain.ops["all-reduce"].seconds == pytest.approx(hidden_states)
+    from hf_scatter.offload import CostOptions
+    from hf_scatter.offload.plan.cost_model import prefill_terms
+
+    hrm = HierarchicalRoofline(prof, gpus=2)
+    prefill = {m.family: prefill_terms(hrm, m, resident, Workload(100, 8), CostOptions()).ops["all-reduce"][-1].c
+               for m in (olmoe, small_moe())}
+    assert prefill["olmoe"] > prefill[small_moe().family] > 0
+
+
 def test_memory_per_gpu_holds_its_share_of_weights_and_kv_and_all_activations():
     from hf_scatter.offload import CostOptions
     from hf_scatter.offload.plan.cost_model import memory_use
