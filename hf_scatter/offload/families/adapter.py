@@ -92,7 +92,6 @@ class PipelineAdapter:
     # expert tensor name -> intermediate columns per index of that axis where not one (MXFP4's down projection holds
     # its input columns in groups of 32 under one scale: a column range must start and end on a group)
     column_units: dict[str, int] = {}
-    tensor_parallel_refusal: str | None = None  # why this family cannot split over GPUs (None: it can)
 
     def __init__(self, model: nn.Module, shard: Shard = Shard()):
         """``shard``: this process's part of a tensor-parallel group; the getters ``shard_*`` then give its
@@ -101,9 +100,6 @@ class PipelineAdapter:
         self.float_dtype = model.get_input_embeddings().weight.dtype  # the dense maths' (FP8 linears decoded)
         self.full_dims = dataclasses.replace(self.read_dims(model.config),
                                              expert_format=self.read_expert_format(model))
-        if not shard.whole and self.tensor_parallel_refusal:
-            raise NotImplementedError(f"{self.model_type} cannot be offloaded over several GPUs: "
-                                      f"{self.tensor_parallel_refusal}; offload it on one GPU")
         shard.check(self.full_dims, self.model_type)
         self.dims = shard.dims(self.full_dims)  # what this rank computes: the maths and the runtime read these
         self.constants = self.read_constants(model)

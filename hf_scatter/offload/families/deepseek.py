@@ -6,6 +6,8 @@ and V3, against 5,120 for the expanded keys and values of V2-Lite's 16 heads), w
 head and as the value; the value half of ``kv_b_proj`` takes each head's attended latent to its values before
 the output projection. The shared experts and the first dense layers' MLPs are dense tensors of the layer,
 resident or streamed with the rest of it; the router chooses on float32 logits with the family's selection.
+Over several GPUs each rank takes its query heads (their rows of the query projection and of ``kv_b_proj``) and
+computes and caches the whole latent, which all heads read (``sharding``).
 """
 
 from __future__ import annotations
@@ -102,9 +104,6 @@ class DeepseekPipelineAdapter(LlamaStylePipelineAdapter):
     """Offloaded generation of DeepSeek-V2/V3: MLA absorbed (see the module docstring), the router on float32
     logits with the family's selection, the shared experts added to the routed ones, and the first layers'
     dense MLPs in place of experts."""
-
-    tensor_parallel_refusal = ("its latent attention caches one latent head that every query head reads, so "
-                               "each GPU would hold and stream the whole cache (not built)")
 
     # ----- weights -----
     def layers(self):

@@ -38,12 +38,6 @@ def offloaded_model_types() -> list[str]:
     return sorted(families())
 
 
-def tensor_parallel_refusal(model_type: str) -> str | None:
-    """Why a family cannot split over several GPUs (None: it can, or it is not offloaded at all)."""
-    family = families().get(model_type)
-    return None if family is None else family.adapter.tensor_parallel_refusal
-
-
 def adapter_for(model, shard=None):
     """The split of ``model`` (a causal LM of a family in :func:`offloaded_model_types`; patched or not), a
     :class:`~.adapter.PipelineAdapter`; ``shard``: this process's :class:`~.sharding.Shard` of a

@@ -3,7 +3,8 @@
 Each of ``size`` processes drives one GPU and holds ``1/size`` of every projection: the attention by heads
 (its query, key and value rows, and the output projection's matching input columns), each expert by its
 intermediate columns (the adapters' column layout, so a rank's share is itself a smaller set of experts), a
-shared expert likewise. The hidden states stay whole on every rank; the two projections that end a
+shared expert and a dense MLP likewise. Multi-head latent attention splits its queries by heads and keeps the
+latent whole on every rank (each rank caches all of it). The hidden states stay whole on every rank; the two projections that end a
 block (attention's output, the MLP's down projection) give partial sums, which :meth:`Shard.reduce`
 all-reduces. A bias added after such a sum is rank 0's; the other ranks hold zeros in its place, so it is added
 once and every rank's shard has the same tensors and bytes. Norms, routers and the embedding and head are
@@ -30,11 +31,16 @@ from .rows import Rows
 # expert's [gate; up] by its intermediate rows; these biases are added to a partial sum, so once: rank 0's,
 # zeros on the others.
 SPLIT_QKV = frozenset({"qkv", "qkv_bias"})
-SPLIT_INPUT_COLUMNS = frozenset({"o", "shared_down"})
-SPLIT_GATE_UP_ROWS = frozenset({"shared_gate_up", "shared_gate_up_bias"})
-ON_RANK_ZERO = frozenset({"o_bias", "down_bias", "shared_down_bias"})
-# whole on every rank: norms, routers, the shared expert's gate ([1, H])
-REPLICATED = frozenset({"norm", "post_norm", "router", "router_bias", "shared_gate", "score_bias"})
+SPLIT_INPUT_COLUMNS = frozenset({"o", "shared_down", "dense_down"})
+SPLIT_GATE_UP_ROWS = frozenset({"shared_gate_up", "shared_gate_up_bias", "dense_gate_up", "dense_gate_up_bias"})
+ON_RANK_ZERO = frozenset({"o_bias", "down_bias", "shared_down_bias", "dense_down_bias"})
+# Multi-head latent attention (DeepSeek): the query projection's rows and the key / value halves of kv_b_proj
+# ([heads, ., latent]) split by heads; the latent (kv_a, its norm) and the query's low-rank input are every
+# head's, so whole on every rank, each rank caching the whole latent
+SPLIT_HEAD_ROWS = frozenset({"q", "q_b", "w_uk", "w_uv"})
+# whole on every rank: norms, routers, the shared expert's gate ([1, H]), MLA's latent and low-rank query input
+REPLICATED = frozenset({"norm", "post_norm", "router", "router_bias", "shared_gate", "score_bias",
+                        "q_a", "q_a_bias", "q_a_norm", "kv_a", "kv_a_bias", "kv_a_norm"})
 # q/k norms: whole where they are per head (head_dim wide, Qwen3); split like the heads where they span the whole
 # projection (OLMoE), the family then summing their squares over the group (``Shard.reduce``)
 QK_NORMS = frozenset({"q_norm", "k_norm"})
@@ -45,8 +51,12 @@ def indivisible(spec, gpus: int) -> list[str]:
     heads": query heads, KV heads, expert columns, shared expert columns. The runtime and the planner refuse
     the same models with it."""
     parts = {"query heads": spec.heads, "KV heads": spec.kv_heads, "expert columns": spec.intermediate}
+    if spec.is_mla:  # its one latent head is every rank's
+        del parts["KV heads"]
     if spec.shared_intermediate:
         parts["shared expert columns"] = spec.shared_intermediate
+    if spec.dense_layers:
+        parts["dense MLP columns"] = spec.dense_intermediate
     if spec.expert_format == "mxfp4":  # a rank's columns are whole groups of 32 under one scale
         parts["groups of 32 expert columns (MXFP4)"] = spec.intermediate // 32
     return [f"{count} {what}" for what, count in parts.items() if count % gpus]
@@ -96,13 +106,16 @@ class Shard:
                              f"but this {model_type} model has {', '.join(odd)}: use a GPU count that divides them")
 
     def dims(self, dims):
-        """``dims`` as one rank sees them: its heads, KV heads and expert columns; the hidden size whole."""
+        """``dims`` as one rank sees them: its heads, KV heads (MLA's latent head whole) and MLP columns; the
+        hidden size whole."""
         if self.whole:
             return dims
         n = self.size
-        return dataclasses.replace(dims, heads=dims.heads // n, kv_heads=dims.kv_heads // n,
+        return dataclasses.replace(dims, heads=dims.heads // n,
+                                   kv_heads=dims.kv_heads if dims.is_mla else dims.kv_heads // n,
                                    intermediate=dims.intermediate // n,
-                                   shared_intermediate=dims.shared_intermediate // n)
+                                   shared_intermediate=dims.shared_intermediate // n,
+                                   dense_intermediate=dims.dense_intermediate // n)
 
     # ----- weights -----
     def layer_tensors(self, tensors: dict, full_dims) -> dict:
@@ -120,6 +133,8 @@ class Shard:
                 out[name] = self._slice(t, 1)
             elif name in SPLIT_GATE_UP_ROWS:
                 out[name] = Rows(*(self._slice(p, 0) for p in t.parts))
+            elif name in SPLIT_HEAD_ROWS:  # [heads * rows, .] or [heads, ...]: head-major either way
+                out[name] = self._slice(t, 0)
             elif name in REPLICATED:
                 out[name] = t
             elif name in QK_NORMS:

@@ -27,6 +27,7 @@ from .activations import PREFILL_CHUNK_TOKENS, decode_bytes, prefill_chunk, pref
 from .hrm import HierarchicalRoofline
 from .policy import Policy, Workload
 from .profile import HardwareProfile
+from .tensor_parallel import group_model
 
 # CPU-side torch ops per micro-batch: attention (gather, SDPA, copy out) and a CPU expert FFN (routing,
 # three GEMMs, activation, combine). Each costs the profile's per-op dispatch time.
@@ -240,6 +241,7 @@ def decode_terms(hrm: HierarchicalRoofline, model: ModelSpec, policy: Policy, co
     """One layer of one decode step of the whole batch, every sequence attending to ``context_len`` tokens
     (with ``workload``: its prompts spread as the workload's, ``context_len`` their mean). ``per_op``: also
     each op's share (for reports; the policy search reads only the resources' pieces and skips it)."""
+    model = group_model(model, policy.gpus)  # MLA: every rank caches the whole latent
     b, kvb, n_seq = model.dtype_bytes, model.kv_bytes_per_token, policy.batch_size
     gpu, cpu, launches, cpu_dram = Lin(), Lin(), Lin(), Lin()
     ops: dict = {}
@@ -363,6 +365,7 @@ def prefill_terms(hrm: HierarchicalRoofline, model: ModelSpec, policy: Policy, w
                   options: CostOptions) -> Terms:
     """One layer of the prefill of a batch: everything on the GPU in chunks of prompt tokens, every weight
     of the layer streamed once per group of chunks, the prompt's KV written to CPU memory (its GPU share kept)."""
+    model = group_model(model, policy.gpus)  # MLA: every rank caches the whole latent
     tokens = policy.batch_size * workload.prompt_len
     chunk = min(options.prefill_chunk_tokens, tokens)
     groups = math.ceil(tokens / options.prefill_group_tokens) if options.prefill_group_tokens else 1
@@ -417,6 +420,7 @@ def decode_contexts(workload: Workload, samples: int) -> list[tuple[float, float
 def memory_use(model: ModelSpec, policy: Policy, workload: Workload, options: CostOptions) -> tuple[dict, dict]:
     """(GPU, CPU) memory by purpose, each a :class:`Lin` in (x, y); GPU memory per GPU (tensor parallelism over
     ``policy.gpus``: each holds its share of the weights and KV cache, and the whole activations)."""
+    model = group_model(model, policy.gpus)  # MLA: every rank caches the whole latent
     b, kvb, n_seq, mu = model.dtype_bytes, model.kv_bytes_per_token, policy.batch_size, policy.micro_batch_size
     layer, all_layers = model.largest_layer_weight_bytes, model.layers * model.layer_weight_bytes
     kv_tokens = n_seq * workload.mean_kv_tokens

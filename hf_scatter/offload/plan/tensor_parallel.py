@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..families.registry import tensor_parallel_refusal
 from ..families.sharding import indivisible
 from .profile import HardwareProfile
 
@@ -152,14 +151,19 @@ def group_profile(profile: HardwareProfile, tp: TensorParallel) -> HardwareProfi
         cpu_attention=cpu_attention)
 
 
+def group_model(model, gpus: int):
+    """``model`` (a :class:`~..families.spec.ModelSpec`) as a group of ``gpus`` runs it, for pricing its KV cache
+    and CPU attention: MLA's one latent head is every rank's (each caches the whole latent and reads it for its
+    ``1/gpus`` of the query heads), so the group holds ``gpus`` latent heads; other models split their KV heads
+    and are unchanged. Setting, not scaling, the count: applying it twice is applying it once."""
+    return dataclasses.replace(model, kv_heads=gpus) if model.is_mla and gpus > 1 else model
+
+
 def check_divisible(model, gpus: int) -> None:
-    """Tensor parallelism splits the attention heads, the KV heads and every expert's columns ``gpus`` ways, and
-    some families not at all (the runtime's refusals); raises ValueError naming what does not split."""
+    """Tensor parallelism splits the attention heads, the KV heads (MLA's latent stays whole) and every MLP's
+    columns ``gpus`` ways; raises ValueError naming what does not split."""
     if gpus == 1:
         return
-    refusal = tensor_parallel_refusal(model.family)
-    if refusal:
-        raise ValueError(f"{model.name} cannot run over {gpus} GPUs: {refusal}; plan for one GPU")
     odd = indivisible(model, gpus)
     if odd:
         dequantized = " (or a dequantized load: --weights bf16)" if model.expert_format else ""

@@ -738,6 +738,30 @@ def test_olmoe_over_two_gpus_pays_a_third_small_all_reduce_for_its_qk_norms():
     assert prefill["olmoe"] > prefill[small_moe().family] > 0
 
 
+def test_mla_over_two_gpus_caches_and_reads_the_whole_latent_on_each_rank():
+    """DeepSeek's latent is every query head's, so split by heads each rank caches the whole latent and its CPU
+    attention reads all of it: two GPUs hold twice the one-GPU KV cache on the host and read twice its bytes,
+    where a model with KV heads to split holds the same cache either way. Priced once however often applied."""
+    from hf_scatter.offload import CostOptions
+    from hf_scatter.offload.plan.cost_model import memory_use
+    from hf_scatter.offload.plan.tensor_parallel import group_model
+
+    lite = ModelSpec.from_config("deepseek-v2-lite")
+    work = Workload(100, 8)
+    policy = Policy(64, 64, gpus=1)
+
+    def host_kv(model, gpus):
+        return memory_use(model, dataclasses.replace(policy, gpus=gpus), work, CostOptions())[1]["KV cache"].c
+
+    assert host_kv(lite, 2) == pytest.approx(2 * host_kv(lite, 1))
+    assert host_kv(MIXTRAL, 2) == pytest.approx(host_kv(MIXTRAL, 1))
+    two = group_model(lite, 2)
+    assert two.kv_bytes_per_token == 2 * lite.kv_bytes_per_token and group_model(two, 2) == two
+    assert group_model(lite, 1) == lite and group_model(MIXTRAL, 2) == MIXTRAL
+    hrm = HierarchicalRoofline(two_gpu_host(), gpus=2)
+    assert hrm.cpu_attention_bytes_per_token(two) >= 2 * 2 * lite.kv_dim * lite.kv_dtype_bytes
+
+
 def test_memory_per_gpu_holds_its_share_of_weights_and_kv_and_all_activations():
     from hf_scatter.offload import CostOptions
     from hf_scatter.offload.plan.cost_model import memory_use
