@@ -8,7 +8,7 @@ latent whole on every rank (each rank caches all of it). The hidden states stay 
 block (attention's output, the MLP's down projection) give partial sums, which :meth:`Shard.reduce`
 all-reduces. A bias added after such a sum is rank 0's; the other ranks hold zeros in its place, so it is added
 once and every rank's shard has the same tensors and bytes. Norms, routers and the embedding and head are
-small and stay whole on every rank.
+small and stay whole on every rank, except q/k norms that span every head (OLMoE's), split like the heads.
 
 Every rank then runs the same program on the same hidden states: an all-reduce leaves bit-identical sums on
 every rank (NCCL and gloo reduce each element once and share the result), so every rank's router picks the
@@ -48,8 +48,8 @@ QK_NORMS = frozenset({"q_norm", "k_norm"})
 
 def indivisible(spec, gpus: int) -> list[str]:
     """The counts of ``spec`` (a :class:`~.spec.ModelSpec`) that ``gpus`` ranks cannot split evenly, as "8 KV
-    heads": query heads, KV heads, expert columns, shared expert columns. The runtime and the planner refuse
-    the same models with it."""
+    heads": query heads, KV heads (not MLA's one latent head, every rank's), expert columns, shared expert and
+    dense MLP columns. The runtime and the planner refuse the same models with it."""
     parts = {"query heads": spec.heads, "KV heads": spec.kv_heads, "expert columns": spec.intermediate}
     if spec.is_mla:  # its one latent head is every rank's
         del parts["KV heads"]
@@ -97,7 +97,7 @@ class Shard:
 
     # ----- shapes -----
     def check(self, dims, model_type: str) -> None:
-        """Refuses, naming the count, a model whose heads, KV heads or expert columns do not split evenly."""
+        """Refuses, naming the count, a model whose counts :func:`indivisible` lists."""
         if self.whole:
             return
         odd = indivisible(dims, self.size)

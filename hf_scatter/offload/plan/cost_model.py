@@ -241,7 +241,10 @@ def decode_terms(hrm: HierarchicalRoofline, model: ModelSpec, policy: Policy, co
     """One layer of one decode step of the whole batch, every sequence attending to ``context_len`` tokens
     (with ``workload``: its prompts spread as the workload's, ``context_len`` their mean). ``per_op``: also
     each op's share (for reports; the policy search reads only the resources' pieces and skips it)."""
-    model = group_model(model, policy.gpus)  # MLA: every rank caches the whole latent
+    # MLA over several GPUs: every rank caches and reads the whole latent (KV bytes times the GPUs), at the rate
+    # measured for the model's own attention shape
+    one, model = model, group_model(model, policy.gpus)
+    copies = model.kv_bytes_per_token / one.kv_bytes_per_token
     b, kvb, n_seq = model.dtype_bytes, model.kv_bytes_per_token, policy.batch_size
     gpu, cpu, launches, cpu_dram = Lin(), Lin(), Lin(), Lin()
     ops: dict = {}
@@ -255,10 +258,10 @@ def decode_terms(hrm: HierarchicalRoofline, model: ModelSpec, policy: Policy, co
     for size, count in _micro_batches(policy):
         for name, op in model.decode_ops(size, context_len).items():
             if name == "attention" and not policy.attention_on_gpu:
-                rate, overhead = hrm.cpu_attention_rate(context_len, model)
-                work = hrm.cpu_attention_bytes_per_token(model)
+                rate, overhead = hrm.cpu_attention_rate(context_len, one)
+                work = copies * hrm.cpu_attention_bytes_per_token(one)
                 calls = attention_calls(size, workload, work, overhead, 1.0 / rate)
-                seconds = Lin(count * sum(hrm.cpu_attention_seconds(rows, context_len + spread, work, model)
+                seconds = Lin(count * sum(hrm.cpu_attention_seconds(rows, context_len + spread, work, one)
                                           + CPU_OPS["attention"] * hrm.cpu_op_s for rows, spread in calls))
                 cpu += seconds
                 cpu_dram += count * op.kv_bytes
@@ -365,7 +368,6 @@ def prefill_terms(hrm: HierarchicalRoofline, model: ModelSpec, policy: Policy, w
                   options: CostOptions) -> Terms:
     """One layer of the prefill of a batch: everything on the GPU in chunks of prompt tokens, every weight
     of the layer streamed once per group of chunks, the prompt's KV written to CPU memory (its GPU share kept)."""
-    model = group_model(model, policy.gpus)  # MLA: every rank caches the whole latent
     tokens = policy.batch_size * workload.prompt_len
     chunk = min(options.prefill_chunk_tokens, tokens)
     groups = math.ceil(tokens / options.prefill_group_tokens) if options.prefill_group_tokens else 1
@@ -386,7 +388,7 @@ def prefill_terms(hrm: HierarchicalRoofline, model: ModelSpec, policy: Policy, w
         launches += math.ceil(chunks) * _allreduces(model) * hrm.launch_s
         ops["all-reduce"] = ("gpu", Lin(), Lin(), Lin(), seconds)
     weights = on_cpu_share(model.layer_weight_bytes) * groups  # every expert: a prefill chunk routes to all of them
-    kv = tokens * model.kv_bytes_per_token
+    kv = tokens * group_model(model, policy.gpus).kv_bytes_per_token  # MLA: each rank writes the whole latent
     d2h = Lin(kv, 0, -kv) if policy.attention_on_gpu else Lin(kv)
     pieces = {"gpu_compute": [gpu], "gpu_launch": [Lin(launches)], "cpu": []}
     pieces.update(_link_pieces(hrm, [weights], d2h, math.ceil(chunks), math.ceil(chunks), Lin()))
@@ -420,8 +422,9 @@ def decode_contexts(workload: Workload, samples: int) -> list[tuple[float, float
 def memory_use(model: ModelSpec, policy: Policy, workload: Workload, options: CostOptions) -> tuple[dict, dict]:
     """(GPU, CPU) memory by purpose, each a :class:`Lin` in (x, y); GPU memory per GPU (tensor parallelism over
     ``policy.gpus``: each holds its share of the weights and KV cache, and the whole activations)."""
-    model = group_model(model, policy.gpus)  # MLA: every rank caches the whole latent
-    b, kvb, n_seq, mu = model.dtype_bytes, model.kv_bytes_per_token, policy.batch_size, policy.micro_batch_size
+    # MLA over several GPUs: every rank caches the whole latent; activations are each rank's
+    b, kvb, n_seq, mu = (model.dtype_bytes, group_model(model, policy.gpus).kv_bytes_per_token, policy.batch_size,
+                         policy.micro_batch_size)
     layer, all_layers = model.largest_layer_weight_bytes, model.layers * model.layer_weight_bytes
     kv_tokens = n_seq * workload.mean_kv_tokens
     kv_all_layers = kv_tokens * model.layers * kvb

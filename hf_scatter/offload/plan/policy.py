@@ -137,7 +137,7 @@ class Policy:
         d = p.decode_layer
         ms = _ms
         group = (f" over {self.gpus} GPUs (tensor parallel: each holds and streams its share of every weight, "
-                 "and the hidden states are all-reduced twice per layer)") if self.gpus > 1 else ""
+                 "and the hidden states are all-reduced after attention and after the FFN)") if self.gpus > 1 else ""
         text = (f"{p.model} on {p.hardware}{group}, GPU budget {format_bytes(p.gpu_limit)}{_each(self)}, CPU budget "
                 f"{format_bytes(p.cpu_limit)}: run batches of N={self.batch_size} requests in "
                 f"{_micro_batches_text(self)}, with {self.placement()}. ")

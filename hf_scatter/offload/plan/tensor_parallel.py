@@ -3,9 +3,10 @@
 Every projection is split across the ``N`` GPUs as Megatron-LM splits it (attention by heads, each expert's
 gate/up by columns and down by rows), so each GPU holds and streams ``1/N`` of every weight over its own host
 link and computes ``1/N`` of every matrix product; the hidden states are replicated, and each block ends in an
-all-reduce of the micro-batch's hidden states (two per layer: after attention, after the FFN). The host is
-shared: CPU attention does the same total work (each rank over its heads, their dispatch in parallel), and
-every link's copies come out of one host memory.
+all-reduce of the micro-batch's hidden states (two per layer: after attention, after the FFN; OLMoE adds a small
+one for its q/k norms). The host is shared: CPU attention does the same total work (each rank over its heads,
+their dispatch in parallel; MLA's latent, which every head reads, is cached and read once per rank:
+:func:`group_model`), and every link's copies come out of one host memory.
 
 So the group is planned as one wider GPU (:func:`group_profile`: ``N`` times the compute, HBM bandwidth and
 memory, the links' measured aggregate) plus the all-reduces (:meth:`TensorParallel.allreduce_seconds`) on the
@@ -152,10 +153,11 @@ def group_profile(profile: HardwareProfile, tp: TensorParallel) -> HardwareProfi
 
 
 def group_model(model, gpus: int):
-    """``model`` (a :class:`~..families.spec.ModelSpec`) as a group of ``gpus`` runs it, for pricing its KV cache
-    and CPU attention: MLA's one latent head is every rank's (each caches the whole latent and reads it for its
-    ``1/gpus`` of the query heads), so the group holds ``gpus`` latent heads; other models split their KV heads
-    and are unchanged. Setting, not scaling, the count: applying it twice is applying it once."""
+    """``model`` (a :class:`~..families.spec.ModelSpec`) as a group of ``gpus`` caches it, for counting KV bytes:
+    MLA's one latent head is every rank's (each caches the whole latent and reads it for its ``1/gpus`` of the
+    query heads), so the group holds ``gpus`` latent heads; other models split their KV heads and are unchanged.
+    Only for byte counts: CPU attention's measured rate stays the model's own shape's. Setting, not scaling, the
+    count: applying it twice is applying it once."""
     return dataclasses.replace(model, kv_heads=gpus) if model.is_mla and gpus > 1 else model
 
 

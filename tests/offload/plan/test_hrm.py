@@ -740,26 +740,37 @@ def test_olmoe_over_two_gpus_pays_a_third_small_all_reduce_for_its_qk_norms():
 
 def test_mla_over_two_gpus_caches_and_reads_the_whole_latent_on_each_rank():
     """DeepSeek's latent is every query head's, so split by heads each rank caches the whole latent and its CPU
-    attention reads all of it: two GPUs hold twice the one-GPU KV cache on the host and read twice its bytes,
-    where a model with KV heads to split holds the same cache either way. Priced once however often applied."""
+    attention reads all of it: two GPUs hold twice the one-GPU KV cache on the host, write twice its bytes back
+    in prefill and read twice them in decode, at the rate the profile measured for the model's own shape (the
+    group's CPU attention priced as one process's: attention_scale 1). A model with KV heads to split holds the
+    same cache either way."""
     from hf_scatter.offload import CostOptions
-    from hf_scatter.offload.plan.cost_model import memory_use
+    from hf_scatter.offload.plan.cost_model import decode_terms, memory_use, prefill_terms
     from hf_scatter.offload.plan.tensor_parallel import group_model
 
     lite = ModelSpec.from_config("deepseek-v2-lite")
+    latent = [dict(batch=b, context=c, q_heads=16, kv_heads=1, head_dim=576, dtype_bytes=2, values_are_keys=True,
+                   seconds=1e-4 + b * c * 2304 / 80e9) for b in (1, 32) for c in (64, 512)]
+    prof = two_gpu_host(cpu_attention=latent)
     work = Workload(100, 8)
-    policy = Policy(64, 64, gpus=1)
 
-    def host_kv(model, gpus):
-        return memory_use(model, dataclasses.replace(policy, gpus=gpus), work, CostOptions())[1]["KV cache"].c
+    def priced(model, gpus):
+        policy = Policy(64, 32, gpus=gpus)
+        hrm = HierarchicalRoofline(prof, gpus=gpus)
+        decode = decode_terms(hrm, model, policy, 300.0).evaluate(0, 0)
+        return (memory_use(model, policy, work, CostOptions())[1]["KV cache"].c, decode.ops["attention"].bytes,
+                decode.terms["cpu"], prefill_terms(hrm, model, policy, work, CostOptions()).evaluate(0, 0))
 
-    assert host_kv(lite, 2) == pytest.approx(2 * host_kv(lite, 1))
-    assert host_kv(MIXTRAL, 2) == pytest.approx(host_kv(MIXTRAL, 1))
+    (kv1, read1, cpu1, pre1), (kv2, read2, cpu2, pre2) = priced(lite, 1), priced(lite, 2)
+    assert kv2 == pytest.approx(2 * kv1) and read2 == pytest.approx(2 * read1)
+    per_call = 1e-4 + 32 * 300 * 2304 / 80e9  # the measured shape's rate: two micro-batches of 32
+    assert cpu1 == pytest.approx(2 * per_call, rel=1e-6)
+    assert cpu2 == pytest.approx(2 * (1e-4 + 2 * 32 * 300 * 2304 / 80e9), rel=1e-6)
+    assert pre2.terms["d2h"] > pre1.terms["d2h"] / 2  # the split weights' share halves; the latent's does not
+    assert priced(MIXTRAL, 2)[0] == pytest.approx(priced(MIXTRAL, 1)[0])
     two = group_model(lite, 2)
     assert two.kv_bytes_per_token == 2 * lite.kv_bytes_per_token and group_model(two, 2) == two
     assert group_model(lite, 1) == lite and group_model(MIXTRAL, 2) == MIXTRAL
-    hrm = HierarchicalRoofline(two_gpu_host(), gpus=2)
-    assert hrm.cpu_attention_bytes_per_token(two) >= 2 * 2 * lite.kv_dim * lite.kv_dtype_bytes
 
 
 def test_memory_per_gpu_holds_its_share_of_weights_and_kv_and_all_activations():
