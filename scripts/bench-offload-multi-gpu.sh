@@ -15,7 +15,7 @@ for pkg in conversion eval; do [ -e hf_scatter/$pkg ] || ln -s ../$pkg hf_scatte
 model=${MODEL:-gpt-oss-120b}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpus.txt"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/offload/runtime/test_offload_tensor_parallel.py \
+  timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/offload/runtime/test_offload_tensor_parallel.py \
     >"$out/pytest-offload-tp.log" 2>&1
   echo "pytest exit $?"; tail -3 "$out/pytest-offload-tp.log"
 fi

@@ -241,10 +241,11 @@ def decode_terms(hrm: HierarchicalRoofline, model: ModelSpec, policy: Policy, co
     """One layer of one decode step of the whole batch, every sequence attending to ``context_len`` tokens
     (with ``workload``: its prompts spread as the workload's, ``context_len`` their mean). ``per_op``: also
     each op's share (for reports; the policy search reads only the resources' pieces and skips it)."""
-    # MLA over several GPUs: every rank caches and reads the whole latent (KV bytes times the GPUs), at the rate
-    # measured for the model's own attention shape
+    # MLA over several GPUs: every rank caches and reads the whole latent, so the KV bytes that cross host memory
+    # and the links count every rank's copy; the CPU attention's own time stays the whole model's at its shape's
+    # rate (each rank computes its 1/N of the heads on its share of the cores; latent attention is compute-bound:
+    # 2 x H200 host, DeepSeek-V2-Lite, 2 GPUs 1.43x one GPU's tokens/s)
     one, model = model, group_model(model, policy.gpus)
-    copies = model.kv_bytes_per_token / one.kv_bytes_per_token
     b, kvb, n_seq = model.dtype_bytes, model.kv_bytes_per_token, policy.batch_size
     gpu, cpu, launches, cpu_dram = Lin(), Lin(), Lin(), Lin()
     ops: dict = {}
@@ -259,7 +260,7 @@ def decode_terms(hrm: HierarchicalRoofline, model: ModelSpec, policy: Policy, co
         for name, op in model.decode_ops(size, context_len).items():
             if name == "attention" and not policy.attention_on_gpu:
                 rate, overhead = hrm.cpu_attention_rate(context_len, one)
-                work = copies * hrm.cpu_attention_bytes_per_token(one)
+                work = hrm.cpu_attention_bytes_per_token(one)
                 calls = attention_calls(size, workload, work, overhead, 1.0 / rate)
                 seconds = Lin(count * sum(hrm.cpu_attention_seconds(rows, context_len + spread, work, one)
                                           + CPU_OPS["attention"] * hrm.cpu_op_s for rows, spread in calls))

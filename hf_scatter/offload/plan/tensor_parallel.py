@@ -156,8 +156,8 @@ def group_model(model, gpus: int):
     """``model`` (a :class:`~..families.spec.ModelSpec`) as a group of ``gpus`` caches it, for counting KV bytes:
     MLA's one latent head is every rank's (each caches the whole latent and reads it for its ``1/gpus`` of the
     query heads), so the group holds ``gpus`` latent heads; other models split their KV heads and are unchanged.
-    Only for byte counts: CPU attention's measured rate stays the model's own shape's. Setting, not scaling, the
-    count: applying it twice is applying it once."""
+    Only for byte counts: CPU attention's time stays the whole model's at its own shape's rate. Setting, not
+    scaling, the count: applying it twice is applying it once."""
     return dataclasses.replace(model, kv_heads=gpus) if model.is_mla and gpus > 1 else model
 
 
