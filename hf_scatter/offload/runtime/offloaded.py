@@ -200,7 +200,7 @@ def _plan(model, shard: Shard, device: torch.device, gpu_memory, cpu_memory, pol
                          f"policy asks for {policy.placement()}: pass attention_on_gpu=False, experts_on_gpu=True")
     plan = plan_device(adapter, policy.weights_gpu_fraction, gpu_budget, policy.batch_size,
                        policy.micro_batch_size, dtype_bytes, reserved=cublas_workspace_bytes(device),
-                       graphs=graphs_wanted(device, tensor_parallel=not shard.whole))
+                       graphs=graphs_wanted(device))
     cpu_budget //= shard.size  # each rank's share of the host: its weights' share and its heads' KV cache
     if plan.layout.host_bytes > cpu_budget:
         raise PlanError(f"the streamed weights take {format_bytes(plan.layout.host_bytes)} of pinned host memory"

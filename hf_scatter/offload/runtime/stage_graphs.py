@@ -12,7 +12,9 @@ views :meth:`WeightStore.stage_weights` caches per (stage, slot): the same tenso
 that slot. The pipeline's events order everything around a replay as they ordered the eager calls.
 
 Graphs are used on CUDA only, where decode streams whole stages (routed streaming decides on the host which
-experts to fetch, mid-stage) and on one GPU (a tensor-parallel rank's stage ends in a collective).
+experts to fetch, mid-stage). A tensor-parallel rank's stage captures its NCCL all-reduces with it (its first run
+is eager, so the communicator exists before any capture); a rank whose capture fails runs that stage eagerly,
+which issues the same collectives in the same order, so the ranks still meet.
 ``HF_SCATTER_OFFLOAD_GRAPHS=0`` turns them off. A stage whose capture fails runs eagerly from then on, with
 one warning naming the reason.
 """
@@ -28,9 +30,9 @@ import torch
 from ...kernels.backend import env_switch
 
 
-def graphs_wanted(device: torch.device, tensor_parallel: bool) -> bool:
+def graphs_wanted(device: torch.device) -> bool:
     """Whether decode's stages run as CUDA graphs on ``device``."""
-    return device.type == "cuda" and not tensor_parallel and env_switch("HF_SCATTER_OFFLOAD_GRAPHS") is not False
+    return device.type == "cuda" and env_switch("HF_SCATTER_OFFLOAD_GRAPHS") is not False
 
 
 @dataclass

@@ -58,16 +58,16 @@ def test_cublas_workspace_is_reserved_as_pytorch_sizes_it():
 
 def test_decode_graphs_are_planned_where_they_run(monkeypatch):
     """Decode's CUDA graphs hold a stage's temporaries and each row's QKV for the whole run: the device plan
-    reserves them, and only where the stages are graphed (a CUDA device, one GPU, not turned off)."""
+    reserves them, and only where the stages are graphed (a CUDA device, tensor-parallel ranks too, not turned
+    off)."""
     from hf_scatter.offload.plan.activations import graph_bytes, stage_bytes
     from hf_scatter.offload.runtime.memory import plan_device
     from hf_scatter.offload.runtime.stage_graphs import graphs_wanted
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert graphs_wanted(cuda, tensor_parallel=False)
-    assert not graphs_wanted(cpu, tensor_parallel=False) and not graphs_wanted(cuda, tensor_parallel=True)
+    assert graphs_wanted(cuda) and not graphs_wanted(cpu)
     monkeypatch.setenv("HF_SCATTER_OFFLOAD_GRAPHS", "0")
-    assert not graphs_wanted(cuda, tensor_parallel=False)
+    assert not graphs_wanted(cuda)
     adapter = adapter_for(tiny_mixtral())
     d = adapter.dims
     plain = plan_device(adapter, 0.0, 2**30, 8, 4, 4)

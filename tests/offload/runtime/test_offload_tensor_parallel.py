@@ -80,7 +80,9 @@ def _rank_results(rank: int, device: str) -> dict:
         off = hf_scatter.offload_model(model, gpu_memory="1GiB", device=device, group=group, progress=False,
                                        policy=Policy(3, 2, weights_gpu_fraction=0.5, gpus=WORLD))
         got = off.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, progress=False)
-        got_eos = off.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, eos_token_id=eos, progress=False)
+        result = off.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, eos_token_id=eos, progress=False,
+                              return_dict=True)
+        got_eos = result.sequences
         sampled = off.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=True, seed=3, progress=False)
         # without a seed too: rank 0 draws it for every rank
         unseeded = off.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=True, progress=False)
@@ -98,6 +100,7 @@ def _rank_results(rank: int, device: str) -> dict:
         keep = mask.bool()
         out[family] = {
             "tokens_equal": torch.equal(got.cpu(), vanilla), "eos_equal": torch.equal(got_eos.cpu(), held),
+            "graph_replays": result.stats["graph_replays"],
             "sampled": sampled.tolist(), "unseeded": unseeded.tolist(), "alone": alone,
             "logits_error": (mine[keep] - logits[keep]).abs().max().item(),
             "logits_scale": logits[keep].abs().max().item(),
@@ -166,7 +169,11 @@ def _run(tmp_path, backend: str, device: str) -> list[dict]:
     return [json.load(open(f"{out}.{r}")) for r in range(WORLD)]
 
 
-def _check(ranks: list[dict]) -> None:
+def _check(ranks: list[dict], graphed: bool) -> None:
+    """``graphed``: decode stages, their all-reduces included, ran as CUDA graphs (NCCL on GPUs) wherever decode
+    streams whole stages (routed streaming stays eager), every rank alike."""
+    replays = [[r[family]["graph_replays"] for family in SPLIT] for r in ranks]
+    assert replays[0] == replays[1] and (sum(replays[0]) > 0) == graphed, replays
     for family in SPLIT:
         seen = [r[family] for r in ranks]
         for rank, got in enumerate(seen):
@@ -196,14 +203,14 @@ def _check(ranks: list[dict]) -> None:
 
 
 def test_two_gloo_ranks_split_every_layer_and_give_vanilla_tokens(tmp_path):
-    _check(_run(tmp_path, "gloo", "cpu"))
+    _check(_run(tmp_path, "gloo", "cpu"), graphed=False)
 
 
 @pytest.mark.gpu
 def test_two_gpus_split_every_layer_and_give_vanilla_tokens(tmp_path):
     if torch.cuda.device_count() < WORLD:
         pytest.skip(f"needs {WORLD} GPUs (a multi-GPU host: docs/development.md)")
-    _check(_run(tmp_path, "nccl", "cuda"))
+    _check(_run(tmp_path, "nccl", "cuda"), graphed=True)
 
 
 @pytest.mark.gpu
