@@ -4,11 +4,12 @@ Each of ``size`` processes drives one GPU and holds ``1/size`` of every projecti
 (its query, key and value rows, and the output projection's matching input columns), each expert by its
 intermediate columns (the adapters' column layout, so a rank's share is itself a smaller set of experts), a
 shared expert and a dense MLP likewise. Multi-head latent attention splits its queries by heads and keeps the
-latent whole on every rank (each rank caches all of it). The hidden states stay whole on every rank; the two projections that end a
-block (attention's output, the MLP's down projection) give partial sums, which :meth:`Shard.reduce`
-all-reduces. A bias added after such a sum is rank 0's; the other ranks hold zeros in its place, so it is added
-once and every rank's shard has the same tensors and bytes. Norms, routers and the embedding and head are
-small and stay whole on every rank, except q/k norms that span every head (OLMoE's), split like the heads.
+latent whole on every rank (each rank caches all of it). The hidden states stay whole on every rank; the two
+projections that end a block (attention's output, the MLP's down projection) give partial sums, which
+:meth:`Shard.reduce` all-reduces. A bias added after such a sum is rank 0's; the other ranks hold zeros in its
+place, so it is added once and every rank's shard has the same tensors and bytes. Norms, routers and the
+embedding and head are small and stay whole on every rank, except q/k norms that span every head (OLMoE's),
+split like the heads.
 
 Every rank then runs the same program on the same hidden states: an all-reduce leaves bit-identical sums on
 every rank (NCCL and gloo reduce each element once and share the result), so every rank's router picks the

@@ -244,7 +244,7 @@ def decode_terms(hrm: HierarchicalRoofline, model: ModelSpec, policy: Policy, co
     # MLA over several GPUs: every rank caches and reads the whole latent, so the KV bytes that cross host memory
     # and the links count every rank's copy; the CPU attention's own time stays the whole model's at its shape's
     # rate (each rank computes its 1/N of the heads on its share of the cores; latent attention is compute-bound:
-    # 2 x H200 host, DeepSeek-V2-Lite, 2 GPUs 1.43x one GPU's tokens/s)
+    # 2 x H200 host, DeepSeek-V2-Lite, a decode layer 19.9 ms on one GPU, 12.9 on two)
     one, model = model, group_model(model, policy.gpus)
     b, kvb, n_seq = model.dtype_bytes, model.kv_bytes_per_token, policy.batch_size
     gpu, cpu, launches, cpu_dram = Lin(), Lin(), Lin(), Lin()

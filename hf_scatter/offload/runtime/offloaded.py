@@ -124,10 +124,11 @@ def offload_model(model, gpu_memory: int | float | str = "16GiB", cpu_memory: in
     ``group``: a ``torch.distributed`` process group of one process per GPU of this host (``torchrun
     --nproc_per_node N``, each process on its own ``torch.cuda.set_device``), which then split every layer
     (tensor parallelism: each GPU holds and streams its share of every weight, attends its heads on the CPU, and
-    the hidden states are all-reduced after attention and after the FFN). Every rank calls ``offload`` and ``generate`` with the
-    same arguments and gets the same tokens. ``gpu_memory`` is per GPU, ``cpu_memory`` the whole host's. Given a
-    path or a loader, the ranks load one after the other, each keeping its share and freeing the rest, so the host
-    holds one whole model at a time (a model object passed in is already whole in every process).
+    the hidden states are all-reduced after attention and after the FFN). Every rank calls ``offload`` and
+    ``generate`` with the same arguments and gets the same tokens. ``gpu_memory`` is per GPU, ``cpu_memory`` the
+    whole host's. Given a path or a loader, the ranks load one after the other, each keeping its share and freeing
+    the rest, so the host holds one whole model at a time (a model object passed in is already whole in every
+    process).
     """
     shard = Shard.of(group)
     if policy is not None and not isinstance(policy, Policy):
