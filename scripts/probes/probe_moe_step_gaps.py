@@ -25,7 +25,7 @@ import torch
 from hf_scatter.bench.moe import CONFIGS, _grad_leaves, _implementations, hf_experts, routed_batch
 from hf_scatter.bench.profile_moe import kernel_times
 from hf_scatter.common.atomic_files import write_json
-from hf_scatter.common.timing import captured_graph, median_ms, run_header
+from hf_scatter.common.timing import graph_replay_ms, median_ms, run_header
 
 
 def step_times(fn, params, x, idx, gates, dy) -> dict:
@@ -53,25 +53,11 @@ def step_times(fn, params, x, idx, gates, dy) -> dict:
         out["kernel_ms"] = sum(ms for _, ms, _ in kernel_times(step))
         out["kernels_per_step"] = sum(n for _, _, n in kernel_times(step, steps=1))
         try:
-            graph = captured_graph(step)
+            out["graph_ms"] = graph_replay_ms(step, calls=20)
         except Exception as error:  # noqa: BLE001 - a host sync in the step is the finding itself
             torch.cuda.synchronize()
             out["graph_error"] = str(error).splitlines()[0][:200]
-        else:
-            out["graph_ms"] = _replay(graph)
-            del graph
     return out
-
-
-def _replay(graph, calls: int = 20) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    start.record()
-    for _ in range(calls):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / calls
 
 
 def main():
